@@ -1,0 +1,195 @@
+"""Token data: the embedded default (the interpreter's own standard-library source, byte-level) and
+memory-mapped token shards written by `prepare_data` (`invoke prepare-data`).
+
+Batches are a pure function of (seed, step, micro-batch index): the global batch of a step is the
+same whatever the parallel layout, each data-parallel rank takes its rows, and resuming needs only
+the step number (the data-loader position saved in checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BOS, EOS = 256, 257
+DATA_VOCAB_SIZE = 258  # 256 bytes + BOS + EOS
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources: each yields one flat token array (documents joined with BOS ... EOS)
+
+
+def stdlib_tokens(max_bytes: int) -> np.ndarray:
+    """Byte-level tokens of the running interpreter's standard-library .py files, in sorted order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+    if not files:
+        raise RuntimeError(f"no standard-library sources found under {root}")
+    chunks, total = [], 0
+    for p in files:
+        data = p.read_bytes()
+        chunks.append(np.concatenate([[BOS], np.frombuffer(data, dtype=np.uint8), [EOS]]).astype(np.uint16))
+        total += len(data) + 2
+        if total >= max_bytes:
+            break
+    return np.concatenate(chunks)
+
+
+def shard_tokens(path: str | Path) -> np.ndarray:
+    """All shards of a prepared directory, memory-mapped and joined lazily."""
+    path = Path(path)
+    meta = json.loads((path / "meta.json").read_text())
+    arrays = []
+    for f in meta["files"]:
+        fp = path / f["name"]
+        expected = f["tokens"] * np.dtype(meta["dtype"]).itemsize
+        if not fp.is_file() or fp.stat().st_size != expected:
+            raise RuntimeError(f"{fp}: missing or truncated shard (expected {expected} bytes)")
+        arrays.append(np.memmap(fp, dtype=meta["dtype"], mode="r"))
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+
+class TokenBatches:
+    """Random windows of seq_len + 1 tokens. `batch(step)` returns the step's global batch
+    (inputs, labels), each (global_batch, seq_len) int64; callers slice their micro-batch rows
+    (`rows`). The last 1% of tokens is held out for validation."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int):
+        n_val = max(seq_len + 1, len(tokens) // 100)
+        if len(tokens) - n_val <= seq_len + 1:
+            raise ValueError(f"only {len(tokens)} tokens: too few for seq_len {seq_len}")
+        self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
+        self.n_train = len(tokens) - n_val
+
+    def _windows(self, starts):
+        rows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
+        t = torch.from_numpy(rows)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+    def batch(self, step: int):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(0, self.n_train - self.seq_len - 1, (self.global_batch,), generator=g)
+        return self._windows(starts.tolist())
+
+    def val_batch(self, i: int = 0):
+        span = len(self.tokens) - self.n_train - self.seq_len - 1
+        g = torch.Generator().manual_seed(i)
+        starts = self.n_train + torch.randint(0, max(span, 1), (self.global_batch,), generator=g)
+        return self._windows(starts.tolist())
+
+
+def rows(micro: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> slice:
+    """The rows of the global batch that micro-batch `micro` of data-parallel rank `dp_rank` owns."""
+    start = (micro * dp_size + dp_rank) * micro_batch_size
+    return slice(start, start + micro_batch_size)
+
+
+def build_batches(data_cfg, seq_len: int, global_batch: int, seed: int) -> TokenBatches:
+    if data_cfg.source == "stdlib":
+        tokens = stdlib_tokens(data_cfg.max_bytes)
+    else:
+        tokens = shard_tokens(data_cfg.path)
+    return TokenBatches(tokens, seq_len, global_batch, seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare-data: text / JSONL -> uint16/uint32 shards + meta.json
+
+
+def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: str = "text",
+                 shard_tokens_max: int = 100_000_000, progress=True) -> dict:
+    """Tokenize .txt (one document per file) or .jsonl (one document per line, field `text_key`)
+    files with a Hugging Face tokenizer from a local directory (its tokenizer.json)."""
+    from tokenizers import Tokenizer  # optional dependency: pip install 'pithtrain[data]'
+
+    tok_file = Path(tokenizer_dir) / "tokenizer.json"
+    if not tok_file.is_file():
+        raise FileNotFoundError(f"{tok_file}: no tokenizer.json in the tokenizer directory")
+    tokenizer = Tokenizer.from_file(str(tok_file))
+    vocab = tokenizer.get_vocab_size()
+    dtype = np.uint16 if vocab <= 65535 else np.uint32
+    eos = _special_id(tokenizer, ("</s>", "<|endoftext|>", "<eos>"), fallback=None)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [Path(p) for p in inputs]
+    for p in paths:
+        if not p.is_file():
+            raise FileNotFoundError(f"{p}: input file does not exist")
+    total_bytes = sum(p.stat().st_size for p in paths)
+    files, buf, done_bytes, n_docs, t0 = [], [], 0, 0, time.time()
+
+    def flush():
+        if not buf:
+            return
+        arr = np.concatenate(buf).astype(dtype)
+        name = f"shard_{len(files):05d}.bin"
+        tmp = out / (name + ".tmp")
+        arr.tofile(tmp)
+        tmp.rename(out / name)
+        files.append({"name": name, "tokens": int(len(arr))})
+        buf.clear()
+
+    for p in paths:
+        docs = _iter_docs(p, text_key)
+        for text, nbytes in docs:
+            ids = tokenizer.encode(text).ids + ([eos] if eos is not None else [])
+            buf.append(np.asarray(ids, dtype=np.int64))
+            n_docs += 1
+            done_bytes += nbytes
+            if sum(len(b) for b in buf) >= shard_tokens_max:
+                flush()
+            if progress and n_docs % 200 == 0:
+                _progress(done_bytes, total_bytes, t0)
+    flush()
+    if progress:
+        _progress(total_bytes, total_bytes, t0)
+        print(file=sys.stderr)
+    if not files:
+        raise ValueError("no documents found in the inputs")
+    meta = {"dtype": np.dtype(dtype).name, "vocab_size": vocab, "tokenizer": str(tokenizer_dir),
+            "documents": n_docs, "files": files}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+def _iter_docs(p: Path, text_key: str):
+    if p.suffix == ".jsonl":
+        with p.open("rb") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{p}:{n}: not valid JSON ({e.msg})") from None
+                if text_key not in rec:
+                    raise ValueError(f"{p}:{n}: no {text_key!r} field (use --text-key)")
+                yield rec[text_key], len(line)
+    else:
+        data = p.read_bytes()
+        yield data.decode("utf-8", errors="replace"), len(data)
+
+
+def _special_id(tokenizer, names, fallback):
+    for n in names:
+        i = tokenizer.token_to_id(n)
+        if i is not None:
+            return i
+    return fallback
+
+
+def _progress(done, total, t0):
+    frac = done / max(total, 1)
+    bar = "#" * int(30 * frac)
+    rate = done / max(time.time() - t0, 1e-9) / 1e6
+    print(f"\rprepare-data [{bar:<30}] {100 * frac:5.1f}%  {rate:.1f} MB/s", end="", file=sys.stderr)

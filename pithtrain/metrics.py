@@ -1,0 +1,119 @@
+"""Model FLOPs, MFU, parameter counts and the step log (one human line + one JSON line per report)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Dense bf16 datasheet peaks (TFLOP/s) used as the MFU denominator (../shared/BENCH.md).
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "B200": 2250.0, "B300": 2250.0}
+
+
+def matmul_params(model_cfg) -> tuple[int, int]:
+    """(total, touched per token) matmul parameters: every layer's (from the family config) plus
+    the LM head. The embedding lookup is no matmul and is excluded."""
+    total = active = model_cfg.vocab_size * model_cfg.hidden_size
+    for i in range(model_cfg.num_layers):
+        t, a = model_cfg.layer_params(i)
+        total, active = total + t, active + a
+    return total, active
+
+
+def flops_per_token(model_cfg, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), the MFU numerator of BENCH.md:
+
+        6 * (matmul parameters touched per token, LM head included, embedding excluded)
+        + sum over layers of 3 * keys_seen * (d_qk + d_v) * n_heads
+
+    keys_seen = seq_len for causal full attention (the causal half of 2 * seq_len) and
+    2 * window for a sliding window shorter than the sequence. Routed experts count top_k
+    experts, shared experts in full, routers count.
+    """
+    _, active = matmul_params(model_cfg)
+    attn = 0
+    for i in range(model_cfg.num_layers):
+        window, d_qk, d_v, heads = model_cfg.attention_shapes(i)
+        keys = 2 * window if window is not None and window < seq_len else seq_len
+        attn += 3 * keys * (d_qk + d_v) * heads
+    return 6 * active + attn
+
+
+def param_counts(model: torch.nn.Module, model_cfg) -> tuple[int, int]:
+    """(total, active per token) parameters, embeddings and norms included, as model cards count
+    them: active = total - the routed experts a token does not visit."""
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    mm_total, mm_active = matmul_params(model_cfg)
+    return total, total - (mm_total - mm_active)
+
+
+def peak_tflops(device: torch.device, override: float = 0.0) -> float | None:
+    if override > 0:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, v in PEAK_TFLOPS.items():
+        if key in name:
+            return v
+    return None
+
+
+class StepLog:
+    """Prints `step  loss  lr  grad-norm  tok/s  MFU  mem  imbalance` and appends the same record
+    to <run_dir>/metrics.jsonl. Only rank 0 writes."""
+
+    def __init__(self, run_dir: str | Path, enabled: bool = True):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.t_last = time.perf_counter()
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def tick(self) -> float:
+        now = time.perf_counter()
+        dt, self.t_last = now - self.t_last, now
+        return dt
+
+    def write(self, rec: dict):
+        if not self.enabled:
+            return
+        mfu = f"{100 * rec['mfu']:5.1f}%" if rec.get("mfu") is not None else "   n/a"
+        mem = f"{rec['mem_gb']:6.2f}GB" if rec.get("mem_gb") is not None else "     -"
+        print(f"step {rec['step']:6d} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
+              f"gnorm {rec['grad_norm']:6.3f} | {rec['tokens_per_s']:9.0f} tok/s | MFU {mfu} | "
+              f"mem {mem} | imbalance {rec['imbalance']:.2f}", flush=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def expert_imbalance(model: torch.nn.Module) -> float:
+    """max / mean routed tokens per expert, worst MoE layer of the last forward (1.0 = balanced)."""
+    worst = 1.0
+    for m in model.modules():
+        counts = getattr(m, "last_counts_E", None)
+        if counts is not None:
+            c = counts.float()
+            worst = max(worst, (c.max() / c.mean().clamp(min=1e-9)).item())
+    return worst
+
+
+def memory_gb(device: torch.device) -> float | None:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+    except ImportError:
+        return None
+
+
+def check_finite(loss: float, step: int):
+    if not math.isfinite(loss):
+        print(f"error: loss became {loss} at step {step}; stopping (lower train.lr, or check data)",
+              file=sys.stderr)
+        raise FloatingPointError(f"non-finite loss at step {step}")

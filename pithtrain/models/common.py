@@ -1,0 +1,303 @@
+"""Small building blocks shared by the model files: norm, RoPE, attention call, MLPs, grouped experts,
+token permutation, the auxiliary-loss hook and the chunked loss. Each is a plain function or module,
+called directly by the model files; nothing here knows about ranks or process groups.
+
+Shape legend (suffixes): B batch, S sequence, T tokens (B*S flattened), D model width, H heads,
+K kv heads, E experts, F expert hidden width, A top-k slots, V vocabulary, X dispatched rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+# ---------------------------------------------------------------------------------------------
+# Norm and rotary embeddings
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
+    def forward(self, x):
+        # Same op order as Hugging Face (normalise in fp32, cast back, then scale).
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(dim: int, theta: float, scaling: dict | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (dim/2,) and the attention-scale factor for cos/sin ("mscale").
+
+    scaling: None (plain RoPE) or a Hugging Face `rope_scaling` dict of type "yarn".
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if not scaling:
+        return inv_freq, 1.0
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("yarn", "default"):
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: yarn)")
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = scaling["factor"]
+    orig = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+    else:
+        attention_factor = scaling.get("attention_factor") or get_mscale(factor)
+
+    def correction_dim(rot):
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables computed from positions on each call (cheap; nothing position-sized is cached)."""
+
+    def __init__(self, dim: int, theta: float, scaling: dict | None = None):
+        super().__init__()
+        self.dim, self.theta, self.scaling = dim, theta, scaling
+        self.register_buffer("inv_freq", torch.empty(dim // 2), persistent=False)
+        self.mscale = 1.0
+
+    def reset_parameters(self):
+        inv_freq, self.mscale = rope_inv_freq(self.dim, self.theta, self.scaling)
+        with torch.no_grad():
+            self.inv_freq.copy_(inv_freq.to(self.inv_freq.device))
+
+    def forward(self, positions_BS: torch.Tensor):
+        freqs = positions_BS[..., None].float() * self.inv_freq  # (B, S, dim/2)
+        return freqs.cos() * self.mscale, freqs.sin() * self.mscale
+
+
+def apply_rope(x_BHSd, cos_BSd2, sin_BSd2):
+    """Rotate-half RoPE (Qwen3, GPT-OSS, and DeepSeek after its interleave permutation)."""
+    dtype = x_BHSd.dtype
+    x1, x2 = x_BHSd.float().chunk(2, dim=-1)
+    cos, sin = cos_BSd2[:, None], sin_BSd2[:, None]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention call: one place that chooses the kernel
+
+
+def attention(q_BHSd, k_BKSd, v_BKSe, *, scale: float, window: int | None = None,
+              sinks_H: torch.Tensor | None = None):
+    """Causal attention with optional sliding window (keys within the last `window` positions,
+    Hugging Face's convention) and learned sinks (an extra logit per head that takes softmax mass).
+    GQA: K may divide H. The plain case uses SDPA (flash / cuDNN / efficient kernels on GPU)."""
+    if window is None and sinks_H is None:
+        return F.scaled_dot_product_attention(q_BHSd, k_BKSd, v_BKSe, is_causal=True, scale=scale,
+                                              enable_gqa=k_BKSd.shape[1] != q_BHSd.shape[1])
+    return eager_attention(q_BHSd, k_BKSd, v_BKSe, scale=scale, window=window, sinks_H=sinks_H)
+
+
+def eager_attention(q_BHSd, k_BKSd, v_BKSe, *, scale, window=None, sinks_H=None, q_offset=0):
+    """Reference attention with the score matrix materialised (CPU, tests, and small shapes).
+    q_offset: absolute position of the first query relative to the first key (context parallel)."""
+    H, K = q_BHSd.shape[1], k_BKSd.shape[1]
+    if K != H:
+        k_BKSd = k_BKSd.repeat_interleave(H // K, dim=1)
+        v_BKSe = v_BKSe.repeat_interleave(H // K, dim=1)
+    s_BHSS = torch.matmul(q_BHSd, k_BKSd.transpose(-1, -2)) * scale
+    Sq, Sk = q_BHSd.shape[2], k_BKSd.shape[2]
+    qi = torch.arange(Sq, device=q_BHSd.device)[:, None] + q_offset
+    kj = torch.arange(Sk, device=q_BHSd.device)[None, :]
+    allowed = kj <= qi
+    if window is not None:
+        allowed &= kj > qi - window
+    s_BHSS = s_BHSS.masked_fill(~allowed, float("-inf"))
+    if sinks_H is not None:
+        sink = sinks_H.reshape(1, -1, 1, 1).expand(s_BHSS.shape[0], -1, Sq, 1).to(s_BHSS.dtype)
+        s_BHSS = torch.cat([s_BHSS, sink], dim=-1)
+        s_BHSS = s_BHSS - s_BHSS.amax(dim=-1, keepdim=True).detach()
+        p = F.softmax(s_BHSS.float(), dim=-1).to(q_BHSd.dtype)[..., :-1]
+    else:
+        p = F.softmax(s_BHSS.float(), dim=-1).to(q_BHSd.dtype)
+    return torch.matmul(p, v_BKSe)
+
+
+# ---------------------------------------------------------------------------------------------
+# MLPs and grouped experts
+
+
+class SwiGLUMLP(nn.Module):
+    """Dense SwiGLU MLP (dense layers, DeepSeek shared experts), Hugging Face names."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def swiglu(h_XF2, alpha: float | None = None, limit: float | None = None):
+    """silu(gate) * up on the concatenated [gate | up] rows. With alpha/limit: GPT-OSS's clamped
+    variant, gate.clamp(max=limit) * sigmoid(alpha * gate) * (up.clamp(-limit, limit) + 1)."""
+    gate, up = h_XF2.chunk(2, dim=-1)
+    if alpha is None:
+        return F.silu(gate) * up
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
+def grouped_mm(x_XD, w_EDF, offs_E):
+    """rows of x (expert-contiguous, offs = cumulative end row per expert) @ w[e].
+    torch's grouped matmul where present and the shapes allow it; the per-expert loop otherwise."""
+    ok = (hasattr(F, "grouped_mm") and x_XD.dtype in (torch.float32, torch.bfloat16)
+          and (x_XD.is_cuda or x_XD.dtype == torch.float32)
+          and all((n * x_XD.element_size()) % 16 == 0 for n in w_EDF.shape[1:]))
+    if ok:
+        return F.grouped_mm(x_XD, w_EDF, offs=offs_E.to(torch.int32))
+    return grouped_mm_loop(x_XD, w_EDF, offs_E)
+
+
+def grouped_mm_loop(x_XD, w_EDF, offs_E):
+    """Reference: one matmul per expert over its contiguous rows."""
+    out = x_XD.new_empty(x_XD.shape[0], w_EDF.shape[-1])
+    start = 0
+    for e, end in enumerate(offs_E.tolist()):
+        out[start:end] = x_XD[start:end] @ w_EDF[e]
+        start = end
+    return out
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as stacked weights: w13 (E, D, 2F) = [gate | up], w2 (E, F, D).
+    Optional biases (GPT-OSS) and the clamped activation (alpha/limit)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, bias: bool = False,
+                 alpha: float | None = None, limit: float | None = None):
+        super().__init__()
+        self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
+        self.alpha, self.limit = alpha, limit
+        self.w13_EDF2 = nn.Parameter(torch.empty(num_experts, dim, 2 * hidden))
+        self.w2_EFD = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.b13_EF2 = nn.Parameter(torch.empty(num_experts, 2 * hidden)) if bias else None
+        self.b2_ED = nn.Parameter(torch.empty(num_experts, dim)) if bias else None
+        self.use_loop = False  # tests flip this to run the per-expert reference path
+
+    def forward(self, x_XD, counts_E):
+        """x: rows sorted by expert, counts_E[e] rows for expert e (experts local to this rank)."""
+        mm = grouped_mm_loop if self.use_loop else grouped_mm
+        offs_E = torch.cumsum(counts_E, 0)
+        w13, w2 = self.w13_EDF2.to(x_XD.dtype), self.w2_EFD.to(x_XD.dtype)
+        h_XF2 = mm(x_XD, w13, offs_E)
+        if self.b13_EF2 is not None:
+            expert_X = torch.repeat_interleave(torch.arange(len(counts_E), device=x_XD.device),
+                                               counts_E, output_size=x_XD.shape[0])
+            h_XF2 = h_XF2 + self.b13_EF2.to(x_XD.dtype)[expert_X]
+        y_XD = mm(swiglu(h_XF2, self.alpha, self.limit), w2, offs_E)
+        if self.b2_ED is not None:
+            y_XD = y_XD + self.b2_ED.to(x_XD.dtype)[expert_X]
+        return y_XD
+
+
+# ---------------------------------------------------------------------------------------------
+# Token permutation (single device). Expert parallel replaces this unit: see distributed/.
+
+
+class LocalDispatcher:
+    """Permute tokens to expert-contiguous rows, run the experts, and scatter-add back weighted.
+    The expert-parallel dispatcher has the same three methods and replaces this one."""
+
+    def dispatch(self, x_TD, idx_TA, num_experts):
+        flat_X = idx_TA.reshape(-1)
+        order_X = torch.argsort(flat_X, stable=True)
+        counts_E = torch.bincount(flat_X, minlength=num_experts)
+        x_XD = x_TD[order_X // idx_TA.shape[1]]
+        return x_XD, counts_E, order_X
+
+    def combine(self, y_XD, w_TA, order_X, T):
+        w_X = w_TA.reshape(-1)[order_X].to(y_XD.dtype)
+        out_TD = y_XD.new_zeros(T, y_XD.shape[-1])
+        return out_TD.index_add(0, order_X // w_TA.shape[1], y_XD * w_X[:, None])
+
+    def __call__(self, x_TD, idx_TA, w_TA, experts: GroupedExperts):
+        x_XD, counts_E, order_X = self.dispatch(x_TD, idx_TA, experts.num_experts)
+        return self.combine(experts(x_XD, counts_E), w_TA, order_X, x_TD.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Load-balancing auxiliary loss: attached to the activations, not returned through every layer
+
+
+class AuxLoss(torch.autograd.Function):
+    """Identity on x; in backward, adds d(scale * aux)/d(router) as if `scale * aux` were part of
+    the loss. `scale` is the coefficient times the trainer's loss scale (1 / micro-batches), set in
+    `AuxLoss.loss_scale` by the trainer; this keeps pipeline stages free of extra outputs."""
+
+    loss_scale = 1.0
+
+    @staticmethod
+    def forward(ctx, x, aux):
+        ctx.save_for_backward(aux)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, AuxLoss.loss_scale)
+
+
+def load_balance_loss(probs_TE, idx_TA, num_experts):
+    """Switch-style loss E * sum_e f_e * P_e: f_e the fraction of routed slots sent to e (no grad),
+    P_e the mean router probability of e. Equals 1 when balanced."""
+    f_E = torch.bincount(idx_TA.reshape(-1), minlength=num_experts).float() / idx_TA.numel()
+    return num_experts * (f_E.detach() * probs_TE.float().mean(0)).sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss
+
+
+def cross_entropy_sum(h_TD, weight_VD, labels_T, chunk: int = 4096):
+    """Sum of token cross-entropies (labels == -100 ignored), with logits made `chunk` rows at a
+    time under activation checkpointing, so (T, V) logits never exist at once in fp32."""
+    total = h_TD.new_zeros((), dtype=torch.float32)
+    for s in range(0, h_TD.shape[0], chunk):
+        total = total + torch.utils.checkpoint.checkpoint(
+            _ce_chunk, h_TD[s:s + chunk], weight_VD, labels_T[s:s + chunk], use_reentrant=False)
+    return total
+
+
+def _ce_chunk(h, w, labels):
+    logits = (h @ w.to(h.dtype).t()).float()
+    return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+
+
+def init_linear(module: nn.Linear, std: float):
+    nn.init.normal_(module.weight, mean=0.0, std=std)
+    if module.bias is not None:
+        nn.init.zeros_(module.bias)

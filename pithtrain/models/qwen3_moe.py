@@ -1,0 +1,245 @@
+"""Qwen3-MoE: GQA attention with per-head q/k RMSNorm, RoPE, softmax top-k router, SwiGLU experts.
+
+Reads top to bottom: config, attention, MoE block, decoder layer, model. Matches Hugging Face's
+`Qwen3MoeForCausalLM` (tests/test_models_parity.py). Shape legend: see models/common.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pithtrain.models.common import (AuxLoss, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
+                                     SwiGLUMLP, apply_rope, attention, cross_entropy_sum,
+                                     init_linear, load_balance_loss)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class Qwen3MoeConfig:
+    family: ClassVar[str] = "qwen3_moe"
+    hf_architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
+
+    vocab_size: int = 264
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 384  # dense layers (mlp_only_layers)
+    moe_intermediate_size: int = 96
+    num_experts: int = 8
+    top_k: int = 2
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list = field(default_factory=list)
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    init_std: float = 0.02
+    aux_loss_coeff: float = 0.001
+
+    def validate(self, err):
+        for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                  "moe_intermediate_size", "num_experts", "top_k", "decoder_sparse_step",
+                  "max_position_embeddings"):
+            if getattr(self, k) < 1:
+                err(k, f"must be >= 1, got {getattr(self, k)}")
+        if self.top_k > self.num_experts:
+            err("top_k", f"{self.top_k} exceeds num_experts ({self.num_experts})")
+        if self.num_heads % self.num_kv_heads:
+            err("num_kv_heads", f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}")
+        if self.head_dim % 2:
+            err("head_dim", f"must be even for RoPE, got {self.head_dim}")
+        if self.aux_loss_coeff < 0:
+            err("aux_loss_coeff", f"must be >= 0, got {self.aux_loss_coeff}")
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    # --- parameter and FLOP accounting (pithtrain.metrics uses these)
+    def layer_params(self, i: int) -> tuple[int, int]:
+        """(total, touched per token) matmul parameters of layer i, router included."""
+        D, H, K, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        attn = D * H * hd * 2 + D * K * hd * 2
+        if self.is_moe_layer(i):
+            expert = 3 * D * self.moe_intermediate_size
+            router = D * self.num_experts
+            return attn + router + self.num_experts * expert, attn + router + self.top_k * expert
+        mlp = 3 * D * self.intermediate_size
+        return attn + mlp, attn + mlp
+
+    def attention_shapes(self, i: int):
+        """(window or None, d_qk, d_v, heads) of layer i."""
+        return None, self.head_dim, self.head_dim, self.num_heads
+
+    # --- Hugging Face config.json
+    @classmethod
+    def from_hf(cls, hf: dict) -> "Qwen3MoeConfig":
+        rope = hf.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+            raise ValueError("Qwen3-MoE with scaled RoPE is not supported")
+        return cls(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf["num_key_value_heads"],
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            intermediate_size=hf["intermediate_size"],
+            moe_intermediate_size=hf["moe_intermediate_size"],
+            num_experts=hf.get("num_experts", hf.get("num_local_experts")),
+            top_k=hf["num_experts_per_tok"], norm_topk_prob=hf["norm_topk_prob"],
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+            mlp_only_layers=list(hf.get("mlp_only_layers") or []),
+            rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+            rms_norm_eps=hf["rms_norm_eps"],
+            max_position_embeddings=hf["max_position_embeddings"],
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=hf.get("attention_bias", False),
+            init_std=hf.get("initializer_range", 0.02),
+            aux_loss_coeff=hf.get("router_aux_loss_coef", 0.001))
+
+    def to_hf(self) -> dict:
+        return {
+            "architectures": [self.hf_architecture], "model_type": "qwen3_moe",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "moe_intermediate_size": self.moe_intermediate_size, "num_experts": self.num_experts,
+            "num_experts_per_tok": self.top_k, "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": self.decoder_sparse_step,
+            "mlp_only_layers": list(self.mlp_only_layers), "hidden_act": "silu",
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias, "initializer_range": self.init_std,
+            "router_aux_loss_coef": self.aux_loss_coeff, "use_sliding_window": False,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig):
+        super().__init__()
+        D, H, K, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.H, self.K, self.hd = H, K, hd
+        self.q_proj = nn.Linear(D, H * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(D, K * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(D, K * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(H * hd, D, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x_BSD, rope):
+        B, S, _ = x_BSD.shape
+        q_BHSd = self.q_norm(self.q_proj(x_BSD).view(B, S, self.H, self.hd)).transpose(1, 2)
+        k_BKSd = self.k_norm(self.k_proj(x_BSD).view(B, S, self.K, self.hd)).transpose(1, 2)
+        v_BKSd = self.v_proj(x_BSD).view(B, S, self.K, self.hd).transpose(1, 2)
+        q_BHSd, k_BKSd = apply_rope(q_BHSd, *rope), apply_rope(k_BKSd, *rope)
+        o_BHSd = attention(q_BHSd, k_BKSd, v_BKSd, scale=self.hd ** -0.5)
+        return self.o_proj(o_BHSd.transpose(1, 2).reshape(B, S, self.H * self.hd))
+
+
+class MoE(nn.Module):
+    """Router -> dispatch -> grouped experts -> combine. `dispatcher` is the one swappable unit
+    (LocalDispatcher here; the expert-parallel all-to-all dispatcher after `parallelize`)."""
+
+    def __init__(self, cfg: Qwen3MoeConfig):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.top_k, cfg.norm_topk_prob
+        self.aux_loss_coeff = cfg.aux_loss_coeff
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.dispatcher = LocalDispatcher()
+        self.last_counts_E = None  # detached expert load of the last forward, for metrics
+
+    def route(self, x_TD):
+        probs_TE = F.softmax(self.gate(x_TD), dim=-1, dtype=torch.float32)
+        w_TA, idx_TA = torch.topk(probs_TE, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            w_TA = w_TA / w_TA.sum(dim=-1, keepdim=True)
+        return probs_TE, w_TA.to(x_TD.dtype), idx_TA
+
+    def forward(self, x_BSD):
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(B * S, D)
+        probs_TE, w_TA, idx_TA = self.route(x_TD)
+        self.last_counts_E = torch.bincount(idx_TA.reshape(-1), minlength=self.num_experts).detach()
+        y_TD = self.dispatcher(x_TD, idx_TA, w_TA, self.experts)
+        if self.training and self.aux_loss_coeff > 0 and torch.is_grad_enabled():
+            aux = load_balance_loss(probs_TE, idx_TA, self.num_experts)
+            y_TD = AuxLoss.apply(y_TD, self.aux_loss_coeff * aux)
+        return y_TD.view(B, S, D)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig, i: int):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(i) else SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x_BSD, rope):
+        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), rope)
+        return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    """forward(input_ids) -> logits (B, S, V); forward(input_ids, labels=...) -> summed token loss."""
+
+    def __init__(self, cfg: Qwen3MoeConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Hugging Face's scheme: normal(0, initializer_range) for linears, embeddings, router and
+        experts; ones for norms."""
+        std = self.cfg.init_std
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                init_linear(m, std)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, (RMSNorm, Rotary)):
+                m.reset_parameters()
+            elif isinstance(m, GroupedExperts):
+                nn.init.normal_(m.w13_EDF2, std=std)
+                nn.init.normal_(m.w2_EFD, std=std)
+
+    def forward(self, input_ids_BS, positions_BS=None, labels_BS=None):
+        if positions_BS is None:
+            positions_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(input_ids_BS)
+        rope = self.rotary(positions_BS)
+        h_BSD = self.embed_tokens(input_ids_BS)
+        for layer in self.layers:
+            h_BSD = layer(h_BSD, rope)
+        h_BSD = self.norm(h_BSD)
+        if labels_BS is None:
+            return self.lm_head(h_BSD)
+        return cross_entropy_sum(h_BSD.flatten(0, 1), self.lm_head.weight, labels_BS.flatten())

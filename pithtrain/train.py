@@ -1,0 +1,179 @@
+"""Train a Mixture-of-Experts language model from a recipe.
+
+    python -m pithtrain.train                         # embedded default: tiny Qwen3-MoE on stdlib bytes
+    python -m pithtrain.train RECIPE.yaml train.lr=1e-3 log.every=5
+    invoke train                                      # the same, through tasks.py
+
+One process per GPU (or CPU); several processes come from torchrun (`invoke train --nproc=N`).
+The step: for each micro-batch, forward (summed token loss) and backward with the loss divided by
+the global number of target tokens; then clip, AdamW, LR schedule, log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+
+import torch
+
+from pithtrain.config import Config, ConfigError, load_config
+from pithtrain.data import build_batches, rows
+from pithtrain.metrics import (StepLog, check_finite, expert_imbalance, flops_per_token,
+                               memory_gb, param_counts, peak_tflops)
+from pithtrain.models import build_model
+from pithtrain.models.common import AuxLoss
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup
+
+
+def pick_device(cfg: Config) -> torch.device:
+    want = cfg.train.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{cfg.source}: train.device: 'cuda' requested but no CUDA GPU is visible")
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    if cfg.train.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.train.dtype)
+
+
+def check_runnable(cfg: Config, device: torch.device):
+    """Refuse settings this machine cannot honour, before anything is built."""
+    if cfg.train.fp8 and device.type != "cuda":
+        raise ConfigError(f"{cfg.source}: train.fp8: FP8 training needs a Hopper or Blackwell GPU; "
+                          "this run is on CPU (set train.fp8=false)")
+    if cfg.train.fp8:
+        raise ConfigError(f"{cfg.source}: train.fp8: FP8 training is not implemented yet (issue #9)")
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
+    """AdamW with fp32 master weights; no weight decay on norms, biases and 1-D tensors."""
+    decay, no_decay = [], []
+    for p in {id(p): p for p in model.parameters() if p.requires_grad}.values():
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    t = cfg.train
+    groups = [{"params": decay, "weight_decay": t.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                             fused=device.type == "cuda")
+
+
+def lr_lambda(cfg: Config):
+    """Linear warmup to train.lr, then cosine decay to train.lr * min_lr_ratio at the last step."""
+    t = cfg.train
+
+    def f(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        span = max(t.steps - t.warmup_steps, 1)
+        progress = min((step - t.warmup_steps) / span, 1.0)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+
+
+def train(cfg: Config) -> list[dict]:
+    """Run `cfg.train.steps` optimizer steps; returns the per-step records (loss, lr, grad norm)."""
+    device = pick_device(cfg)
+    check_runnable(cfg, device)
+    dtype = compute_dtype(cfg, device)
+    torch.manual_seed(cfg.train.seed)
+    t = cfg.train
+
+    if t.init_from:
+        from pithtrain.checkpoint import load_hf
+        model = load_hf(t.init_from, device=device, dtype=torch.float32)
+    else:
+        model = build_model(cfg.model, device)
+    model.train()
+    optimizer = build_optimizer(model, cfg, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+    dp_rank, dp_size = 0, 1
+    global_batch = t.micro_batch_size * t.grad_accum * dp_size
+    batches = build_batches(cfg.data, t.seq_len, global_batch, t.seed)
+    fpt = flops_per_token(cfg.model, t.seq_len)
+    peak = peak_tflops(device, cfg.log.peak_tflops)
+    total, active = param_counts(model, cfg.model)
+    print(f"pithtrain: {cfg.model.family} {total / 1e6:.2f}M params ({active / 1e6:.2f}M active) | "
+          f"device {device} {str(dtype).removeprefix('torch.')} | recipe {cfg.source} | "
+          f"run dir {cfg.log.run_dir}", flush=True)
+    log = StepLog(cfg.log.run_dir)
+    autocast = (torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32
+                else contextlib.nullcontext())
+
+    AuxLoss.loss_scale = 1.0 / t.grad_accum
+    history, tokens_since = [], 0
+    log.tick()
+    for step in range(t.steps):
+        loss_sum, n_tokens = 0.0, 0
+        x_GS, y_GS = batches.batch(step)
+        denom = (y_GS != -100).sum().item()  # loss = sum over the global batch / its target count
+        for micro in range(t.grad_accum):
+            r = rows(micro, dp_rank, dp_size, t.micro_batch_size)
+            x_BS, y_BS = x_GS[r].to(device, non_blocking=True), y_GS[r].to(device, non_blocking=True)
+            with autocast:
+                loss = model(x_BS, labels_BS=y_BS)
+            (loss / denom).backward()
+            loss_sum += loss.item()
+            n_tokens += y_BS.numel()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        loss_mean = loss_sum / (n_tokens)
+        check_finite(loss_mean, step)
+        rec = {"step": step + 1, "loss": loss_mean, "lr": lr, "grad_norm": float(grad_norm)}
+        history.append(rec)
+        tokens_since += n_tokens
+        if (step + 1) % cfg.log.every == 0 or step + 1 == t.steps:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = log.tick()
+            tps = tokens_since / dt
+            tokens_since = 0
+            log.write({**rec, "tokens_per_s": tps,
+                       "mfu": tps * fpt / (peak * 1e12) if peak else None,
+                       "mem_gb": memory_gb(device), "imbalance": expert_imbalance(model)})
+    return history
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pithtrain.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", nargs="?", default=None,
+                   help="recipe YAML file or embedded recipe name (default: the tiny embedded default)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.lr=1e-3")
+    args = p.parse_args(argv)
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe:  # only overrides were given
+        recipe, overrides = None, [recipe, *overrides]
+    try:
+        cfg = load_config(recipe, overrides)
+        train(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

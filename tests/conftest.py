@@ -1,0 +1,16 @@
+import os
+
+import pytest
+import torch
+
+# Two cores: keep intra-op threads small so multi-process tests do not oversubscribe.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture
+def tiny_overrides(tmp_path):
+    """Overrides that make the default recipe a seconds-long run writing into tmp_path."""
+    return ["train.steps=30", "train.micro_batch_size=4", "train.seq_len=64", "train.warmup_steps=5",
+            "model.hidden_size=64", "model.num_heads=4", "model.head_dim=16",
+            "model.moe_intermediate_size=64", "model.num_layers=2", "data.max_bytes=300000",
+            "log.every=10", f"log.run_dir={tmp_path / 'run'}"]
