@@ -210,7 +210,7 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
     family = model_raw.pop("family", "qwen3_moe")
     if family not in FAMILIES:
         fail("model.family", f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
-    model_cls = FAMILIES[family][0]
+    model_cls = FAMILIES[family].config
     all_classes = {"model": model_cls, **SECTIONS}
     built = {"model": _build(model_cls, model_raw, "model", fail, all_classes)}
     for name, cls in SECTIONS.items():

@@ -7,19 +7,30 @@ engine and `parallelize` use directly: `embed_tokens`, `rotary` (positions -> ro
 summed token loss when labels are given.
 """
 
+from typing import Callable, NamedTuple
+
 import torch
 
-from pithtrain.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from pithtrain.models import qwen3_moe
+
+
+class Family(NamedTuple):
+    config: type  # the recipe's model section
+    model: type  # the causal-LM module
+    hf_to_native: Callable  # hub tensor -> native parameter slices (pithtrain.checkpoint.hf)
+    native_to_hf: Callable  # native parameter -> hub tensors
+
 
 FAMILIES = {
-    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "qwen3_moe": Family(qwen3_moe.Qwen3MoeConfig, qwen3_moe.Qwen3MoeForCausalLM,
+                        qwen3_moe.hf_to_native, qwen3_moe.native_to_hf),
 }
 
 
 def build_model(model_cfg, device: torch.device | str = "cpu", init: bool = True) -> torch.nn.Module:
     """Build on the meta device, then materialise on `device` and initialise (no full-size model is
     ever allocated twice, and `parallelize` may run between the two steps: see train.py)."""
-    cls = FAMILIES[model_cfg.family][1]
+    cls = FAMILIES[model_cfg.family].model
     with torch.device("meta"):
         model = cls(model_cfg)
     if init:

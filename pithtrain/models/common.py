@@ -297,6 +297,22 @@ def _ce_chunk(h, w, labels):
     return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
 
 
+# ---------------------------------------------------------------------------------------------
+# Hugging Face names: the hub prefixes every tensor but the head with "model."
+
+
+def hub_name(native: str) -> str:
+    return native if native.startswith("lm_head.") else "model." + native
+
+
+def native_name(hub: str) -> str:
+    if hub.startswith("lm_head."):
+        return hub
+    if not hub.startswith("model."):
+        raise KeyError(hub)
+    return hub[len("model."):]
+
+
 def init_linear(module: nn.Linear, std: float):
     nn.init.normal_(module.weight, mean=0.0, std=std)
     if module.bias is not None:

@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import re
+
 from pithtrain.models.common import (AuxLoss, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
-                                     SwiGLUMLP, apply_rope, attention, cross_entropy_sum,
-                                     init_linear, load_balance_loss)
+                                     SwiGLUMLP, apply_rope, attention, cross_entropy_sum, hub_name,
+                                     init_linear, load_balance_loss, native_name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,3 +245,37 @@ class Qwen3MoeForCausalLM(nn.Module):
         if labels_BS is None:
             return self.lm_head(h_BSD)
         return cross_entropy_sum(h_BSD.flatten(0, 1), self.lm_head.weight, labels_BS.flatten())
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face hub tensors <-> native parameters (pithtrain.checkpoint.hf streams through these)
+
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def hf_to_native(cfg: Qwen3MoeConfig, hf_key: str, get) -> list[tuple[str, tuple, torch.Tensor]]:
+    """(native name, index into it, value) for one hub tensor. Per-expert hub weights (out, in)
+    fill slices of the stacked (E, in, out) tensors: gate -> w13[e, :, :F], up -> w13[e, :, F:]."""
+    m = _EXPERT.fullmatch(hf_key)
+    if m is None:
+        return [(native_name(hf_key), (), get(hf_key))]
+    layer, e, which = int(m[1]), int(m[2]), m[3]
+    F_ = cfg.moe_intermediate_size
+    w = get(hf_key).t()
+    base = f"layers.{layer}.mlp.experts."
+    if which == "down":
+        return [(base + "w2_EFD", (e,), w)]
+    cols = slice(0, F_) if which == "gate" else slice(F_, 2 * F_)
+    return [(base + "w13_EDF2", (e, slice(None), cols), w)]
+
+
+def native_to_hf(cfg: Qwen3MoeConfig, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    if name.endswith("experts.w13_EDF2"):
+        prefix = hub_name(name[: -len("w13_EDF2")])
+        F_ = cfg.moe_intermediate_size
+        return [(f"{prefix}{e}.{w}_proj.weight", t[e, :, cols].t())
+                for e in range(t.shape[0]) for w, cols in (("gate", slice(0, F_)), ("up", slice(F_, None)))]
+    if name.endswith("experts.w2_EFD"):
+        prefix = hub_name(name[: -len("w2_EFD")])
+        return [(f"{prefix}{e}.down_proj.weight", t[e].t()) for e in range(t.shape[0])]
+    return [(hub_name(name), t)]
