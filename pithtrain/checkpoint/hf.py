@@ -1,0 +1,164 @@
+"""Hugging Face checkpoints: import from and export to a local directory (config.json + safetensors).
+
+    model = load_hf("path/to/Qwen3-30B-A3B")           # model(input_ids) -> logits (B, S, V)
+    save_hf(model, "out/")                              # transformers.AutoModelForCausalLM loads it
+
+Import streams tensor by tensor: the model is allocated once (on `device`, in `dtype`) and each hub
+tensor is read from its shard, converted by the family's `hf_to_native` (per-expert keys into
+slices of the stacked expert tensors, MXFP4 dequantised) and copied in place, so the checkpoint is
+never held in memory twice. Every parameter element must be written exactly once; anything
+missing, unknown or of the wrong shape is an error naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pithtrain.models import FAMILIES, build_model
+from pithtrain.models.common import Rotary
+
+SHARD_BYTES = 4 << 30  # export shard size
+
+
+def family_of(config_json: dict, source: Path) -> str:
+    archs = config_json.get("architectures") or []
+    for name, fam in FAMILIES.items():
+        if fam.config.hf_architecture in archs:
+            return name
+    supported = ", ".join(f.config.hf_architecture for f in FAMILIES.values())
+    raise ValueError(f"{source}: unsupported architecture {archs or config_json.get('model_type')!r} "
+                     f"(supported: {supported})")
+
+
+def read_config(path: Path):
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file}: no config.json in the checkpoint directory")
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e.msg})") from None
+    family = family_of(hf, cfg_file)
+    try:
+        cfg = FAMILIES[family].config.from_hf(hf)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{cfg_file}: cannot read {family} config: {e}") from None
+    return family, cfg
+
+
+def shard_files(path: Path) -> dict[str, Path]:
+    """hub key -> file holding it, from model.safetensors.index.json or a single model.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {f: path / f for f in set(weight_map.values())}
+        for f in files.values():
+            if not f.is_file():
+                raise FileNotFoundError(f"{f}: shard listed in {index.name} is missing")
+        return {k: files[f] for k, f in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
+    with safe_open(single, "pt") as f:
+        return {k: single for k in f.keys()}
+
+
+@torch.no_grad()
+def load_hf(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+            **config_overrides) -> torch.nn.Module:
+    """Build the family's model from a Hugging Face checkpoint directory (weights copied exactly;
+    `config_overrides` replace fields of the imported config, e.g. aux_loss_coeff=0)."""
+    path = Path(path)
+    family, cfg = read_config(path)
+    for k, v in config_overrides.items():
+        setattr(cfg, k, v)
+    fam = FAMILIES[family]
+    model = build_model(cfg, init=False)
+    model.to_empty(device=device)
+    model.to(dtype)
+    for m in model.modules():  # buffers that are not in checkpoints
+        if isinstance(m, Rotary):
+            m.reset_parameters()
+    params = dict(model.named_parameters())
+    written = {name: 0 for name in params}
+    key_file = shard_files(path)
+    handles = {}
+
+    def get(key: str) -> torch.Tensor:
+        if key not in key_file:
+            raise KeyError(f"{path}: tensor {key!r} not found in any shard")
+        f = key_file[key]
+        if f not in handles:
+            handles[f] = safe_open(f, "pt", device="cpu")
+        return handles[f].get_tensor(key)
+
+    for key in sorted(key_file, key=lambda k: (str(key_file[k]), k)):
+        try:
+            slices = fam.hf_to_native(cfg, key, get)
+        except KeyError:
+            raise ValueError(f"{key_file[key]}: unexpected tensor {key!r} for {family}") from None
+        for name, index, value in slices:
+            if name not in params:
+                raise ValueError(f"{key_file[key]}: tensor {key!r} maps to unknown parameter {name!r}")
+            target = params[name][index] if index else params[name]
+            if tuple(target.shape) != tuple(value.shape):
+                raise ValueError(f"{key_file[key]}: tensor {key!r} has shape {tuple(value.shape)}, "
+                                 f"expected {tuple(target.shape)} for {name}")
+            target.copy_(value.to(dtype))
+            written[name] += value.numel()
+    handles.clear()
+    missing = [n for n, p in params.items() if written[n] != p.numel()]
+    if missing:
+        raise ValueError(f"{path}: checkpoint does not cover {len(missing)} parameters, e.g. {missing[:3]}")
+    return model
+
+
+def state_for_export(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unique parameters by native name (a tied LM head is written once, as the embedding)."""
+    seen, out = set(), {}
+    for name, p in model.named_parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            out[name] = p.detach()
+    return out
+
+
+@torch.no_grad()
+def save_hf(model: torch.nn.Module, path: str | Path, dtype: torch.dtype | None = None,
+            shard_bytes: int = SHARD_BYTES):
+    """Write config.json and safetensors shards (+ index when sharded) in the hub layout."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg
+    fam = FAMILIES[cfg.family]
+    state = state_for_export(model)
+    dtype = dtype or next(iter(state.values())).dtype
+    hf_cfg = {**cfg.to_hf(), "torch_dtype": str(dtype).removeprefix("torch."),
+              "dtype": str(dtype).removeprefix("torch.")}
+    (path / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    shards, current, size = [], {}, 0
+    for name, t in state.items():
+        for key, value in fam.native_to_hf(cfg, name, t):
+            current[key] = value.to("cpu", dtype).contiguous()
+            size += current[key].numel() * current[key].element_size()
+        if size >= shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+    if current or not shards:
+        shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], path / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, path / fname, metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
