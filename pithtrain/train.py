@@ -92,9 +92,12 @@ def train(cfg: Config) -> list[dict]:
     torch.manual_seed(cfg.train.seed)
     t = cfg.train
 
-    if t.init_from:
+    if t.init_from:  # the checkpoint's config.json defines the model; the recipe's is replaced
         from pithtrain.checkpoint import load_hf
-        model = load_hf(t.init_from, device=device, dtype=torch.float32)
+        model = load_hf(t.init_from, device=device, dtype=torch.float32,
+                        aux_loss_coeff=cfg.model.aux_loss_coeff)
+        cfg.model = model.cfg
+        print(f"pithtrain: initialised from Hugging Face checkpoint {t.init_from}", flush=True)
     else:
         model = build_model(cfg.model, device)
     model.train()

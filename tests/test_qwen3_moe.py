@@ -135,3 +135,32 @@ def test_full_size_parameter_counts_match_published_figures():
     total, active = param_counts(build_model(cfg, init=False), cfg)
     # the card truncates: 30.53B total and 3.35B active (embedding and head included)
     assert abs(total / 1e9 - 30.5) < 0.05 and abs(active / 1e9 - 3.3) < 0.06, (total, active)
+
+
+def test_training_starts_from_an_imported_checkpoint(tmp_path, tiny_overrides):
+    """train.init_from: the first step's loss is the Hugging Face model's loss on that batch."""
+    from pithtrain.config import load_config
+    from pithtrain.data import build_batches
+    from pithtrain.train import train
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=264, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=128)
+    torch.manual_seed(0)
+    ref = transformers.Qwen3MoeForCausalLM(cfg).float().eval()
+    ref.save_pretrained(tmp_path / "hf")
+    run = load_config(None, tiny_overrides + ["train.steps=2", f"train.init_from={tmp_path / 'hf'}"])
+    hist = train(run)
+    x, y = build_batches(run.data, run.train.seq_len, run.train.micro_batch_size, run.train.seed).batch(0)
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten()).item()
+    assert hist[0]["loss"] == pytest.approx(want, rel=1e-5)
+    assert run.model.hidden_size == 32  # the checkpoint's config replaced the recipe's
+
+
+def test_init_from_missing_directory_is_a_config_error(tmp_path):
+    from pithtrain.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="train.init_from: directory .* does not exist"):
+        load_config(None, [f"train.init_from={tmp_path / 'nope'}"])
