@@ -1,28 +1,412 @@
-"""Invoke tasks: the one command surface of PithTrain (`invoke --list`).
+"""Invoke tasks: the one command surface of PithTrain (`invoke --list`, `invoke --help TASK`).
 
-    invoke train                 # embedded default recipe, native runtime
-    invoke test                  # the CPU test suite (what CI runs)
+    invoke train                                             # embedded default recipe, native runtime
+    invoke test                                              # the CPU test suite (what CI runs)
+    invoke train --gpu=b200 --model=gpt-oss-20b --dry-run    # the docker + torchrun lines it would run
+    invoke setup --gpu=auto                                  # a fresh rented GPU box, one command
+
+Runtime. `--gpu` names the hardware and so the image (h100/h200 -> hopper, b200/b300 -> blackwell,
+auto -> ask nvidia-smi) and adds the GPU's recipe overrides (pithtrain/appliance.py:GPU_OVERRIDES).
+With `--gpu`, commands run in that pinned image through the compose files (`--runtime=docker`);
+without it, or when already inside the image, they run here (`--runtime=native`). `--dry-run`
+prints the exact commands instead of running them. The command lines themselves are built by
+pithtrain/appliance.py; this file only chooses and runs them.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
+import shutil
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 from invoke import task
+from invoke.exceptions import Exit
+
+from pithtrain import appliance as ap
+
+PY = shlex.quote(sys.executable)
+H_GPU = "h100 | h200 | b200 | b300 | auto: run in that GPU's pinned image with its recipe overrides"
+H_RUNTIME = "docker | native (default: docker with --gpu, native without it or inside the image)"
+H_DRY = "print the exact commands instead of running them"
+H_MODEL = "embedded recipe name, pithtrain/recipes/<MODEL>.yaml (e.g. gpt-oss-20b)"
+H_RECIPE = "recipe YAML file or embedded recipe name (default: embedded default)"
+H_SET = "override section.key=value (repeatable)"
+H_NPROC = "processes per node (default: 1 native, every visible GPU in docker)"
 
 
 def _py(c, args: str, **kw):
-    return c.run(f"{shlex.quote(sys.executable)} {args}", pty=False, **kw)
+    return c.run(f"{PY} {args}", pty=False, **kw)
 
 
-@task(help={"recipe": "recipe YAML file or embedded recipe name (default: embedded default)",
-            "set": "override section.key=value (repeatable)"},
+# ---------------------------------------------------------------------------------------------
+# Shared plumbing: which image, which runtime, print or run.
+
+
+def _gpu(gpu: str) -> str | None:
+    if not gpu:
+        return None
+    try:
+        gpu = ap.detect_gpu() if gpu == "auto" else gpu
+        ap.target_for(gpu)
+    except ap.ApplianceError as e:
+        raise Exit(f"error: {e}", 2)
+    return gpu
+
+
+def _runtime(runtime: str, gpu: str | None) -> str:
+    if runtime not in ("", "docker", "native"):
+        raise Exit(f"error: --runtime={runtime}: use docker or native", 2)
+    if os.environ.get("PITHTRAIN_TARGET"):  # set by the image: we are already inside it
+        return "native"
+    if runtime == "docker" and gpu is None:
+        raise Exit("error: --runtime=docker needs --gpu (the GPU picks the image)", 2)
+    return runtime or ("docker" if gpu else "native")
+
+
+def _image(gpu: str) -> tuple[str, dict]:
+    try:
+        target = ap.target_for(gpu)
+        return target, ap.load_versions()["targets"][target]
+    except ap.ApplianceError as e:
+        raise Exit(f"error: {e}", 2)
+
+
+def _recipe(recipe: str, model: str) -> str:
+    if recipe and model:
+        raise Exit("error: give --model or --recipe, not both", 2)
+    return recipe or model
+
+
+def _emit(c, lines: list[str], dry_run: bool):
+    """Print (dry run) or run each shell line in order; a failing line stops the task."""
+    for line in lines:
+        if dry_run:
+            print(line)
+            continue
+        if line.split()[0] in ("docker",) or " docker " in line:
+            if not shutil.which("docker"):
+                raise Exit("error: docker is not installed here; use --runtime=native", 2)
+        print(f"+ {line}", file=sys.stderr)
+        c.run(line, pty=False)
+
+
+def _in_image(gpu: str, cmd: list[str], file: str = "train.yaml", service: str = "train",
+              env: dict | None = None) -> list[str]:
+    """Shell lines that run `cmd` in the pinned image of `gpu` (built first if missing)."""
+    target, pins = _image(gpu)
+    env = {"PITHTRAIN_IMAGE": ap.image_name(target, pins), **(env or {})}
+    return [ap.ensure_image(target, pins), ap.compose(file, service, env, cmd)]
+
+
+def _python(runtime: str, gpu: str | None, module_args: list[str]) -> list[str]:
+    """`python -m ...` natively, or in the image for `gpu`."""
+    if runtime == "native":
+        return [f"{PY} {shlex.join(module_args)}"]
+    return _in_image(gpu, ["python", *module_args])
+
+
+def _train_lines(runtime, gpu, args, nproc, multinode=None) -> list[str]:
+    if runtime == "native":
+        if multinode is None and nproc in ("", "1"):
+            return [f"{PY} -m pithtrain.train {shlex.join(args)}".rstrip()]
+        cmd = ap.torchrun(nproc or "1", args, multinode, launcher=[sys.executable, "-m",
+                                                                   "torch.distributed.run"])
+        return [shlex.join(cmd)]
+    cmd = ap.torchrun(nproc or "gpu", args, multinode)
+    env = {k: multinode[k] for k in (*ap.MULTINODE_ENV, "RUN_ID")} if multinode else None
+    return _in_image(gpu, cmd, "multinode.yaml" if multinode else "train.yaml", env=env)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+
+
+@task(help={"recipe": H_RECIPE, "model": H_MODEL, "set": H_SET, "gpu": H_GPU,
+            "runtime": H_RUNTIME, "nproc": H_NPROC, "dry_run": H_DRY},
       iterable=["set"])
-def train(c, recipe="", set=None):
+def train(c, recipe="", model="", set=None, gpu="", runtime="", nproc="", dry_run=False):
     """Train from a recipe (no arguments: the tiny embedded default on CPU or the visible GPU)."""
-    args = " ".join(shlex.quote(a) for a in ([recipe] if recipe else []) + list(set or []))
-    _py(c, f"-m pithtrain.train {args}")
+    gpu_ = _gpu(gpu)
+    rt = _runtime(runtime, gpu_)
+    args = ap.train_args(_recipe(recipe, model), gpu_, set or [])
+    if rt == "native" and not dry_run and nproc in ("", "1"):
+        # Exactly the pre-appliance command (README quick start, CI): no echo, same exit code.
+        _py(c, f"-m pithtrain.train {' '.join(shlex.quote(a) for a in args)}")
+        return
+    _emit(c, _train_lines(rt, gpu_, args, nproc), dry_run)
+
+
+@task(help={"recipe": H_RECIPE, "model": H_MODEL + " (default: $PITHTRAIN_MODEL)", "set": H_SET,
+            "gpu": H_GPU + " (default: $PITHTRAIN_GPU)", "runtime": H_RUNTIME,
+            "nproc": H_NPROC, "dry_run": H_DRY},
+      iterable=["set"])
+def launch(c, recipe="", model="", set=None, gpu="", runtime="", nproc="", dry_run=False):
+    """Multi-node training, run on every node (torchrun c10d rendezvous from the environment).
+
+    Needs MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK; RUN_ID is optional (the same on every node).
+    """
+    try:
+        env = ap.multinode_env(os.environ)
+    except ap.ApplianceError as e:
+        raise Exit(f"error: {e}", 2)
+    gpu_ = _gpu(gpu or os.environ.get("PITHTRAIN_GPU", ""))
+    rt = _runtime(runtime, gpu_)
+    recipe_ = _recipe(recipe, model) or os.environ.get("PITHTRAIN_MODEL", "")
+    args = ap.train_args(recipe_, gpu_, set or [])
+    _emit(c, _train_lines(rt, gpu_, args, nproc, multinode=env), dry_run)
+
+
+@task(help={"recipe": H_RECIPE, "model": H_MODEL, "set": H_SET, "gpu": H_GPU,
+            "runtime": H_RUNTIME, "nproc": H_NPROC, "steps": "training steps to capture",
+            "pipeline": "draw the pipeline schedule (python -m pithtrain.pipeline_viz) instead",
+            "dry_run": H_DRY},
+      iterable=["set"])
+def profile(c, recipe="", model="", set=None, gpu="", runtime="", nproc="", steps=20,
+            pipeline=False, dry_run=False):
+    """Nsight Systems timeline of a short run, written to runs/profile/<name>.nsys-rep."""
+    gpu_ = _gpu(gpu)
+    rt = _runtime(runtime, gpu_)
+    recipe_ = _recipe(recipe, model)
+    if pipeline:
+        lines = _python(rt, gpu_, ["-m", "pithtrain.pipeline_viz",
+                                   *ap.train_args(recipe_, gpu_, set or [])])
+        _emit(c, lines, dry_run)
+        return
+    name = Path(recipe_ or "default").stem
+    args = ap.train_args(recipe_, gpu_, [*(set or []), f"train.steps={steps}"])
+    nsys = ["nsys", "profile", "--trace=cuda,nvtx,osrt", "--sample=none", "--force-overwrite=true",
+            f"--output=runs/profile/{name}"]
+    if rt == "native":
+        if not dry_run and not shutil.which("nsys"):
+            raise Exit("error: nsys is not installed here (it is in the images: use --gpu=...)", 2)
+        cmd = nsys + ap.torchrun(nproc or "1", args,
+                                 launcher=[sys.executable, "-m", "torch.distributed.run"])
+        _emit(c, [shlex.join(cmd)], dry_run)
+    else:
+        _emit(c, _in_image(gpu_, nsys + ap.torchrun(nproc or "gpu", args)), dry_run)
+
+
+@task(help={"recipe": H_RECIPE, "model": H_MODEL, "set": H_SET, "gpu": H_GPU,
+            "runtime": H_RUNTIME, "nproc": H_NPROC, "steps": "steps of the check run",
+            "dry_run": H_DRY},
+      iterable=["set"])
+def validate(c, recipe="", model="", set=None, gpu="", runtime="", nproc="", steps=30,
+             dry_run=False):
+    """PASS/FAIL: a short run whose logged loss is finite and falls (first 5 vs last 5 steps)."""
+    gpu_ = _gpu(gpu)
+    rt = _runtime(runtime, gpu_)
+    recipe_ = _recipe(recipe, model)
+    run_dir = f"runs/validate/{Path(recipe_ or 'default').stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    args = ap.train_args(recipe_, gpu_, [*(set or []), f"train.steps={steps}", "log.every=1",
+                                         f"log.run_dir={run_dir}"])
+    check = ["-m", "pithtrain.appliance", "check-loss", f"{run_dir}/metrics.jsonl"]
+    lines = _train_lines(rt, gpu_, args, nproc) + _python(rt, gpu_, check)
+    if rt == "docker":
+        lines = lines[:2] + lines[3:]  # one ensure-image line is enough
+    _emit(c, lines, dry_run)
+
+
+@task(help={"gpu": H_GPU, "runtime": H_RUNTIME,
+            "args": "arguments passed to python -m pithtrain.bench, quoted as one string",
+            "dry_run": H_DRY})
+def bench(c, gpu="", runtime="", args="", dry_run=False):
+    """The single-GPU benchmark suite (shared/BENCH.md): PithTrain vs transformers, one run."""
+    gpu_ = _gpu(gpu)
+    _emit(c, _python(_runtime(runtime, gpu_), gpu_, ["-m", "pithtrain.bench", *shlex.split(args)]),
+          dry_run)
+
+
+# ---------------------------------------------------------------------------------------------
+# Images and environment
+
+
+@task(help={"gpu": H_GPU, "registry": "registry prefix: pull the image from there if present "
+                                      "(default: $PITHTRAIN_REGISTRY)",
+            "push": "push the built image to --registry",
+            "refresh_digest": "ask the registry for the base tag's current digest and write it "
+                              "into images/versions.yaml (then rebuild)",
+            "dry_run": H_DRY})
+def build(c, gpu="", registry="", push=False, refresh_digest=False, dry_run=False):
+    """Build (or pull) the pinned image for a GPU; the tag is a hash of its versions.yaml pins."""
+    gpu_ = _gpu(gpu)
+    if gpu_ is None:
+        raise Exit("error: build needs --gpu (h100 | h200 | b200 | b300 | auto)", 2)
+    target, pins = _image(gpu_)
+    if refresh_digest:
+        ref = f"{pins['base_image']}:{pins['base_tag']}"
+        cmd = ["docker", "buildx", "imagetools", "inspect", "--format", "{{.Manifest.Digest}}", ref]
+        if dry_run:
+            print(shlex.join(cmd))
+            return
+        new = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+        if not new.startswith("sha256:"):
+            raise Exit(f"error: {ref}: the registry answered {new!r}, not a digest", 2)
+        text = ap.VERSIONS.read_text()
+        ap.VERSIONS.write_text(text.replace(pins["base_digest"], new))  # every target on this tag
+        print(f"{ref}: {pins['base_digest']} -> {new} (images/versions.yaml)")
+        return
+    _emit(c, _build_lines(target, pins, registry or os.environ.get("PITHTRAIN_REGISTRY", ""),
+                          push), dry_run)
+
+
+def _build_lines(target: str, pins: dict, registry: str, push: bool) -> list[str]:
+    name = ap.image_name(target, pins)
+    build = shlex.join(ap.build_command(target, pins))
+    if not registry:
+        return [build]
+    remote = f"{registry.rstrip('/')}/{name}"
+    lines = [f"(docker pull {remote} && docker tag {remote} {name}) || {build}"]
+    if push:
+        lines.append(f"docker tag {name} {remote} && docker push {remote}")
+    return lines
+
+
+@task(help={"gpu": H_GPU + " (default: the image's own target inside it)",
+            "runtime": H_RUNTIME,
+            "manifest": "check this manifest file instead of this environment",
+            "dry_run": H_DRY})
+def doctor(c, gpu="", runtime="", manifest="", dry_run=False):
+    """Compare the environment (or an image manifest) with images/versions.yaml; exit 1 on drift.
+
+    Inside the image it checks the build's manifest and the live environment; outside it, with
+    --gpu, it runs itself in that image (docker) or checks this machine against it (native)."""
+    gpu_ = _gpu(gpu)
+    rt = "native" if manifest else _runtime(runtime, gpu_)
+    if rt == "docker":
+        _emit(c, _in_image(gpu_, ["invoke", "doctor"]), dry_run)
+        return
+    target = ap.target_for(gpu_) if gpu_ else os.environ.get("PITHTRAIN_TARGET")
+    if target is None:
+        raise Exit("error: doctor: which image? give --gpu (outside the image)", 2)
+    pins = ap.load_versions()["targets"][target]
+    checks = []  # (what, manifest dict)
+    if manifest:
+        import json
+        checks.append((manifest, json.loads(Path(manifest).read_text())))
+    else:
+        if ap.MANIFEST.is_file():
+            import json
+            checks.append((f"image manifest {ap.MANIFEST}", json.loads(ap.MANIFEST.read_text())))
+        checks.append(("this environment", ap.collect_manifest()))
+    problems = [f"{what}: {p}" for what, m in checks for p in ap.drift(m, target, pins)]
+    if not manifest and shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.split()
+        p = out and ap.driver_problem(out[0], pins["driver_min"])
+        problems += [f"host: {p}"] if p else []
+    for p in problems:
+        print(p)
+    if problems:
+        raise Exit(f"doctor: FAIL, {len(problems)} difference(s) from images/versions.yaml "
+                   f"target {target}", 1)
+    print(f"doctor: PASS, {' and '.join(w for w, _ in checks)} match images/versions.yaml "
+          f"target {target}")
+
+
+@task(help={"gpu": H_GPU + " (default: auto)",
+            "registry": "pull the image from this registry prefix when present "
+                        "(default: $PITHTRAIN_REGISTRY)",
+            "dry_run": H_DRY})
+def setup(c, gpu="auto", registry="", dry_run=False):
+    """One-command setup of a fresh GPU box: checks, image, doctor, smoke test.
+
+    Checks the driver, Docker and the NVIDIA container runtime, builds (or pulls) the image for
+    the GPU, then runs `invoke doctor` and `invoke validate` (tiny default recipe) in it."""
+    if dry_run and gpu == "auto":
+        raise Exit("error: setup --dry-run: name the GPU (--gpu=h200 ...), nothing is detected", 2)
+    gpu_ = _gpu(gpu)
+    target, pins = _image(gpu_)
+    checks = [
+        "nvidia-smi --query-gpu=name,driver_version --format=csv,noheader",
+        "docker info --format '{{.ServerVersion}}'",
+        # The NVIDIA Container Toolkit registers a runtime (or CDI specs) that GPU reservations need.
+        "docker info --format '{{json .Runtimes}}' | grep -q nvidia || ls /etc/cdi/nvidia.yaml "
+        "/var/run/cdi/nvidia*.yaml >/dev/null 2>&1 || (echo 'error: no NVIDIA container runtime: "
+        "install nvidia-container-toolkit' >&2; exit 1)",
+    ]
+    if not dry_run:
+        for tool in ("nvidia-smi", "docker"):
+            if not shutil.which(tool):
+                raise Exit(f"error: setup: {tool} not found on this machine", 2)
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                                 "--format=csv,noheader"], capture_output=True, text=True)
+        problem = ap.driver_problem(driver.stdout.split()[0], pins["driver_min"])
+        if problem:
+            raise Exit(f"error: setup: {problem}", 2)
+    lines = checks + _build_lines(target, pins, registry or os.environ.get("PITHTRAIN_REGISTRY", ""),
+                                  False)
+    env = {"PITHTRAIN_IMAGE": ap.image_name(target, pins)}
+    lines.append(ap.compose("train.yaml", "train", env, ["invoke", "doctor"]))
+    lines.append(ap.compose("train.yaml", "train", env, ["invoke", "validate", "--nproc=1"]))
+    _emit(c, lines, dry_run)
+
+
+@task(help={"gpu": H_GPU, "network": "give the sandbox a network (default: none)",
+            "dry_run": H_DRY})
+def shell(c, gpu="", network=False, dry_run=False):
+    """The agent sandbox: a shell in the pinned image (compose/sandbox.yaml).
+
+    Repository mounted, non-root, read-only root filesystem, no capabilities, no privilege
+    escalation, no network unless --network."""
+    gpu_ = _gpu(gpu)
+    if gpu_ is None or os.environ.get("PITHTRAIN_TARGET"):
+        raise Exit("error: shell opens the sandbox container: give --gpu, outside the image", 2)
+    env = {"PITHTRAIN_SANDBOX_NETWORK": "bridge"} if network else {}
+    lines = _in_image(gpu_, [], file="sandbox.yaml", service="agent", env=env)
+    if dry_run:
+        print("\n".join(lines))
+        return
+    c.run(lines[0], pty=False)
+    os.execvp("bash", ["bash", "-c", lines[1]])  # hand the terminal to the container
+
+
+# ---------------------------------------------------------------------------------------------
+# Data, checkpoints, information
+
+
+@task(help={"inputs": "comma-separated .txt / .jsonl files",
+            "tokenizer": "directory holding a Hugging Face tokenizer.json",
+            "out": "output directory for the token shards",
+            "text_key": "JSON field holding the text in .jsonl files",
+            "gpu": H_GPU, "runtime": H_RUNTIME, "dry_run": H_DRY})
+def prepare_data(c, inputs, tokenizer, out, text_key="text", gpu="", runtime="", dry_run=False):
+    """Tokenize text files into memory-mapped shards (data.source: shards, data.path: OUT)."""
+    gpu_ = _gpu(gpu)
+    code = (f"from pithtrain.data import prepare_data; prepare_data({inputs.split(',')!r}, "
+            f"tokenizer_dir={tokenizer!r}, out_dir={out!r}, text_key={text_key!r})")
+    _emit(c, _python(_runtime(runtime, gpu_), gpu_, ["-c", code]), dry_run)
+
+
+@task(help={"ckpt": "checkpoint directory written by training",
+            "out": "output directory for the Hugging Face model",
+            "gpu": H_GPU, "runtime": H_RUNTIME, "dry_run": H_DRY})
+def export_hf(c, ckpt, out, gpu="", runtime="", dry_run=False):
+    """Export a checkpoint as a Hugging Face model directory (safetensors + config)."""
+    gpu_ = _gpu(gpu)
+    _emit(c, _python(_runtime(runtime, gpu_), gpu_,
+                     ["-m", "pithtrain.checkpoint.export", "--ckpt", ckpt, "--out", out]), dry_run)
+
+
+@task(help={"model": H_MODEL, "gpu": H_GPU, "runtime": H_RUNTIME, "dry_run": H_DRY})
+def info(c, model="default", gpu="", runtime="", dry_run=False):
+    """Parameters, FLOPs per token and memory of a model recipe."""
+    gpu_ = _gpu(gpu)
+    _emit(c, _python(_runtime(runtime, gpu_), gpu_, ["-m", "pithtrain.info", "--model", model]),
+          dry_run)
+
+
+@task(help={"path": "folder to count (default: the pithtrain package)"})
+def stats(c, path="pithtrain"):
+    """Code lines per folder (non-blank, non-comment), so growth is visible in review."""
+    counts = ap.count_lines(Path(__file__).parent / path)
+    width = max(map(len, counts), default=10)
+    for folder, n in counts.items():
+        print(f"{folder:<{width}}  {n:6d}")
+    print(f"{'total':<{width}}  {sum(counts.values()):6d}")
 
 
 @task(help={"k": "only tests matching this pytest -k expression",

@@ -1,0 +1,371 @@
+"""The appliance: GPU -> image target, the docker / torchrun commands, and the pin-drift checks.
+
+    invoke train --gpu=b200 --model=gpt-oss-20b --dry-run   # prints what tasks.py would run
+    python pithtrain/appliance.py manifest --out FILE       # run by the image build (stdlib + yaml)
+    python -m pithtrain.appliance check-loss runs/x/metrics.jsonl
+
+Plain functions that build argument lists; tasks.py prints or runs them. This file must stay
+importable on its own (the Dockerfiles copy it alone into the image to write the manifest), so it
+imports nothing from pithtrain and only the standard library plus PyYAML.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VERSIONS = REPO / "images" / "versions.yaml"
+MANIFEST = Path("/etc/pithtrain/manifest.json")  # written by the image build
+
+# One literal mapping: which image a GPU runs in.
+GPU_TARGET = {"h100": "hopper", "h200": "hopper", "b200": "blackwell", "b300": "blackwell"}
+
+# What the GPU changes in a recipe, appended after the recipe's own values (the recipe file stays
+# the whole truth of a model; these are the per-GPU numerics). Blackwell trains FP8 as in the paper's
+# 1x8 B200 run; the engine refuses train.fp8 with a message until FP8 lands.
+GPU_OVERRIDES = {
+    "h100": ["train.device=cuda", "train.dtype=bfloat16"],
+    "h200": ["train.device=cuda", "train.dtype=bfloat16"],
+    "b200": ["train.device=cuda", "train.dtype=bfloat16", "train.fp8=true"],
+    "b300": ["train.device=cuda", "train.dtype=bfloat16", "train.fp8=true"],
+}
+
+# torchrun c10d rendezvous for multi-node runs reads these from the environment.
+MULTINODE_ENV = {
+    "MASTER_ADDR": "address of node 0, reachable from every node (it hosts the rendezvous store)",
+    "MASTER_PORT": "a free TCP port on node 0, the same on every node",
+    "NNODES": "number of nodes in the job",
+    "NODE_RANK": "this node's index, 0..NNODES-1 (node 0 hosts the rendezvous store)",
+}
+
+
+class ApplianceError(Exception):
+    """A problem phrased for a person; tasks print it and exit non-zero."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Pins
+
+
+def load_versions(path: str | Path = VERSIONS) -> dict:
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text())
+    for target, pins in data["targets"].items():
+        for key, value in list(pins.items()) + list(pins["python_packages"].items()):
+            # YAML reads an unquoted 3.10 as the float 3.1: every pin must be written as a string.
+            if key != "python_packages" and not isinstance(value, str):
+                raise ApplianceError(f"{path}: targets.{target}.{key}: write the pin as a string "
+                                     f"(YAML read {value!r})")
+    return data
+
+
+def target_for(gpu: str) -> str:
+    if gpu not in GPU_TARGET:
+        raise ApplianceError(f"--gpu={gpu}: unknown GPU (known: {', '.join(GPU_TARGET)})")
+    return GPU_TARGET[gpu]
+
+
+def detect_gpu() -> str:
+    """The GPU of this machine as a GPU_TARGET key, from nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        raise ApplianceError("--gpu=auto: nvidia-smi found no NVIDIA GPU; name one with --gpu")
+    names = out.strip().splitlines()
+    for gpu in GPU_TARGET:
+        if names and gpu in names[0].lower():
+            return gpu
+    raise ApplianceError(f"--gpu=auto: {names[0] if names else 'no GPU'} has no image target "
+                         f"(known: {', '.join(GPU_TARGET)})")
+
+
+def image_name(target: str, pins: dict) -> str:
+    """Content-addressed tag: the same pins always name the same image, so it can be reused."""
+    digest = hashlib.sha256(json.dumps(pins, sort_keys=True).encode()).hexdigest()[:12]
+    return f"pithtrain-{target}:{digest}"
+
+
+def pip_pins(pins: dict) -> list[str]:
+    """The image's pinned Python set as pip requirements."""
+    cu = "cu" + pins["cuda"].split(".")[0]  # the CUDA-major suffix of NVIDIA's wheel names
+    reqs = [f"torch=={pins['torch']}", f"triton=={pins['triton']}",
+            f"nvidia-nccl-{cu}=={pins['nccl']}", f"nvidia-cudnn-{cu}=={pins['cudnn']}"]
+    if "flash_attn_4" in pins:
+        reqs.append(f"flash-attn-4[{cu}]=={pins['flash_attn_4']}")
+    return reqs + [f"{name}=={v}" for name, v in pins["python_packages"].items()]
+
+
+def pip_platforms(pins: dict) -> list[str]:
+    """manylinux tags the image's glibc accepts (pip 23 does not expand a given --platform)."""
+    arch = {"linux/amd64": "x86_64", "linux/arm64": "aarch64"}[pins["platform"]]
+    top = int(pins["glibc"].split(".")[1])
+    return [f"manylinux_2_{m}_{arch}" for m in range(top, 16, -1)] + [f"manylinux2014_{arch}"]
+
+
+def base_ref(pins: dict) -> str:
+    return f"{pins['base_image']}:{pins['base_tag']}@{pins['base_digest']}"
+
+
+def build_args(target: str, pins: dict) -> dict[str, str]:
+    """Every ARG of images/<target>/Dockerfile (a test checks the two sets are equal)."""
+    args = {"BASE_IMAGE": base_ref(pins), "PITHTRAIN_TARGET": target,
+            "PYTHON_VERSION": pins["python"], "NSYS_VERSION": pins["nsys"],
+            "CUDA_ARCH": pins["cuda_arch"], "DRIVER_MIN": pins["driver_min"],
+            "PIP_PACKAGES": " ".join(pip_pins(pins)), "DEEPGEMM_COMMIT": pins["deepgemm_commit"]}
+    if "fa3_commit" in pins:
+        args["FA3_COMMIT"] = pins["fa3_commit"]
+    return args
+
+
+def build_command(target: str, pins: dict) -> list[str]:
+    cmd = ["docker", "build", "--platform", pins["platform"],
+           "-f", f"images/{target}/Dockerfile", "-t", image_name(target, pins)]
+    for k, v in build_args(target, pins).items():
+        cmd += ["--build-arg", f"{k}={v}"]
+    return cmd + ["."]
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands
+
+
+def train_args(recipe: str | None, gpu: str | None, overrides: list[str]) -> list[str]:
+    """Arguments of `python -m pithtrain.train`: recipe, then the GPU's overrides, then the user's."""
+    return ([recipe] if recipe else []) + (GPU_OVERRIDES[gpu] if gpu else []) + list(overrides)
+
+
+def torchrun(nproc: int | str, args: list[str], multinode: dict | None = None,
+             launcher: list[str] = ("torchrun",)) -> list[str]:
+    """torchrun for one node (standalone) or, given multinode_env(), a c10d rendezvous."""
+    cmd = list(launcher) + [f"--nproc-per-node={nproc}"]
+    if multinode is None:
+        cmd.append("--standalone")
+    else:
+        m = multinode
+        # c10d assigns ranks by arrival; is_host says explicitly which node runs the TCP store
+        # (the default guesses from the address, which fails behind DNS names and NAT).
+        cmd += [f"--nnodes={m['NNODES']}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={m['MASTER_ADDR']}:{m['MASTER_PORT']}",
+                f"--rdzv-id={m['RUN_ID']}",
+                f"--rdzv-conf=is_host={'true' if m['NODE_RANK'] == '0' else 'false'}"]
+    return cmd + ["-m", "pithtrain.train"] + args
+
+
+def multinode_env(environ: dict = os.environ) -> dict[str, str]:
+    """The multi-node variables, checked; a missing or malformed one stops with what to set."""
+    missing = [f"  {k}: {why}" for k, why in MULTINODE_ENV.items() if not environ.get(k)]
+    if missing:
+        raise ApplianceError("multi-node launch: set these environment variables on every node:\n"
+                             + "\n".join(missing))
+    env = {k: environ[k] for k in MULTINODE_ENV}
+    for k in ("MASTER_PORT", "NNODES", "NODE_RANK"):
+        if not env[k].isdigit():
+            raise ApplianceError(f"multi-node launch: {k}={env[k]!r} must be a number")
+    if int(env["NODE_RANK"]) >= int(env["NNODES"]):
+        raise ApplianceError(f"multi-node launch: NODE_RANK={env['NODE_RANK']} must be < "
+                             f"NNODES={env['NNODES']}")
+    env["RUN_ID"] = environ.get("RUN_ID") or "pithtrain"  # the same on every node of one job
+    return env
+
+
+def compose(file: str, service: str, env: dict[str, str], cmd: list[str] | None = None) -> str:
+    """`docker compose run` of one service as a shell line; the compose file owns every container
+    setting (GPUs, ipc, ulimits, volumes), so tasks.py never repeats them."""
+    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    line = f"docker compose -f compose/{file} run --rm {service}"
+    return f"{prefix} {line}" + (" " + shlex.join(cmd) if cmd else "")
+
+
+def ensure_image(target: str, pins: dict) -> str:
+    """Reuse the pinned image when present, else build it, as one shell line."""
+    return (f"docker image inspect {image_name(target, pins)} >/dev/null 2>&1 || "
+            + shlex.join(build_command(target, pins)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifest and drift
+
+
+def _run_out(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def collect_manifest() -> dict:
+    """What this environment has, in the shape `drift` compares. The image build stores it at
+    /etc/pithtrain/manifest.json; the build args it recorded come back through ENV."""
+    from importlib import metadata
+
+    nvcc = re.search(r"V(\d+\.\d+\.\d+)", _run_out(["nvcc", "--version"]))
+    nsys = re.search(r"(\d{4}\.\d+\.\d+[\d.]*)", _run_out(["nsys", "--version"]))
+    try:
+        import torch
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:  # no torch, or a CPU build without NCCL
+        nccl = None
+    env = os.environ.get
+    return {
+        "target": env("PITHTRAIN_TARGET"), "base_image": env("PITHTRAIN_BASE_IMAGE"),
+        "python": ".".join(map(str, sys.version_info[:3])), "cuda": env("CUDA_VERSION"),
+        "nvcc": nvcc and nvcc.group(1), "nsys": nsys and nsys.group(1), "nccl_runtime": nccl,
+        "driver_min": env("PITHTRAIN_DRIVER_MIN"),
+        "deepgemm_commit": env("PITHTRAIN_DEEPGEMM_COMMIT"), "fa3_commit": env("PITHTRAIN_FA3_COMMIT"),
+        "packages": {_canon(d.metadata["Name"]): d.version for d in metadata.distributions()},
+    }
+
+
+def _canon(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _same(pin: str, got) -> bool:
+    """'2.11.0' matches '2.11.0', '2.11.0+cu130'; '3.12' matches '3.12.3'; '2025.5.2' '2025.5.2.266'."""
+    if got is None:
+        return False
+    got = str(got).split("+")[0]
+    return got == pin or got.startswith(pin + ".")
+
+
+def drift(manifest: dict, target: str, pins: dict) -> list[str]:
+    """Every difference between a manifest (or a live environment) and versions.yaml's target."""
+    want = {"target": target, "base_image": base_ref(pins), "python": pins["python"],
+            "cuda": pins["cuda"], "nsys": pins["nsys"], "nccl_runtime": pins["nccl"],
+            "driver_min": pins["driver_min"], "deepgemm_commit": pins["deepgemm_commit"]}
+    if "fa3_commit" in pins:
+        want["fa3_commit"] = pins["fa3_commit"]
+    out = [f"{k}: versions.yaml pins {v}, found {manifest.get(k)}"
+           for k, v in want.items() if not _same(v, manifest.get(k))]
+    packages = manifest.get("packages") or {}
+    for req in pip_pins(pins):
+        name, version = req.split("==")
+        name = _canon(name.split("[")[0])
+        if not _same(version, packages.get(name)):
+            out.append(f"pip {name}: versions.yaml pins {version}, found {packages.get(name)}")
+    return out
+
+
+def driver_problem(driver: str, driver_min: str) -> str | None:
+    have, need = ([int(x) for x in v.split(".")] for v in (driver, driver_min))
+    if have < need:
+        return f"NVIDIA driver {driver} is older than {driver_min}, the minimum for this image's CUDA"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Version literals outside versions.yaml
+
+# A version-looking literal: a pip specifier's version, a number with three or more dotted parts,
+# a two-part number right after a component name (python3.12, CUDA 13.0, torch 2.11), a git
+# commit or an image digest.
+_VERSION_PATTERNS = [
+    re.compile(r"[=<>~!]=\s*v?(\d+(?:\.\d+)*[\w.]*)"),
+    re.compile(r"(?<![\w.])v?(\d+\.\d+\.\d+[\w.]*)"),
+    re.compile(r"(?i)(?<![a-z])(?:python|py|cuda|cu|torch|pytorch|triton|nccl|cudnn|nsys|nsight-systems|"
+               r"ubuntu|flash-attn|fa|deepgemm|transformers)[-_ :=v]*(\d+\.\d+[\w.]*)"),
+    re.compile(r"(?<![0-9a-f])([0-9a-f]{40})(?![0-9a-f])"),
+    re.compile(r"(sha256:[0-9a-f]{64})"),
+]
+_NOT_VERSIONS = {"127.0.0.1", "0.0.0.0"}  # addresses, not versions
+
+
+def version_literals(text: str) -> set[str]:
+    found = set()
+    for pattern in _VERSION_PATTERNS:
+        found.update(m.group(1).rstrip(".") for m in pattern.finditer(text))
+    return found - _NOT_VERSIONS
+
+
+def pinned_values(versions: dict) -> set[str]:
+    """Every pin in versions.yaml and the version literals inside them (13.0.2 in a base tag)."""
+    values = set()
+    for pins in versions["targets"].values():
+        for v in list(pins.values()) + list(pins["python_packages"].values()):
+            if isinstance(v, str):
+                values.add(v)
+                values |= version_literals(v)
+    return values
+
+
+def find_unpinned_versions(paths, versions: dict, allowed: set[str] | None = None) -> list[str]:
+    """'file:line: literal' for each version-looking literal not taken from versions.yaml.
+
+    `allowed` defaults to the pins themselves, which suits prose (a skill may say "torch 2.11.0"
+    while the image has it); pass an empty set for files that must name no version at all
+    (Dockerfiles, compose, SkyPilot: they get versions through build args and the image name)."""
+    allowed = pinned_values(versions) if allowed is None else allowed
+    out = []
+    for path in paths:
+        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+            for lit in sorted(version_literals(line) - allowed):
+                out.append(f"{path}:{n}: {lit}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Small checks used by tasks
+
+
+def check_loss(metrics_jsonl: str | Path, window: int = 5) -> tuple[bool, str]:
+    """PASS when every logged loss is finite and the last `window` losses average lower than
+    the first `window` (a short run from random init must learn something)."""
+    losses = [json.loads(line)["loss"] for line in Path(metrics_jsonl).read_text().splitlines()
+              if line.strip()]
+    if len(losses) < 2 * window:
+        return False, f"FAIL: {len(losses)} logged steps, need {2 * window} (log.every=1)"
+    if not all(math.isfinite(x) for x in losses):
+        return False, f"FAIL: non-finite loss in {metrics_jsonl}"
+    first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
+    ok = last < first
+    return ok, f"{'PASS' if ok else 'FAIL'}: mean loss first {window} {first:.4f} -> last {window} {last:.4f}"
+
+
+def count_lines(root: str | Path) -> dict[str, int]:
+    """Non-blank, non-comment Python lines per folder under root (the growth budget)."""
+    counts: dict[str, int] = {}
+    for f in sorted(Path(root).rglob("*.py")):
+        n = sum(1 for line in f.read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#"))
+        key = str(f.parent.relative_to(Path(root).parent))
+        counts[key] = counts.get(key, 0) + n
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m pithtrain.appliance", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("manifest", help="write this environment's manifest (the image build runs it)")
+    m.add_argument("--out", default=str(MANIFEST))
+    c = sub.add_parser("check-loss", help="PASS/FAIL on a metrics.jsonl: finite and decreasing")
+    c.add_argument("metrics")
+    args = p.parse_args(argv)
+    if args.cmd == "manifest":
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(collect_manifest(), indent=1, sort_keys=True) + "\n")
+        print(f"wrote {args.out}")
+        return 0
+    ok, msg = check_loss(args.metrics)
+    print(msg)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
