@@ -1,0 +1,128 @@
+"""Context parallelism: the cp ranks of a batch rank split each sequence and attend across it.
+
+Load balancing. Causal attention makes late queries dearer than early ones, so the sequence is
+cut into 2*cp equal chunks and cp rank i holds chunks i and 2cp-1-i (one cheap, one dear):
+
+    cp=2, S=8:  chunks [01][23][45][67]   rank 0 -> 01 67   rank 1 -> 23 45
+
+`shard_sequence` applies this to a (B, S) batch (tokens, labels, and the absolute positions the
+model's RoPE needs). Everything outside attention is per token and needs nothing else.
+
+Attention. `ContextParallelAttention` replaces `models.common.attention` on each attention
+module (the `attention` attribute). It all-gathers K and V from the cp ranks (autograd: the
+backward sums the K/V gradients of every rank and keeps the local chunks), puts them in sequence
+order, and runs each local query chunk against the keys up to its end with an explicit offset
+mask, so GQA (SDPA), MLA (different V width: any K/V widths pass through) and sliding window
+with sinks (eager_attention) keep exactly their single-device masking. Heads are not split, so
+heads need not divide by cp. K/V are gathered whole: memory grows with S, compute is balanced.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pithtrain.models.common import eager_attention
+
+
+def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
+    return cp_rank, 2 * cp - 1 - cp_rank
+
+
+def shard_sequence(x_BS: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
+    """(B, S) -> (B, S/cp): this rank's two chunks, in order."""
+    chunks = x_BS.chunk(2 * cp, dim=1)
+    a, b = chunk_ids(cp_rank, cp)
+    return torch.cat([chunks[a], chunks[b]], dim=1)
+
+
+def local_positions(seq_len: int, cp_rank: int, cp: int, device=None) -> torch.Tensor:
+    """Absolute positions (S/cp,) of this rank's tokens."""
+    return shard_sequence(torch.arange(seq_len, device=device)[None], cp_rank, cp)[0]
+
+
+def split_batch(x_BS, y_BS, dims):
+    """(tokens, labels, positions) of this rank: its two chunks when cp > 1, else unchanged with
+    positions None (the model's default 0..S-1)."""
+    if not dims.cp_enabled:
+        return x_BS, y_BS, None
+    pos_S = local_positions(x_BS.shape[1], dims.cp_rank, dims.cp, x_BS.device)
+    return (shard_sequence(x_BS, dims.cp_rank, dims.cp), shard_sequence(y_BS, dims.cp_rank, dims.cp),
+            pos_S.expand(x_BS.shape[0], -1))
+
+
+class _GatherSequence(torch.autograd.Function):
+    """(B, K, S/cp, d) local -> (cp, B, K, S/cp, d) from every rank. Backward: sum the gradient
+    over ranks (all-reduce; a reduce-scatter would move half the bytes, but gloo has no
+    uneven-free variant we can rely on) and keep this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank: int, size: int):
+        ctx.group, ctx.rank = group, rank
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank], None, None, None
+
+
+class ContextParallelAttention:
+    """Drop-in for models.common.attention(q, k, v, *, scale, window, sinks_H) on local chunks."""
+
+    def __init__(self, group, cp_rank: int, cp: int):
+        self.group, self.cp_rank, self.cp = group, cp_rank, cp
+
+    def gather(self, x_BKsd):
+        """Local (B, K, S/cp, d) -> the whole sequence (B, K, S, d) in position order."""
+        cp = self.cp
+        parts = _GatherSequence.apply(x_BKsd, self.group, self.cp_rank, cp)  # (cp, B, K, S/cp, d)
+        chunks = [None] * (2 * cp)
+        for r in range(cp):
+            a, b = chunk_ids(r, cp)
+            chunks[a], chunks[b] = parts[r].chunk(2, dim=2)
+        return torch.cat(chunks, dim=2)
+
+    def __call__(self, q_BHsd, k_BKsd, v_BKse, *, scale: float, window: int | None = None,
+                 sinks_H: torch.Tensor | None = None):
+        k_BKSd, v_BKSe = self.gather(k_BKsd), self.gather(v_BKse)
+        c = q_BHsd.shape[2] // 2  # chunk length
+        outs = []
+        for q_chunk, chunk in zip(q_BHsd.chunk(2, dim=2), chunk_ids(self.cp_rank, self.cp)):
+            start, end = chunk * c, (chunk + 1) * c
+            # Keys a query of this chunk can see: causal up to `end`, and the window if any.
+            k0 = 0 if window is None else max(0, start - window + 1)
+            k, v = k_BKSd[:, :, k0:end], v_BKSe[:, :, k0:end]
+            if window is None and sinks_H is None:
+                qi = torch.arange(start, end, device=q_chunk.device)[:, None]
+                kj = torch.arange(k0, end, device=q_chunk.device)[None, :]
+                outs.append(F.scaled_dot_product_attention(
+                    q_chunk, k, v, attn_mask=kj <= qi, scale=scale,
+                    enable_gqa=k.shape[1] != q_chunk.shape[1]))
+            else:
+                outs.append(eager_attention(q_chunk, k, v, scale=scale, window=window,
+                                            sinks_H=sinks_H, q_offset=start - k0))
+        return torch.cat(outs, dim=2)
+
+
+class ContextParallelLoadBalanceLoss:
+    """Drop-in for models.common.load_balance_loss (each MoE block's `load_balance_loss`) when the
+    cp ranks split a micro-batch's tokens. The loss is E * sum_e f_e * P_e over the whole
+    micro-batch: f_e (routed-slot fractions, no gradient) and the token count are all-reduced
+    over the cp group; P_e is split into the ranks' shares, sum over local tokens of p_te / T, so
+    the per-rank values add up to the single-process loss and so do their gradients."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, probs_TE, idx_TA, num_experts):
+        counts = torch.bincount(idx_TA.reshape(-1), minlength=num_experts).to(torch.float64)
+        stats = torch.cat([counts, counts.new_tensor([idx_TA.shape[0]])])
+        dist.all_reduce(stats, group=self.group)
+        T = stats[-1].item()
+        f_E = (stats[:-1] / (T * idx_TA.shape[1])).float()
+        return num_experts * (f_E * probs_TE.float().sum(0) / T).sum()

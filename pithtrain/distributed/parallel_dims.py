@@ -1,0 +1,220 @@
+"""The parallel layout of a run: one object built from the recipe's `parallel` section.
+
+    dims = ParallelDims.from_config(cfg, world_size)   # validates; no collective has run yet
+    dims.build_meshes("cuda")                            # after init_process_group
+    dims.cp_enabled, dims.cp_group, dims.batch_rank ...
+
+Rank layout. The world is a row-major grid (pp, dp, fsdp, cp): pp outermost (a pipeline stage is
+a contiguous block of ranks), cp innermost (its K/V all-gathers run every layer, so its ranks are
+neighbours). world_size must equal pp * dp * fsdp * cp.
+
+Expert parallelism borrows ranks; it is not a factor of the world size. Inside one pipeline stage
+the fsdp * cp ranks are split as (efsdp, ep) with ep innermost, so `ep` must divide `fsdp * cp`:
+
+    dense parameters   sharded over fsdp*cp  (FSDP), replicated over dp   -> dense_mesh (dp, fsdp_cp)
+    routed experts     split by expert over ep, sharded over efsdp = fsdp*cp/ep (FSDP, dim 1),
+                       replicated over dp                                 -> expert_mesh (edp, efsdp, ep)
+
+Examples (world size in brackets): `fsdp=2 ep=2` [2] experts whole per rank, 4 of 8 each;
+`fsdp=4 ep=2` [4] experts split 2 ways by expert and 2 ways by width; `dp=2 fsdp=2 ep=2` [4];
+`cp=2 ep=2` [2] the two halves of each sequence route to each other's experts.
+
+Batch rows. The dp * fsdp ranks ("batch ranks") each read their own rows of the global batch
+(`batch_rank`, `batch_size`, see data.rows); the cp ranks of one batch rank share rows and split
+the sequence (context_parallel.py).
+
+The meshes hold no pp dimension: each pipeline stage gets meshes over its own ranks (built on
+every rank, in the same order, as new_group requires), and `pp_group` links the ranks that hold
+the same position in different stages (for the pipeline engine's send/recv).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from pithtrain.config import ConfigError
+
+
+@dataclass
+class ParallelDims:
+    pp: int = 1
+    dp: int = 1
+    fsdp: int = 1
+    cp: int = 1
+    ep: int = 1
+    world_size: int = 1
+    rank: int = 0
+
+    # --- validation (pure arithmetic: runs before init_process_group, identically on every rank)
+
+    @classmethod
+    def from_config(cls, cfg, world_size: int | None = None, rank: int | None = None) -> "ParallelDims":
+        """Read the layout from `cfg.parallel` and check it against the world size (default:
+        torchrun's WORLD_SIZE), the model and the sequence length. Raises ConfigError."""
+        world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        p = cfg.parallel
+        dims = cls(pp=p.pp, dp=p.dp, fsdp=p.fsdp, cp=p.cp, ep=p.ep, world_size=world_size, rank=rank)
+        dims.validate(cfg)
+        return dims
+
+    def validate(self, cfg):
+        src, m, t = cfg.source, cfg.model, cfg.train
+
+        def fail(key, msg):
+            raise ConfigError(f"{src}: {key}: {msg}")
+
+        product = self.pp * self.dp * self.fsdp * self.cp
+        if product != self.world_size:
+            fail("parallel", f"pp*dp*fsdp*cp = {self.pp}*{self.dp}*{self.fsdp}*{self.cp} = {product} "
+                             f"but {self.world_size} processes were started (torchrun "
+                             f"--nproc-per-node); ep borrows ranks from fsdp*cp and is not a factor")
+        if self.ep > 1:
+            experts = getattr(m, "num_experts", None)
+            if experts is None:
+                fail("parallel.ep", f"model family {m.family!r} has no routed experts")
+            if experts % self.ep:
+                fail("parallel.ep", f"{self.ep} does not divide model.num_experts ({experts})")
+            if (self.fsdp * self.cp) % self.ep:
+                fail("parallel.ep", f"{self.ep} must divide fsdp*cp = {self.fsdp * self.cp}: expert "
+                                    "parallelism borrows its ranks from the fsdp and cp ranks")
+        if self.cp > 1 and t.seq_len % (2 * self.cp):
+            # Load balancing cuts the sequence into 2*cp chunks (rank i holds i and 2cp-1-i).
+            fail("train.seq_len", f"{t.seq_len} must be divisible by 2*cp = {2 * self.cp}")
+        if self.pp > 1 and m.num_layers < self.pp:
+            fail("parallel.pp", f"{self.pp} stages but model.num_layers is {m.num_layers}")
+        # Heads need not divide by cp: K/V are all-gathered whole (context_parallel.py).
+
+    # --- "is X enabled"
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """Parameters are sharded (FSDP2) whenever a stage has more than one rank; cp ranks and
+        dp replicas are data-parallel for the parameters too."""
+        return self.dp * self.fsdp * self.cp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def efsdp(self) -> int:
+        return self.fsdp * self.cp // self.ep
+
+    # --- coordinates (pure arithmetic; valid before the meshes exist)
+
+    @property
+    def coords(self) -> dict:
+        r, out = self.rank, {}
+        for name, size in (("cp", self.cp), ("fsdp", self.fsdp), ("dp", self.dp), ("pp", self.pp)):
+            out[name], r = r % size, r // size
+        return out
+
+    @property
+    def batch_rank(self) -> int:
+        """Which rows of the global batch this rank reads (cp ranks share them)."""
+        c = self.coords
+        return c["dp"] * self.fsdp + c["fsdp"]
+
+    @property
+    def batch_size(self) -> int:
+        """How many distinct row slices one micro-batch index covers (dp * fsdp)."""
+        return self.dp * self.fsdp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords["cp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords["pp"]
+
+    @property
+    def ep_rank(self) -> int:
+        """Position in the expert-parallel group: the rank holds experts
+        [ep_rank * E/ep, (ep_rank + 1) * E/ep)."""
+        return (self.coords["fsdp"] * self.cp + self.coords["cp"]) % self.ep
+
+    # --- process group and meshes (collective: every rank calls this)
+
+    def init(self, device: torch.device) -> "ParallelDims":
+        """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT; NCCL on
+        CUDA, gloo on CPU) unless one exists, then build the meshes. World size 1: nothing."""
+        if not self.distributed:
+            return self
+        if not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
+                                    device_id=device if device.type == "cuda" else None)
+            self.owns_group = True
+        return self.build_meshes(device.type)
+
+    def close(self):
+        """Leave the process group if `init` joined it (tests reuse one group across runs)."""
+        if getattr(self, "owns_group", False):
+            dist.destroy_process_group()
+            self.owns_group = False
+
+
+    def build_meshes(self, device_type: str):
+        """Build the DeviceMeshes and process groups. Every rank builds the meshes of every
+        pipeline stage (new_group is collective over the world) and keeps its own stage's.
+
+            stage_mesh   (dp, fsdp, cp)        cp_group for context parallel
+            dense_mesh   (dp, fsdp_cp)         FSDP of dense parameters (HSDP when dp > 1)
+            expert_mesh  (edp, efsdp, ep)      experts: Shard(0) on ep, FSDP on (edp, efsdp)
+            pp_group                           same position in each stage
+        """
+        self.device_type = device_type
+        ranks = torch.arange(self.world_size).reshape(self.pp, self.dp, self.fsdp, self.cp)
+        stage = self.pp_rank
+        for s in range(self.pp):
+            r = ranks[s]
+            mine = s == stage
+            meshes = (
+                DeviceMesh(device_type, r, mesh_dim_names=("dp", "fsdp", "cp")),
+                DeviceMesh(device_type, r.reshape(self.dp, self.fsdp * self.cp),
+                           mesh_dim_names=("dp", "fsdp_cp")),
+                DeviceMesh(device_type, r.reshape(self.dp, self.efsdp, self.ep),
+                           mesh_dim_names=("edp", "efsdp", "ep")),
+            )
+            group = dist.new_group(r.flatten().tolist())
+            if mine:
+                self.stage_mesh, self.dense_mesh, self.expert_mesh = meshes
+                # All ranks holding the same model piece: expert-load statistics sum over it.
+                self.stage_group = group
+        self.pp_group = None
+        if self.pp > 1:
+            pos = ranks.reshape(self.pp, -1)
+            for j in range(pos.shape[1]):
+                g = dist.new_group(pos[:, j].tolist())
+                if self.rank in pos[:, j].tolist():
+                    self.pp_group = g
+        self.cp_group = self.stage_mesh["cp"].get_group()
+        self.ep_group = self.expert_mesh["ep"].get_group()
+        return self
+
+    def describe(self) -> str:
+        parts = [f"{k}={getattr(self, k)}" for k in ("pp", "dp", "fsdp", "cp", "ep") if getattr(self, k) > 1]
+        return f"world {self.world_size}" + (f" ({' x '.join(parts)})" if parts else "")
