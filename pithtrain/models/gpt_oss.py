@@ -217,6 +217,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(D, K * hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(H * hd, D, bias=cfg.attention_bias)
         self.sinks_H = nn.Parameter(torch.empty(H))  # per-head logit of a virtual key with value 0
+        self.attention = attention  # the one swappable call: context parallel replaces it
 
     def forward(self, x_BSD, rope):
         B, S, _ = x_BSD.shape
@@ -224,8 +225,8 @@ class Attention(nn.Module):
         k_BKSd = self.k_proj(x_BSD).view(B, S, self.K, self.hd).transpose(1, 2)
         v_BKSd = self.v_proj(x_BSD).view(B, S, self.K, self.hd).transpose(1, 2)
         q_BHSd, k_BKSd = apply_rope(q_BHSd, *rope), apply_rope(k_BKSd, *rope)
-        o_BHSd = attention(q_BHSd, k_BKSd, v_BKSd, scale=self.hd ** -0.5, window=self.window,
-                           sinks_H=self.sinks_H)
+        o_BHSd = self.attention(q_BHSd, k_BKSd, v_BKSd, scale=self.hd ** -0.5, window=self.window,
+                                sinks_H=self.sinks_H)
         return self.o_proj(o_BHSd.transpose(1, 2).reshape(B, S, self.H * self.hd))
 
 
@@ -241,6 +242,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size,
                                       bias=True, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
         self.dispatcher = LocalDispatcher()
+        self.load_balance_loss = load_balance_loss  # context parallel: statistics over all chunks
         self.last_counts_E = None  # detached expert load of the last forward, for metrics
 
     def route(self, x_TD):
@@ -259,7 +261,7 @@ class MoE(nn.Module):
         if self.training and self.aux_loss_coeff > 0 and torch.is_grad_enabled():
             # HF's load-balancing loss uses the softmax over all experts
             probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float32)
-            aux = load_balance_loss(probs_TE, idx_TA, self.num_experts)
+            aux = self.load_balance_loss(probs_TE, idx_TA, self.num_experts)
             y_TD = AuxLoss.apply(y_TD, self.aux_loss_coeff * aux)
         return y_TD.view(B, S, D)
 

@@ -144,6 +144,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * hd, D, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.attention = attention  # the one swappable call: context parallel replaces it
 
     def forward(self, x_BSD, rope):
         B, S, _ = x_BSD.shape
@@ -151,7 +152,7 @@ class Attention(nn.Module):
         k_BKSd = self.k_norm(self.k_proj(x_BSD).view(B, S, self.K, self.hd)).transpose(1, 2)
         v_BKSd = self.v_proj(x_BSD).view(B, S, self.K, self.hd).transpose(1, 2)
         q_BHSd, k_BKSd = apply_rope(q_BHSd, *rope), apply_rope(k_BKSd, *rope)
-        o_BHSd = attention(q_BHSd, k_BKSd, v_BKSd, scale=self.hd ** -0.5)
+        o_BHSd = self.attention(q_BHSd, k_BKSd, v_BKSd, scale=self.hd ** -0.5)
         return self.o_proj(o_BHSd.transpose(1, 2).reshape(B, S, self.H * self.hd))
 
 
@@ -166,6 +167,7 @@ class MoE(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.dispatcher = LocalDispatcher()
+        self.load_balance_loss = load_balance_loss  # context parallel: statistics over all chunks
         self.last_counts_E = None  # detached expert load of the last forward, for metrics
 
     def route(self, x_TD):
@@ -182,7 +184,7 @@ class MoE(nn.Module):
         self.last_counts_E = torch.bincount(idx_TA.reshape(-1), minlength=self.num_experts).detach()
         y_TD = self.dispatcher(x_TD, idx_TA, w_TA, self.experts)
         if self.training and self.aux_loss_coeff > 0 and torch.is_grad_enabled():
-            aux = load_balance_loss(probs_TE, idx_TA, self.num_experts)
+            aux = self.load_balance_loss(probs_TE, idx_TA, self.num_experts)
             y_TD = AuxLoss.apply(y_TD, self.aux_loss_coeff * aux)
         return y_TD.view(B, S, D)
 
