@@ -212,16 +212,22 @@ class GroupedExperts(nn.Module):
         """x: rows sorted by expert, counts_E[e] rows for expert e (experts local to this rank)."""
         mm = grouped_mm_loop if self.use_loop else grouped_mm
         offs_E = torch.cumsum(counts_E, 0)
-        w13, w2 = self.w13_EDF2.to(x_XD.dtype), self.w2_EFD.to(x_XD.dtype)
+        w13, w2 = _local(self.w13_EDF2).to(x_XD.dtype), _local(self.w2_EFD).to(x_XD.dtype)
         h_XF2 = mm(x_XD, w13, offs_E)
         if self.b13_EF2 is not None:
             expert_X = torch.repeat_interleave(torch.arange(len(counts_E), device=x_XD.device),
                                                counts_E, output_size=x_XD.shape[0])
-            h_XF2 = h_XF2 + self.b13_EF2.to(x_XD.dtype)[expert_X]
+            h_XF2 = h_XF2 + _local(self.b13_EF2).to(x_XD.dtype)[expert_X]
         y_XD = mm(swiglu(h_XF2, self.alpha, self.limit), w2, offs_E)
         if self.b2_ED is not None:
-            y_XD = y_XD + self.b2_ED.to(x_XD.dtype)[expert_X]
+            y_XD = y_XD + _local(self.b2_ED).to(x_XD.dtype)[expert_X]
         return y_XD
+
+
+def _local(w):
+    """Expert parallel makes the stacked weights DTensors split by expert (distributed/
+    parallelize.py); the rows a rank receives are for its own experts, so it computes on its block."""
+    return w.to_local() if hasattr(w, "to_local") else w
 
 
 # ---------------------------------------------------------------------------------------------
