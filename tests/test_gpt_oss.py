@@ -87,8 +87,35 @@ def test_round_trip_through_transformers(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, ref.eval()(ids).logits, rtol=1e-5, atol=1e-5)
     again = load_hf(tmp_path / "out")
+    assert again.cfg == ours.cfg
     for (n1, p1), (n2, p2) in zip(ours.named_parameters(), again.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2)
+
+
+# The published openai/gpt-oss-20b config.json (transformers 4.55 format: rope_scaling + rope_theta)
+PUBLISHED_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+    "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                     "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
+}
+
+
+def test_published_config_reads_as_the_recipe():
+    imported = FAMILIES["gpt_oss"].config.from_hf(PUBLISHED_20B)
+    recipe = load_config("gpt-oss-20b").model
+    recipe.layer_types = list(PUBLISHED_20B["layer_types"])  # the recipe spells them by default
+    assert imported == recipe
 
 
 # ---------------------------------------------------------------------------------------------
