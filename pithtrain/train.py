@@ -14,14 +14,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import sys
 
 import torch
 
 from pithtrain.config import Config, ConfigError, load_config
 from pithtrain.data import build_batches, rows
-from pithtrain.metrics import (StepLog, check_finite, expert_imbalance, flops_per_token,
-                               memory_gb, param_counts, peak_tflops)
+from pithtrain.distributed.context_parallel import split_batch
+from pithtrain.distributed.parallel_dims import ParallelDims
+from pithtrain.distributed.parallelize import materialize, parallelize
+from pithtrain.distributed.reductions import all_sum, clip_grad_norm_, expert_imbalance
+from pithtrain.metrics import (StepLog, check_finite, flops_per_token, memory_gb, param_counts,
+                               peak_tflops)
 from pithtrain.models import build_model
 from pithtrain.models.common import AuxLoss
 
@@ -36,6 +41,8 @@ def pick_device(cfg: Config) -> torch.device:
         raise ConfigError(f"{cfg.source}: train.device: 'cuda' requested but no CUDA GPU is visible")
     if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
+    if "LOCAL_RANK" in os.environ:  # torchrun: one GPU per process
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     return torch.device("cuda", torch.cuda.current_device())
 
 
@@ -84,10 +91,13 @@ def lr_lambda(cfg: Config):
 # Training
 
 
-def train(cfg: Config) -> list[dict]:
-    """Run `cfg.train.steps` optimizer steps; returns the per-step records (loss, lr, grad norm)."""
+def train(cfg: Config, keep: dict | None = None) -> list[dict]:
+    """Run `cfg.train.steps` optimizer steps; returns the per-step records (loss, lr, grad norm).
+    keep: a dict that receives the trained `model` (parity tests compare its parameters)."""
+    dims = ParallelDims.from_config(cfg)  # layout vs WORLD_SIZE and model: fails before any collective
     device = pick_device(cfg)
     check_runnable(cfg, device)
+    dims.init(device)  # torchrun's process group and the meshes; nothing for one process
     dtype = compute_dtype(cfg, device)
     torch.manual_seed(cfg.train.seed)
     t = cfg.train
@@ -98,26 +108,30 @@ def train(cfg: Config) -> list[dict]:
                         aux_loss_coeff=cfg.model.aux_loss_coeff)
         cfg.model = model.cfg
         print(f"pithtrain: initialised from Hugging Face checkpoint {t.init_from}", flush=True)
-    else:
-        model = build_model(cfg.model, device)
+    else:  # several processes: build on meta, parallelize, then materialise (below)
+        model = build_model(cfg.model, device, init=not dims.distributed)
     model.train()
+    parallelize(model, dims, t, device)  # EP -> CP -> activation checkpointing -> compile -> FSDP
+    if any(p.is_meta for p in model.parameters()):  # the same RNG draws as one process
+        materialize(model, build_model(cfg.model, "cpu"), device)
     optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
-    dp_rank, dp_size = 0, 1
+    dp_rank, dp_size = dims.batch_rank, dims.batch_size  # cp ranks share their rows
     global_batch = t.micro_batch_size * t.grad_accum * dp_size
     batches = build_batches(cfg.data, t.seq_len, global_batch, t.seed)
     fpt = flops_per_token(cfg.model, t.seq_len)
     peak = peak_tflops(device, cfg.log.peak_tflops)
     total, active = param_counts(model, cfg.model)
-    print(f"pithtrain: {cfg.model.family} {total / 1e6:.2f}M params ({active / 1e6:.2f}M active) | "
-          f"device {device} {str(dtype).removeprefix('torch.')} | recipe {cfg.source} | "
-          f"run dir {cfg.log.run_dir}", flush=True)
-    log = StepLog(cfg.log.run_dir)
+    if dims.rank == 0:
+        print(f"pithtrain: {cfg.model.family} {total / 1e6:.2f}M params ({active / 1e6:.2f}M active) | "
+              f"device {device} {str(dtype).removeprefix('torch.')} | recipe {cfg.source} | "
+              f"run dir {cfg.log.run_dir} | {dims.describe()}", flush=True)
+    log = StepLog(cfg.log.run_dir, enabled=dims.rank == 0)
     autocast = (torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32
                 else contextlib.nullcontext())
 
-    AuxLoss.loss_scale = 1.0 / t.grad_accum
+    AuxLoss.loss_scale = 1.0 / (t.grad_accum * dp_size)  # mean over the global batch's micro-batches
     history, tokens_since = [], 0
     log.tick()
     for step in range(t.steps):
@@ -127,13 +141,14 @@ def train(cfg: Config) -> list[dict]:
         for micro in range(t.grad_accum):
             r = rows(micro, dp_rank, dp_size, t.micro_batch_size)
             x_BS, y_BS = x_GS[r].to(device, non_blocking=True), y_GS[r].to(device, non_blocking=True)
+            x_BS, y_BS, pos_BS = split_batch(x_BS, y_BS, dims)  # cp: this rank's sequence chunks
             with autocast:
-                loss = model(x_BS, labels_BS=y_BS)
+                loss = model(x_BS, positions_BS=pos_BS, labels_BS=y_BS)
             (loss / denom).backward()
             loss_sum += loss.item()
             n_tokens += y_BS.numel()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
+        loss_sum, n_tokens = all_sum([loss_sum, n_tokens], dims)
+        grad_norm = clip_grad_norm_(model.parameters(), t.grad_clip, dims)  # global over shards
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]
@@ -151,7 +166,10 @@ def train(cfg: Config) -> list[dict]:
             tokens_since = 0
             log.write({**rec, "tokens_per_s": tps,
                        "mfu": tps * fpt / (peak * 1e12) if peak else None,
-                       "mem_gb": memory_gb(device), "imbalance": expert_imbalance(model)})
+                       "mem_gb": memory_gb(device), "imbalance": expert_imbalance(model, dims)})
+    if keep is not None:
+        keep["model"] = model
+    dims.close()
     return history
 
 

@@ -1,0 +1,254 @@
+"""Distributed training equals one process (issue 4), on gloo worlds of 2 and 4 CPU processes.
+
+Each layout trains 3 optimizer steps of a tiny model on the same global batch as a single
+process (the reference: the same micro-batch size, grad_accum multiplied by the number of
+batch ranks, so each rank's micro-batch is one of the reference's micro-batches) and must give
+the same loss and gradient norm at every step and the same parameters after the last step.
+Layouts (issue notation -> recipe; ep borrows ranks from fsdp*cp, see parallel_dims.py):
+
+    world 2  fsdp=2 -> fsdp=2          ep=2 -> fsdp=2 ep=2       cp=2 -> cp=2
+             cp=2 x ep=2 -> cp=2 ep=2  (the two halves of each sequence route to each other's experts)
+    world 4  fsdp=2 x ep=2 -> fsdp=4 ep=2 (experts split 2 ways by expert, 2 ways by width)
+             dp=2 x ep=2 -> dp=2 fsdp=2 ep=2 (HSDP)     cp=2 x ep=2 -> fsdp=2 cp=2 ep=2
+
+The load-balancing loss is on (coefficient 0.01): with dp/fsdp it is per micro-batch exactly
+as in the reference; with cp its statistics are all-reduced over the cp ranks
+(ContextParallelLoadBalanceLoss), so it is the same function too.
+
+Tolerance (float32). Nothing is approximated; what differs is the order of float additions:
+FSDP sums gradients across ranks, expert parallel sums a token's expert outputs per rank and
+then across ranks, context parallel runs attention as two masked chunk calls, and the global
+gradient norm is summed in float64 from shards. These are ~1e-7 relative per operation; after
+3 AdamW steps (lr 3e-3, whose update is ~lr * sign(grad) early on) we allow 1e-5 relative on
+losses and grad norms and 2e-5 absolute on parameters (< 1% of one step's update). A real bug
+(a missing gradient sum, a wrong chunk, an expert on the wrong rank) moves the loss by > 1e-3
+and parameters by ~lr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from pithtrain.config import ConfigError, config_from_dict
+
+FAMILIES = {
+    "qwen3_moe": dict(family="qwen3_moe", vocab_size=264, hidden_size=32, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=8, top_k=2,
+                      aux_loss_coeff=0.01),
+    "deepseek_v2": dict(family="deepseek_v2", vocab_size=264, hidden_size=32, num_layers=2,
+                        num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                        v_head_dim=8, first_k_dense_replace=1, intermediate_size=32,
+                        moe_intermediate_size=16, num_experts=8, n_shared_experts=1, top_k=2,
+                        aux_loss_coeff=0.01),
+    # sliding window 4 < the 8-token chunks of cp=2 at seq 16: windows cross chunk borders
+    "gpt_oss": dict(family="gpt_oss", vocab_size=264, hidden_size=32, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=8, intermediate_size=16, num_experts=8, top_k=2,
+                    sliding_window=4, aux_loss_coeff=0.01),
+}
+LAYOUTS = {
+    2: {"fsdp=2": dict(fsdp=2), "ep=2": dict(fsdp=2, ep=2), "cp=2": dict(cp=2),
+        "cp=2 x ep=2": dict(cp=2, ep=2)},
+    4: {"fsdp=2 x ep=2": dict(fsdp=4, ep=2), "dp=2 x ep=2": dict(dp=2, fsdp=2, ep=2),
+        "cp=2 x ep=2": dict(fsdp=2, cp=2, ep=2)},
+}
+# GPT-OSS (sinks + sliding window) is the context-parallel attention case; its EP/FSDP path is
+# the same code as the other two families'.
+RUNS = {2: [(f, n) for f in FAMILIES for n in LAYOUTS[2] if f != "gpt_oss" or n.startswith("cp")],
+        4: [(f, n) for f in ("qwen3_moe", "deepseek_v2") for n in LAYOUTS[4]]}
+RTOL, PARAM_ATOL = 1e-5, 2e-5
+
+
+def make_cfg(family: str, parallel: dict, grad_accum: int, run_dir: str):
+    return config_from_dict({
+        "model": FAMILIES[family],
+        "train": dict(steps=3, micro_batch_size=2, seq_len=16, grad_accum=grad_accum, warmup_steps=1,
+                      device="cpu"),
+        "data": dict(max_bytes=20000),
+        "parallel": parallel,
+        "checkpoint": dict(final=False),
+        "log": dict(every=1, run_dir=run_dir),
+    })
+
+
+def batch_ranks(parallel: dict) -> int:
+    return parallel.get("dp", 1) * parallel.get("fsdp", 1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers (one per rank; spawned)
+
+
+def _init(rank: int, world: int, port: int):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return dist
+
+
+def _parity_worker(rank: int, world: int, port: int, tmp: str):
+    from torch.distributed.tensor import DTensor
+
+    from pithtrain.train import train
+    dist = _init(rank, world, port)
+    results = {}
+    for family, name in RUNS[world]:
+        parallel = LAYOUTS[world][name]
+        keep = {}
+        hist = train(make_cfg(family, parallel, 1, os.path.join(tmp, f"r{rank}", family, name)), keep=keep)
+        params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+                  for n, p in keep["model"].named_parameters()}
+        if rank == 0:
+            ref = torch.load(os.path.join(tmp, f"ref-{family}-{batch_ranks(parallel)}.pt"))
+            assert params.keys() == ref["params"].keys()
+            results[f"{family} {name}"] = {
+                "loss": [h["loss"] for h in hist], "ref_loss": [h["loss"] for h in ref["hist"]],
+                "gnorm": [h["grad_norm"] for h in hist], "ref_gnorm": [h["grad_norm"] for h in ref["hist"]],
+                "param_max_diff": max((params[n] - ref["params"][n]).abs().max().item() for n in params),
+                "param_max_update": max((ref["params"][n] - ref["init"][n]).abs().max().item()
+                                        for n in params)}
+    if rank == 0:
+        with open(os.path.join(tmp, f"results-{world}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+def _reference(family: str, bs: int, tmp) -> None:
+    """Single process, grad_accum = number of batch ranks: the same global batch and micro-batches."""
+    from pithtrain.models import build_model
+    from pithtrain.train import train
+    path = tmp / f"ref-{family}-{bs}.pt"
+    if path.exists():
+        return
+    cfg = make_cfg(family, {}, bs, str(tmp / "ref"))
+    torch.manual_seed(cfg.train.seed)
+    init = {n: p.detach().clone() for n, p in build_model(cfg.model, "cpu").named_parameters()}
+    keep = {}
+    hist = train(cfg, keep=keep)
+    torch.save({"hist": hist, "init": init,
+                "params": {n: p.detach() for n, p in keep["model"].named_parameters()}}, path)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_layouts_match_single_process(world, tmp_path):
+    for family, name in RUNS[world]:
+        _reference(family, batch_ranks(LAYOUTS[world][name]), tmp_path)
+    mp.spawn(_parity_worker, args=(world, free_port(), str(tmp_path)), nprocs=world)
+    results = json.loads((tmp_path / f"results-{world}.json").read_text())
+    assert len(results) == len(RUNS[world])
+    report = []
+    for key, r in results.items():
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(r["loss"], r["ref_loss"]))
+        gnorm_err = max(abs(a - b) / abs(b) for a, b in zip(r["gnorm"], r["ref_gnorm"]))
+        report.append(f"{key}: loss rel {loss_err:.1e}, gnorm rel {gnorm_err:.1e}, "
+                      f"params abs {r['param_max_diff']:.1e} (update {r['param_max_update']:.1e})")
+        assert loss_err < RTOL and gnorm_err < RTOL, report[-1]
+        assert r["param_max_diff"] < PARAM_ATOL, report[-1]
+        assert r["param_max_update"] > 100 * PARAM_ATOL, report[-1]  # the parameters did move
+    print("\n".join(report))
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch deduplication
+
+
+def _dedup_worker(rank: int, world: int, port: int, tmp: str):
+    from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
+    from pithtrain.models.common import GroupedExperts, LocalDispatcher
+    dist = _init(rank, world, port)
+    E, D, F, T, A = 8, 16, 12, 24, 4
+    El = E // world
+    torch.manual_seed(0)  # the same global tokens, routing and experts on every rank
+    full = GroupedExperts(E, D, F)
+    torch.nn.init.normal_(full.w13_EDF2, std=0.3)
+    torch.nn.init.normal_(full.w2_EFD, std=0.3)
+    x = torch.randn(world * T, D)
+    # top-4 of 8 experts on 2 ranks: most tokens have two or more experts on the same rank
+    idx = torch.stack([torch.randperm(E)[:A] for _ in range(world * T)])
+    w = torch.rand(world * T, A)
+    g = torch.randn(world * T, D)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    (LocalDispatcher()(xr, idx, wr, full) * g).sum().backward()
+    mine = slice(rank * T, (rank + 1) * T)
+    out = {}
+    for dedup in (True, False):
+        local = GroupedExperts(El, D, F)
+        with torch.no_grad():
+            local.w13_EDF2.copy_(full.w13_EDF2[rank * El:(rank + 1) * El])
+            local.w2_EFD.copy_(full.w2_EFD[rank * El:(rank + 1) * El])
+        d = ExpertParallelDispatcher(dist.group.WORLD, rank, world, E, dedup=dedup)
+        xl, wl = x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
+        y = d(xl, idx[mine], wl, local)
+        (y * g[mine]).sum().backward()
+        y_ref = LocalDispatcher()(x, idx, w, full)[mine]
+        torch.testing.assert_close(y, y_ref.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(xl.grad, xr.grad[mine], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(wl.grad, wr.grad[mine], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(local.w13_EDF2.grad, full.w13_EDF2.grad[rank * El:(rank + 1) * El],
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(local.w2_EFD.grad, full.w2_EFD.grad[rank * El:(rank + 1) * El],
+                                   rtol=1e-5, atol=1e-5)
+        out["dedup" if dedup else "naive"] = [d.rows_sent, d.rows_sent_remote]
+    if rank == 0:
+        with open(os.path.join(tmp, "dedup.json"), "w") as f:
+            json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def test_dispatch_deduplication_sends_fewer_rows_same_result(tmp_path):
+    mp.spawn(_dedup_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    out = json.loads((tmp_path / "dedup.json").read_text())
+    (dedup_all, dedup_remote), (naive_all, naive_remote) = out["dedup"], out["naive"]
+    assert naive_all == 24 * 4  # one row per (token, slot)
+    assert dedup_all <= 24 * 2  # at most one row per (token, rank)
+    assert dedup_remote < naive_remote, out
+
+
+# ---------------------------------------------------------------------------------------------
+# Impossible layouts fail before any collective, with a clear message on every rank
+
+
+def test_impossible_layouts_rejected_by_arithmetic():
+    import torch.distributed as dist
+
+    from pithtrain.distributed.parallel_dims import ParallelDims
+    cfg = make_cfg("qwen3_moe", dict(fsdp=2, ep=3), 1, "/tmp/unused")
+    with pytest.raises(ConfigError, match=r"parallel.ep: 3 does not divide model.num_experts \(8\)"):
+        ParallelDims.from_config(cfg, world_size=2, rank=0)
+    cfg = make_cfg("qwen3_moe", dict(fsdp=4), 1, "/tmp/unused")
+    with pytest.raises(ConfigError, match=r"pp\*dp\*fsdp\*cp = 1\*1\*4\*1 = 4 but 2 processes"):
+        ParallelDims.from_config(cfg, world_size=2, rank=1)
+    cfg = make_cfg("qwen3_moe", dict(cp=3), 1, "/tmp/unused")
+    with pytest.raises(ConfigError, match=r"train.seq_len: 16 must be divisible by 2\*cp = 6"):
+        ParallelDims.from_config(cfg, world_size=3, rank=0)
+    cfg = make_cfg("qwen3_moe", dict(fsdp=1, dp=2, ep=2), 1, "/tmp/unused")
+    with pytest.raises(ConfigError, match=r"ep: 2 must divide fsdp\*cp = 1"):
+        ParallelDims.from_config(cfg, world_size=2, rank=0)
+    assert not dist.is_initialized()  # the checks are arithmetic: no process group was needed
+
+
+def test_torchrun_ep3_fails_on_every_rank_before_any_collective(tmp_path):
+    """Under torchrun each rank prints the error and exits 2 before init_process_group."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), "-m", "pithtrain.train",
+           "parallel.fsdp=2", "parallel.ep=3", "train.device=cpu", f"log.run_dir={tmp_path}"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode != 0
+    msg = "parallel.ep: 3 does not divide model.num_experts (8)"
+    assert (p.stdout + p.stderr).count(msg) == 2, p.stdout + p.stderr
