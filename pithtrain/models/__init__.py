@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from pithtrain.models import qwen3_moe
+from pithtrain.models import gpt_oss, qwen3_moe
 
 
 class Family(NamedTuple):
@@ -24,6 +24,7 @@ class Family(NamedTuple):
 FAMILIES = {
     "qwen3_moe": Family(qwen3_moe.Qwen3MoeConfig, qwen3_moe.Qwen3MoeForCausalLM,
                         qwen3_moe.hf_to_native, qwen3_moe.native_to_hf),
+    "gpt_oss": Family(gpt_oss.GptOssConfig, gpt_oss.GptOssForCausalLM, gpt_oss.hf_to_native, gpt_oss.native_to_hf),
 }
 
 
