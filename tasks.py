@@ -15,6 +15,7 @@ pithtrain/appliance.py; this file only chooses and runs them.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -268,8 +269,9 @@ def _build_lines(target: str, pins: dict, registry: str, push: bool) -> list[str
 @task(help={"gpu": H_GPU + " (default: the image's own target inside it)",
             "runtime": H_RUNTIME,
             "manifest": "check this manifest file instead of this environment",
+            "skill": "also check this skill's prerequisites (python -m pithtrain.skills check)",
             "dry_run": H_DRY})
-def doctor(c, gpu="", runtime="", manifest="", dry_run=False):
+def doctor(c, gpu="", runtime="", manifest="", skill="", dry_run=False):
     """Compare the environment (or an image manifest) with images/versions.yaml; exit 1 on drift.
 
     Inside the image it checks the build's manifest and the live environment; outside it, with
@@ -277,34 +279,38 @@ def doctor(c, gpu="", runtime="", manifest="", dry_run=False):
     gpu_ = _gpu(gpu)
     rt = "native" if manifest else _runtime(runtime, gpu_)
     if rt == "docker":
-        _emit(c, _in_image(gpu_, ["invoke", "doctor"]), dry_run)
+        _emit(c, _in_image(gpu_, ["invoke", "doctor", *(["--skill", skill] if skill else [])]),
+              dry_run)
         return
+    problems = []
+    if skill:
+        r = _py(c, f"-m pithtrain.skills check {shlex.quote(skill)}", warn=True)
+        problems += [f"skill {skill}: prerequisites missing (above)"] if r.exited else []
     target = ap.target_for(gpu_) if gpu_ else os.environ.get("PITHTRAIN_TARGET")
-    if target is None:
+    if target is None and not skill:
         raise Exit("error: doctor: which image? give --gpu (outside the image)", 2)
-    pins = ap.load_versions()["targets"][target]
-    checks = []  # (what, manifest dict)
-    if manifest:
-        import json
-        checks.append((manifest, json.loads(Path(manifest).read_text())))
-    else:
-        if ap.MANIFEST.is_file():
-            import json
-            checks.append((f"image manifest {ap.MANIFEST}", json.loads(ap.MANIFEST.read_text())))
-        checks.append(("this environment", ap.collect_manifest()))
-    problems = [f"{what}: {p}" for what, m in checks for p in ap.drift(m, target, pins)]
-    if not manifest and shutil.which("nvidia-smi"):
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True).stdout.split()
-        p = out and ap.driver_problem(out[0], pins["driver_min"])
-        problems += [f"host: {p}"] if p else []
+    checks = []  # (what was checked, its manifest)
+    if target is not None:
+        pins = ap.load_versions()["targets"][target]
+        if manifest:
+            checks.append((manifest, json.loads(Path(manifest).read_text())))
+        else:
+            if ap.MANIFEST.is_file():
+                checks.append((f"image manifest {ap.MANIFEST}", json.loads(ap.MANIFEST.read_text())))
+            checks.append(("this environment", ap.collect_manifest()))
+        problems += [f"{what}: {p}" for what, m in checks for p in ap.drift(m, target, pins)]
+        if not manifest and shutil.which("nvidia-smi"):
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                                  "--format=csv,noheader"], capture_output=True, text=True)
+            p = out.stdout.split() and ap.driver_problem(out.stdout.split()[0], pins["driver_min"])
+            problems += [f"host: {p}"] if p else []
     for p in problems:
         print(p)
+    checked = " and ".join([w for w, _ in checks] + ([f"skill {skill}"] if skill else []))
     if problems:
-        raise Exit(f"doctor: FAIL, {len(problems)} difference(s) from images/versions.yaml "
-                   f"target {target}", 1)
-    print(f"doctor: PASS, {' and '.join(w for w, _ in checks)} match images/versions.yaml "
-          f"target {target}")
+        raise Exit(f"doctor: FAIL, {len(problems)} problem(s) ({checked} against "
+                   f"images/versions.yaml target {target})", 1)
+    print(f"doctor: PASS ({checked} match images/versions.yaml target {target})")
 
 
 @task(help={"gpu": H_GPU + " (default: auto)",

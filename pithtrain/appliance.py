@@ -266,25 +266,26 @@ def driver_problem(driver: str, driver_min: str) -> str | None:
 # ---------------------------------------------------------------------------------------------
 # Version literals outside versions.yaml
 
-# A version-looking literal: a pip specifier's version, a number with three or more dotted parts,
+# A version-looking literal: a pip specifier's dotted version (torch==2.11.0), a number with three or more dotted parts,
 # a two-part number right after a component name (python3.12, CUDA 13.0, torch 2.11), a git
 # commit or an image digest.
 _VERSION_PATTERNS = [
-    re.compile(r"[=<>~!]=\s*v?(\d+(?:\.\d+)*[\w.]*)"),
+    re.compile(r"(?<=[\w\]])(?:==|>=|<=|~=|!=)v?(\d+(?:\.\d+)+[\w.]*)"),  # name==1.2, not `x == 0`
     re.compile(r"(?<![\w.])v?(\d+\.\d+\.\d+[\w.]*)"),
     re.compile(r"(?i)(?<![a-z])(?:python|py|cuda|cu|torch|pytorch|triton|nccl|cudnn|nsys|nsight-systems|"
                r"ubuntu|flash-attn|fa|deepgemm|transformers)[-_ :=v]*(\d+\.\d+[\w.]*)"),
     re.compile(r"(?<![0-9a-f])([0-9a-f]{40})(?![0-9a-f])"),
     re.compile(r"(sha256:[0-9a-f]{64})"),
 ]
-_NOT_VERSIONS = {"127.0.0.1", "0.0.0.0"}  # addresses, not versions
+# Private, loopback and unspecified IPv4 addresses (example MASTER_ADDRs) are not versions.
+_ADDRESS = re.compile(r"(?:10|127|0|192\.168|172\.(?:1[6-9]|2\d|3[01]))(?:\.\d{1,3}){2,3}")
 
 
 def version_literals(text: str) -> set[str]:
     found = set()
     for pattern in _VERSION_PATTERNS:
         found.update(m.group(1).rstrip(".") for m in pattern.finditer(text))
-    return found - _NOT_VERSIONS
+    return {v for v in found if not (_ADDRESS.fullmatch(v) and v.count(".") == 3)}
 
 
 def pinned_values(versions: dict) -> set[str]:
@@ -304,7 +305,9 @@ def find_unpinned_versions(paths, versions: dict, allowed: set[str] | None = Non
     `allowed` defaults to the pins themselves, which suits prose (a skill may say "torch 2.11.0"
     while the image has it); pass an empty set for files that must name no version at all
     (Dockerfiles, compose, SkyPilot: they get versions through build args and the image name)."""
-    allowed = pinned_values(versions) if allowed is None else allowed
+    if allowed is None:  # prose: a pin, or its release series ("CUDA 13.0" for 13.0.2)
+        pins = pinned_values(versions)
+        allowed = pins | {".".join(p.split(".")[:n]) for p in pins for n in (2, 3)}
     out = []
     for path in paths:
         for n, line in enumerate(Path(path).read_text().splitlines(), 1):
