@@ -19,7 +19,7 @@ from pithtrain.distributed import pipeline
 from pithtrain.models.common import AuxLoss
 from pithtrain.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-CFG = dict(vocab_size=64, hidden_size=32, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=8,
+CFG = dict(vocab_size=264, hidden_size=32, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=8,
            intermediate_size=48, moe_intermediate_size=16, num_experts=4, top_k=2, mlp_only_layers=[0],
            aux_loss_coeff=0.01)
 MBS, SEQ = 2, 16
@@ -59,11 +59,13 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, cases, out_dir):
+def _worker(rank, world, port, cases, out_dir, ep_cases=()):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        for name, schedule, M in ep_cases:
+            _pp_fsdp_ep(rank, world, name, schedule, M, out_dir)
         group_f, group_b = pipeline.new_pp_groups([list(range(world))])
         for name, schedule, M, layers in cases:
             model = build()
@@ -83,26 +85,68 @@ def _worker(rank, world, port, cases, out_dir):
         dist.destroy_process_group()
 
 
+def _pp_fsdp_ep(rank, world, name, schedule, M, out_dir):
+    """pp=2 x fsdp=2 x ep=2 on 4 ranks: each stage's two ranks shard its dense weights (FSDP) and
+    split its experts (EP, all-to-all dispatch), each reads its own rows (M micro-batches each)."""
+    from pithtrain.config import config_from_dict
+    from pithtrain.distributed.parallel_dims import ParallelDims
+    from pithtrain.distributed.parallelize import materialize, parallelize
+    from pithtrain.models import build_model
+
+    cfg = config_from_dict({"model": {"family": "qwen3_moe", **CFG},
+                            "train": {"seq_len": SEQ, "micro_batch_size": MBS, "grad_accum": M},
+                            "parallel": {"pp": 2, "fsdp": 2, "ep": 2, "pp_schedule": schedule}})
+    dims = ParallelDims.from_config(cfg, world_size=world, rank=rank).build_meshes("cpu")
+    pp_rank = dims.pp_rank
+    group_f, group_b = pipeline.new_pp_groups([[0, 2], [1, 3]])
+    model = build_model(cfg.model, "cpu", init=False)
+    chunks = pipeline.rank_chunks(pp_rank, 2, schedule, CFG["num_layers"])
+    pipeline.prune_model(model, chunks)
+    parallelize(model, dims, cfg.train, torch.device("cpu"))
+    pipeline.register_fsdp_methods(model)
+    materialize(model, build(), torch.device("cpu"))
+    ops = pipeline.build_schedule(schedule, 2, M)[pp_rank]
+    runner = pipeline.PipelineRunner(model, chunks, ops, pp_rank, 2, schedule, M, group_f, group_b,
+                                     (MBS, SEQ, CFG["hidden_size"]), torch.device("cpu"))
+    AuxLoss.loss_scale = 1.0 / (M * dims.batch_size)
+    mbs, denom = micro_batches(M * dims.batch_size)
+    mine = [mbs[m * dims.batch_size + dims.batch_rank] for m in range(M)]  # data.rows
+    runner.timeline = []
+    loss = runner.step(mine, denom)
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grads[n] = g
+    if dims.batch_rank == 1:  # the other stage rank's gradients are the same full tensors
+        grads = {}
+    torch.save({"loss": loss, "grads": grads, "timeline": runner.timeline},
+               os.path.join(out_dir, f"{name}.{rank}.pt"))
+
+
 def check(out_dir, name, world, M):
     ref_loss, ref = reference(M)
     got = {}
+    losses = []
     for r in range(world):
         res = torch.load(os.path.join(out_dir, f"{name}.{r}.pt"))
-        assert res["loss"] == pytest.approx(ref_loss, rel=1e-6), (name, r)
+        losses.append(res["loss"])
         assert res["timeline"], (name, r)
         for n, g in res["grads"].items():
             assert n not in got, f"{name}: {n} held by two ranks"
             got[n] = g
+    assert sum(losses) == pytest.approx(ref_loss, rel=1e-6), (name, losses)
     assert got.keys() == ref.keys(), (name, set(ref) ^ set(got))
     for n in ref:
         assert got[n] is not None, (name, n)
         torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=f"{name}: {n}")
 
 
-def run_world(world, cases, tmp_path):
-    mp.spawn(_worker, args=(world, free_port(), cases, str(tmp_path)), nprocs=world, join=True)
+def run_world(world, cases, tmp_path, ep_cases=()):
+    mp.spawn(_worker, args=(world, free_port(), cases, str(tmp_path), ep_cases), nprocs=world, join=True)
     for name, _, M, _ in cases:
         check(str(tmp_path), name, world, M)
+    for name, _, M in ep_cases:
+        check(str(tmp_path), name, world, 2 * M)
 
 
 def test_pp2_1f1b_and_dualpipev_match_one_process(tmp_path):
@@ -110,5 +154,6 @@ def test_pp2_1f1b_and_dualpipev_match_one_process(tmp_path):
                   ("dualpipev_layers", "dualpipev", 5, [0, 3, 1, 2])], tmp_path)
 
 
-def test_pp4_1f1b_and_dualpipev_match_one_process(tmp_path):
-    run_world(4, [("1f1b", "1f1b", 6, None), ("dualpipev", "dualpipev", 8, None)], tmp_path)
+def test_pp4_1f1b_and_dualpipev_and_pp2_fsdp2_ep2_match_one_process(tmp_path):
+    run_world(4, [("1f1b", "1f1b", 6, None), ("dualpipev", "dualpipev", 8, None)], tmp_path,
+              ep_cases=[("ep_1f1b", "1f1b", 2), ("ep_dualpipev", "dualpipev", 4)])

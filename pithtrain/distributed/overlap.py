@@ -9,7 +9,9 @@ A Qwen3-MoE layer has five:
     combine   comm     rows, weights -> tokens (expert parallel: the all-to-all back)
     post      compute  h1 + moe output
 
-Any other layer (dense MLP, other families) is one compute phase calling `layer(h, rope)`, which is
+With the expert-parallel dispatcher (one call: all-to-all, experts, all-to-all back) dispatch +
+experts + combine are one communication phase "moe". Any other layer (dense MLP, other families,
+or any layer under FSDP: split_layers=False) is one compute phase calling `layer(h, rope)`, which is
 always correct and only gives up overlap inside that layer. The phase code restates
 qwen3_moe.DecoderLayer.forward / MoE.forward (same calls, in the same order; the load-balancing
 gradient is attached to h1 instead of the MoE output, which is the same gradient because both feed
@@ -56,21 +58,26 @@ class Phase:
     params: list  # parameters whose gradient this phase produces (for W)
 
 
-def chunk_phases(model, chunk, positions_BS, labels_BS=None) -> list[Phase]:
+def chunk_phases(model, chunk, positions_BS, labels_BS=None, split_layers: bool = True) -> list[Phase]:
     """The phases of one chunk (pipeline.Chunk) on one micro-batch. State names: 'in' is the
     chunk input (token ids or hidden states), 'out' its output (hidden states, or the summed token
-    loss on the last stage)."""
+    loss on the last stage). split_layers=False: one phase per layer (`layer(h, rope)`), which
+    FSDP needs: its hooks gather a layer's weights around the layer's own forward call."""
     rope = model.rotary(positions_BS)
     phases, cur = [], "in"
+    embed = getattr(model, "pipeline_embed", None) or model.embed_tokens  # pipeline.attach_ends
     if chunk.first:
-        phases.append(Phase("embed", False, lambda **s: {"h.e": model.embed_tokens(s["in"])}, ("in",),
+        phases.append(Phase("embed", False, lambda **s: {"h.e": embed(s["in"])}, ("in",),
                             list(model.embed_tokens.parameters())))
         cur = "h.e"
     for i in chunk.layer_ids:
-        layer_phases, cur = _layer_phases(model.layers[i], i, cur, rope)
+        layer = model.layers[str(i)] if isinstance(model.layers, torch.nn.ModuleDict) else model.layers[i]
+        layer_phases, cur = _layer_phases(layer, i, cur, rope, split_layers)
         phases += layer_phases
     if chunk.last:
         def head(h_in=cur, **s):
+            if hasattr(model, "pipeline_head"):
+                return {"out": model.pipeline_head(s[h_in], labels_BS)}
             h = model.norm(s[h_in])
             return {"out": cross_entropy_sum(h.flatten(0, 1), model.lm_head.weight, labels_BS.flatten())}
         phases.append(Phase("head", False, head, (cur,),
@@ -80,9 +87,9 @@ def chunk_phases(model, chunk, positions_BS, labels_BS=None) -> list[Phase]:
     return phases
 
 
-def _layer_phases(layer, i, h_in, rope):
+def _layer_phases(layer, i, h_in, rope, split):
     p = f"{i}."
-    if not (isinstance(layer, qwen3_moe.DecoderLayer) and isinstance(layer.mlp, qwen3_moe.MoE)):
+    if not (split and isinstance(layer, qwen3_moe.DecoderLayer) and isinstance(layer.mlp, qwen3_moe.MoE)):
         return [Phase(f"layer{i}", False, lambda **s: {p + "h": layer(s[h_in], rope)}, (h_in,),
                       list(layer.parameters()))], p + "h"
     moe = layer.mlp
@@ -109,17 +116,25 @@ def _layer_phases(layer, i, h_in, rope):
         T = s[p + "x"].shape[0]
         return {p + "y": moe.dispatcher.combine(s[p + "yd"], s[p + "w"], *s[p + "handle"], T)}
 
+    def moe_call(**s):  # a dispatcher with one call (expert parallel): all-to-all, experts, back
+        return {p + "y": moe.dispatcher(s[p + "x"], s[p + "idx"], s[p + "w"], moe.experts)}
+
     def post(**s):
         h1 = s[p + "h1"]
         return {p + "h": h1 + s[p + "y"].view(h1.shape)}
 
     gate_params = [*layer.self_attn.parameters(), *layer.input_layernorm.parameters(),
                    *layer.post_attention_layernorm.parameters(), *moe.gate.parameters()]
-    return [Phase(f"attn{i}", False, attn, (h_in,), gate_params),
+    attn_phase = Phase(f"attn{i}", False, attn, (h_in,), gate_params)
+    post_phase = Phase(f"post{i}", False, post, (p + "h1", p + "y"), [])
+    if not hasattr(moe.dispatcher, "dispatch"):
+        return [attn_phase, Phase(f"moe{i}", True, moe_call, (p + "x", p + "idx", p + "w"),
+                                  list(moe.experts.parameters())), post_phase], p + "h"
+    return [attn_phase,
             Phase(f"dispatch{i}", True, dispatch, (p + "x", p + "idx"), []),
             Phase(f"experts{i}", False, experts, (p + "xd", p + "counts"), list(moe.experts.parameters())),
             Phase(f"combine{i}", True, combine, (p + "yd", p + "w", p + "handle", p + "x"), []),
-            Phase(f"post{i}", False, post, (p + "h1", p + "y"), [])], p + "h"
+            post_phase], p + "h"
 
 
 # ---------------------------------------------------------------------------------------------

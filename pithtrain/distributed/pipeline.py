@@ -69,12 +69,14 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+import types
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from pithtrain.distributed import overlap
+from pithtrain.models.common import cross_entropy_sum
 
 # ---------------------------------------------------------------------------------------------
 # Partitioning
@@ -134,13 +136,12 @@ def rank_chunks(rank: int, pp: int, schedule: str, num_layers: int,
 
 
 def prune_model(model: torch.nn.Module, chunks: list[Chunk]) -> torch.nn.Module:
-    """Drop, in place, every module this rank does not hold. Held layers keep their index in
-    `model.layers` (dropped ones become nn.Identity), so parameter names stay those of the whole
-    model (checkpoints and Hugging Face export need no renaming). Works on the meta device."""
-    keep = {i for c in chunks for i in c.layer_ids}
-    for i in range(len(model.layers)):
-        if i not in keep:
-            model.layers[i] = torch.nn.Identity()
+    """Drop, in place, every module this rank does not hold. `model.layers` becomes a ModuleDict
+    keyed by the layer index, so parameter names stay those of the whole model ("layers.7.mlp...":
+    checkpoints and Hugging Face export need no renaming). Works on the meta device; run it
+    before `parallelize`."""
+    keep = sorted({i for c in chunks for i in c.layer_ids})
+    model.layers = torch.nn.ModuleDict({str(i): model.layers[i] for i in keep})
     tied = model.lm_head.weight is model.embed_tokens.weight
     has_first, has_last = any(c.first for c in chunks), any(c.last for c in chunks)
     if tied and has_first != has_last:
@@ -152,7 +153,38 @@ def prune_model(model: torch.nn.Module, chunks: list[Chunk]) -> torch.nn.Module:
     if not has_last:
         model.norm = None
         model.lm_head = None
+    return attach_ends(model)
+
+
+def _pipeline_begin(self):
+    return None
+
+
+def _pipeline_embed(self, input_ids_BS):
+    return self.embed_tokens(input_ids_BS)
+
+
+def _pipeline_head(self, h_BSD, labels_BS):
+    return cross_entropy_sum(self.norm(h_BSD).flatten(0, 1), self.lm_head.weight, labels_BS.flatten())
+
+
+def attach_ends(model: torch.nn.Module) -> torch.nn.Module:
+    """The pipeline never calls the model's forward; it calls the layers, and these methods for
+    the ends (overlap.chunk_phases). Under FSDP the embedding, final norm and head belong to the
+    root unit, whose hooks run around forward only, so `register_fsdp_methods` hooks these
+    methods too; `pipeline_begin` (called at each step start) lets the root initialise first."""
+    model.pipeline_begin = types.MethodType(_pipeline_begin, model)
+    model.pipeline_embed = types.MethodType(_pipeline_embed, model)
+    model.pipeline_head = types.MethodType(_pipeline_head, model)
     return model
+
+
+def register_fsdp_methods(model: torch.nn.Module):
+    """After `parallelize`: FSDP's gather / reduce-scatter hooks around the pipeline's end methods."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+    if isinstance(model, FSDPModule):
+        for name in ("pipeline_begin", "pipeline_embed", "pipeline_head"):
+            register_fsdp_forward_method(model, name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,6 +465,12 @@ class PipelineRunner:
         self.autocast = autocast
         self.V = num_virtual_stages(pp, schedule)
         self.timeline = None
+        # FSDP gathers a layer's weights around the layer's own call and reduce-scatters their
+        # gradients when its backward finishes, so under FSDP layers run whole and B runs the full
+        # backward (W is then empty): the schedule is unchanged, only its weight-gradient delay
+        # is given up. Deferring FSDP's reduce-scatter to W is the missing piece.
+        fsdp = any(type(m).__name__.startswith("FSDP") for m in model.modules())
+        self.split = not fsdp
 
     # --- helpers
     def _global(self, group, pp_peer):
@@ -447,15 +485,15 @@ class PipelineRunner:
 
     def _start_run(self, c, mb):
         chunk = self.chunks[c]
-        x_BS, y_BS = self.micro[mb]
+        x_BS, y_BS, positions_BS = self.micro[mb]
         if chunk.first:
             x = x_BS
         elif self._local_prev(c):
             x = self.runs[(c - 1, mb)].output
         else:
             x = self.f_in.pop((c, mb))
-        positions_BS = torch.arange(x_BS.shape[1], device=x_BS.device).expand_as(x_BS)
-        phases = overlap.chunk_phases(self.model, chunk, positions_BS, y_BS if chunk.last else None)
+        phases = overlap.chunk_phases(self.model, chunk, positions_BS, y_BS if chunk.last else None,
+                                      split_layers=self.split)
         run = overlap.start(phases, x)
         self.runs[(c, mb)] = run
         return run
@@ -485,14 +523,18 @@ class PipelineRunner:
 
     # --- one step
     def step(self, micro_batches, denom: float) -> float:
-        """micro_batches: M (input ids, labels) pairs on the device (every rank gets them; the first
-        stage reads the ids, the last the labels). Returns the summed token loss of the step on
-        every rank of the pipeline."""
+        """micro_batches: M (input ids, labels[, positions]) on the device (every rank gets them;
+        the first stage reads the ids, the last the labels). Returns this rank's summed token
+        loss (non-zero only where the last stage lives: a sum over ranks gives the total)."""
         assert len(micro_batches) == self.M
+        micro_batches = [mb if len(mb) == 3 else (*mb, torch.arange(mb[0].shape[1], device=mb[0].device)
+                                                  .expand_as(mb[0])) for mb in micro_batches]
         self.micro, self.runs, self.f_in, self.b_in, self.b_out, self.local_grad = micro_batches, {}, {}, {}, {}, {}
         self.loss_sum = torch.zeros((), device=self.device)
         self.loss_grad = torch.tensor(1.0 / denom, device=self.device)
         pending = []
+        if hasattr(self.model, "pipeline_begin"):
+            self.model.pipeline_begin()
         t0 = time.perf_counter()
         cuda = self.device.type == "cuda"
         for op in self.ops:
@@ -527,9 +569,7 @@ class PipelineRunner:
         for work, _ in pending:
             work.wait()
         assert not self.runs and not self.f_in and not self.b_in and not self.b_out, "schedule left work"
-        loss = self.loss_sum.clone()
-        dist.all_reduce(loss, group=self.group_f)
-        return float(loss)
+        return float(self.loss_sum)
 
     def _compute(self, op: Op):
         k, c, mb = op.kind, op.chunk, op.mb
@@ -537,10 +577,12 @@ class PipelineRunner:
             overlap.forward(self._start_run(c, mb))
             self._after_forward(c, mb)
         elif k in ("B", "BW"):
-            overlap.backward(self.runs[(c, mb)], self._grad_out(c, mb), input_only=k == "B")
-            self._after_backward(c, mb, full=k == "BW")
+            input_only = k == "B" and self.split
+            overlap.backward(self.runs[(c, mb)], self._grad_out(c, mb), input_only=input_only)
+            self._after_backward(c, mb, full=not input_only)
         elif k == "W":
-            overlap.weight_backward(self.runs.pop((c, mb)))
+            if self.split:
+                overlap.weight_backward(self.runs.pop((c, mb)))
         elif k == "FB":
             f = self._start_run(c, mb)
             g = self._grad_out(op.b_chunk, op.b_mb)
