@@ -1,0 +1,547 @@
+"""Sharded training checkpoints with torch.distributed.checkpoint (DCP): atomic commit, verified
+load, exact resume, resharding between parallel layouts.
+
+    ckpt = Checkpointer(cfg, model, optimizer, scheduler, device)   # every rank
+    start = ckpt.resume(True)        # True: latest valid in run_dir; False: fresh; "PATH": that one
+    for step in range(start, steps):
+        ...
+        ckpt.after_step(step + 1)    # saves when due (checkpoint.every, and the last step if final)
+    ckpt.close()                     # waits for an asynchronous save still in flight
+
+Layout of `<log.run_dir>/checkpoints/`:
+
+    step_20/              one committed checkpoint (20 optimizer steps done; data position = 20)
+      .metadata           DCP's index (which chunk of which tensor lies where)
+      __R_I.distcp        tensor data, written by rank R: model, optimizer moments, RNG states
+      trainer.json        step, LR-scheduler state, optimizer hyper-parameters, world size
+      recipe.yaml         the whole recipe of the run (Config.to_yaml)
+      manifest.json       size and sha256 of every file above; written last, before the rename
+    latest                "step_20": the pointer, replaced (write tmp, fsync, os.replace) last
+    .tmp-step_30/         a save in progress (or one that died); never loaded
+
+Commit protocol (rank 0, after every rank's shards are on disk): read back the DCP index, check
+every file it names exists, hash every file into manifest.json, fsync files and directory,
+rename `.tmp-step_N` -> `step_N`, fsync the parent, then replace `latest`, then prune to
+`checkpoint.keep_last`. A crash at any point leaves the previous checkpoint untouched: before the
+rename there is only a .tmp directory, after it a complete, verified one.
+
+Resume policy (decided here, printed every time, never silent): candidates are the `step_N`
+directories, newest first (`latest` is written last and normally names the newest; a newer
+directory than `latest` means the process died between the rename and the pointer update, and
+that directory is complete, so it is used). Each candidate's manifest is verified (sizes, then
+sha256); a damaged one is reported with the file and the reason and the next older one is tried.
+After a resume from step S, checkpoints of this run dir newer than S (damaged ones, or a
+timeline abandoned by `--resume=PATH` / `--no-resume`) are renamed `.abandoned-step_N` so that a
+later automatic resume cannot jump back to them; `.tmp-*` leftovers are deleted. If checkpoints
+exist but none is valid, resume stops with an error listing each problem (use --no-resume).
+
+Safety: only tensors go through DCP (its non-tensor values are unpickled with weights_only=False,
+so none are written and a checkpoint whose index declares one is refused); hyper-parameters and
+the scheduler state are JSON; DCP's `.metadata` pickle is read with an unpickler that allows only
+DCP's own metadata classes, torch.Size and dtypes. Tensor data itself is read by DCP with
+torch.load(weights_only=True).
+
+Saving is asynchronous (dcp.async_save: state staged to CPU memory, written by a thread) when
+checkpoint.async_save is set and the run is on CUDA; the commit then runs in a thread on rank 0
+once the write is done. On CPU saving is synchronous. Multi-process runs need a file system
+shared by all ranks (each rank writes its own shards into the same directory).
+
+Test hook (the only one): PITHTRAIN_TEST_CRASH_IN_SAVE=N makes the process os._exit(70) while
+saving step N, after the shards are written and before the manifest and rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import yaml
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+FORMAT = 1
+MANIFEST, TRAINER, RECIPE, LATEST = "manifest.json", "trainer.json", "recipe.yaml", "latest"
+CRASH_HOOK = "PITHTRAIN_TEST_CRASH_IN_SAVE"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the directory or file and why."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_of(path: Path) -> int | None:
+    name = path.name
+    if name.startswith("step_") and name[5:].isdigit():
+        return int(name[5:])
+    return None
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """Committed checkpoint directories, newest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
+    return sorted(found, key=step_of, reverse=True)
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint directory from what a user may pass: a step dir, a checkpoints dir or a run dir
+    (the last two: the newest valid checkpoint in it, skipped ones printed)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: does not exist")
+    if (path / MANIFEST).is_file() or (path / ".metadata").is_file():
+        verify(path)
+        return path
+    root = path if step_dirs(path) else checkpoints_dir(path)
+    found, notes = find_resumable(root)
+    for n in notes:
+        print(f"checkpoint: {n}", flush=True)
+    if found is None:
+        raise CheckpointError(f"{path}: no valid checkpoint here" + "".join(f"\n  {n}" for n in notes))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifest: per-file size + sha256, written at commit, checked on load
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+        os.fsync(f.fileno())  # the commit's durability: every byte on disk before the rename
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: Path, text: str):
+    """Write tmp, fsync, os.replace: readers see the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def write_manifest(ckpt: Path, step: int):
+    files = sorted(p for p in ckpt.iterdir() if p.is_file() and p.name != MANIFEST)
+    manifest = {"format": FORMAT, "step": step,
+                "files": {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}}
+    _write_durable(ckpt / MANIFEST, json.dumps(manifest, indent=1))
+
+
+def verify(ckpt: Path) -> dict:
+    """Check every file against manifest.json (size first: a truncated file is named as such,
+    then sha256); returns the manifest. Files not in the manifest are printed, not loaded."""
+    mpath = ckpt / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(f"{mpath}: missing: the checkpoint was never committed (incomplete save)")
+    try:
+        manifest = json.loads(mpath.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from None
+    for name, want in files.items():
+        p = ckpt / name
+        if not p.is_file():
+            raise CheckpointError(f"{p}: missing (listed in {MANIFEST})")
+        size = p.stat().st_size
+        if size != want["size"]:
+            raise CheckpointError(f"{p}: truncated or overwritten: {size} bytes, manifest says {want['size']}")
+        if _sha256(p) != want["sha256"]:
+            raise CheckpointError(f"{p}: corrupt: sha256 does not match {MANIFEST}")
+    extra = sorted(p.name for p in ckpt.iterdir() if p.name not in files and p.name != MANIFEST)
+    if extra:
+        print(f"checkpoint: {ckpt}: ignoring files not in the manifest: {', '.join(extra)}", flush=True)
+    return manifest
+
+
+def find_resumable(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under `root` that verifies, and one note per thing skipped or odd."""
+    notes = []
+    latest = root / LATEST
+    pointer = latest.read_text().strip() if latest.is_file() else None
+    for tmp in sorted(root.glob(".tmp-step_*")) if root.is_dir() else []:
+        notes.append(f"ignoring {tmp.name}: a save that did not finish")
+    candidates = step_dirs(root)
+    if candidates and pointer != candidates[0].name:
+        notes.append(f"{LATEST} names {pointer!r} but {candidates[0].name} is newer "
+                     "(the process stopped between commit and pointer update); trying the newest first")
+    for c in candidates:
+        try:
+            verify(c)
+            return c, notes
+        except CheckpointError as e:
+            notes.append(f"skipping {c.name}: {e}")
+    return None, notes
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading DCP's .metadata (a pickle) without unpickling arbitrary objects
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+               ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict")}
+
+    def find_class(self, module, name):
+        if ((module, name) in self.ALLOWED or module == "torch.distributed.checkpoint.metadata"
+                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+
+
+class SafeReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                md = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, OSError) as e:
+            raise CheckpointError(f"{path}: not a readable DCP index ({e})") from None
+        return md
+
+
+def _check_index(ckpt: Path, keys) -> None:
+    """Every requested key is a tensor in the index (a non-tensor would go through
+    torch.load(weights_only=False)), and every file the index points to exists."""
+    md = SafeReader(ckpt).read_metadata()
+    for k in keys:
+        m = md.state_dict_metadata.get(k)
+        if m is None:
+            raise CheckpointError(f"{ckpt}: has no tensor {k!r} (saved from a different model?)")
+        if not isinstance(m, TensorStorageMetadata):
+            raise CheckpointError(f"{ckpt}: {k!r} is not a tensor; refusing to unpickle it")
+    for info in (md.storage_data or {}).values():
+        if not (ckpt / info.relative_path).is_file():
+            raise CheckpointError(f"{ckpt / info.relative_path}: missing (named in .metadata)")
+
+
+def _flat_keys(d: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in d.items():
+        out += _flat_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributed helpers (all degrade to no-ops in one process)
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _dist() else 1
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns on every single-process save/load; one process is our intent (no_dist), so hush it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        yield
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpointer
+
+
+class Checkpointer:
+    """Saves and restores everything a run needs to continue exactly: model, optimizer moments and
+    hyper-parameters, LR schedule, step (= data position: batches are a function of the step),
+    RNG states, and the recipe. All ranks construct it and call every method."""
+
+    def __init__(self, cfg, model, optimizer, scheduler, device: torch.device):
+        self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
+        self.device = device
+        self.root = checkpoints_dir(cfg.log.run_dir)
+        self.rank = _rank()
+        self.use_async = cfg.checkpoint.async_save and device.type == "cuda"
+        # DCP's own collectives (plan exchange, write results) and our barriers go over gloo, so
+        # an async save's background thread never shares a NCCL communicator with training.
+        self.pg = dist.new_group(backend="gloo") if _dist() else None
+        self._pending = None  # (future, thread) of an async save in flight
+        self._error: list[BaseException] = []
+
+    def say(self, msg: str):
+        if self.rank == 0:
+            print(f"checkpoint: {msg}", flush=True)
+
+    def _barrier(self):
+        if self.pg is not None:
+            dist.barrier(group=self.pg)
+
+    def _bcast(self, obj):
+        """Rank 0's value on every rank (in-memory between our own processes, not from disk)."""
+        if self.pg is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.pg)
+        return box[0]
+
+    # --- state
+
+    def _rng_keys(self) -> dict[str, torch.Tensor]:
+        """Per-rank RNG states as uint8 tensors (not pickles), keyed by rank."""
+        r = self.rank
+        rng = {f"rank{r}.cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng[f"rank{r}.cuda"] = torch.cuda.get_rng_state(self.device)
+        return rng
+
+    def _state(self):
+        """(DCP state: tensors only, trainer state: JSON-able)."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        tensors = {"model": model_sd, "optim": optim_sd["state"], "rng": self._rng_keys()}
+        trainer = {"format": FORMAT, "world_size": _world(),
+                   "scheduler": self.scheduler.state_dict(),
+                   "optimizer_param_groups": optim_sd["param_groups"],
+                   "torch": torch.__version__}
+        return tensors, trainer
+
+    # --- save
+
+    def after_step(self, step: int):
+        """Call once per optimizer step with the number of steps done; saves when due."""
+        c, last = self.cfg.checkpoint, step == self.cfg.train.steps
+        if self._error:
+            raise CheckpointError(f"asynchronous save failed: {self._error[0]}") from self._error[0]
+        if (c.every and step % c.every == 0) or (last and c.final):
+            self.save(step)
+
+    def save(self, step: int):
+        self.wait()  # one save in flight at a time; the previous commit is done before a new one
+        tmp = self.root / f".tmp-step_{step}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save that died
+            tmp.mkdir(parents=True)
+        self._barrier()
+        tensors, trainer = self._state()
+        if self.rank == 0:
+            trainer["step"] = step
+            trainer["saved_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
+            try:
+                text = json.dumps(trainer, indent=1)
+            except TypeError as e:
+                raise CheckpointError(f"trainer state is not JSON-serialisable: {e}") from None
+            (tmp / TRAINER).write_text(text)
+            (tmp / RECIPE).write_text(self.cfg.to_yaml())
+        writer = FileSystemWriter(tmp)  # sync_files=True: each shard is fsynced by its writer
+        if self.use_async:
+            with _quiet():
+                fut = dcp.async_save(tensors, storage_writer=writer, process_group=self.pg,
+                                     no_dist=self.pg is None)
+            fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse with async staging
+            thread = None
+            if self.rank == 0:  # rank 0's future ends after every rank's write results are in
+                thread = threading.Thread(target=self._finish_async, args=(fut, tmp, step), daemon=True)
+                thread.start()
+            self._pending = (fut, thread)
+        else:
+            with _quiet():
+                dcp.save(tensors, storage_writer=writer, process_group=self.pg, no_dist=self.pg is None)
+            if self.rank == 0:
+                self._commit(tmp, step)
+            self._barrier()
+
+    def _finish_async(self, fut, tmp: Path, step: int):
+        try:
+            fut.result()
+            self._commit(tmp, step)
+        except BaseException as e:  # re-raised on the training thread by wait()/after_step()
+            self._error.append(e)
+
+    def wait(self):
+        """Block until an asynchronous save in flight is written and committed."""
+        if self._pending is None:
+            return
+        fut, thread = self._pending
+        self._pending = None
+        fut.result()
+        if thread is not None:
+            thread.join()
+        if self._error:
+            raise CheckpointError(f"asynchronous save failed: {self._error[0]}") from self._error[0]
+        self._barrier()
+
+    def close(self):
+        self.wait()
+
+    def _commit(self, tmp: Path, step: int):
+        if os.environ.get(CRASH_HOOK) == str(step):
+            os._exit(70)  # test hook: die with the shards written and nothing committed
+        _check_index(tmp, [])  # the index reads back and every shard it names exists
+        write_manifest(tmp, step)
+        _fsync_dir(tmp)
+        final = self.root / f"step_{step}"
+        if final.exists():  # a second save of the same step: keep the old one until the new is in place
+            old = self._set_aside(final, "replaced")
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(self.root)
+        _write_durable(self.root / LATEST, final.name + "\n")
+        for old in step_dirs(self.root)[self.cfg.checkpoint.keep_last:]:
+            shutil.rmtree(old)
+        self.say(f"saved step {step} -> {final}")
+
+    def _set_aside(self, path: Path, why: str) -> Path:
+        dest, k = self.root / f".{why}-{path.name}", 1
+        while dest.exists():
+            dest, k = self.root / f".{why}-{path.name}-{k}", k + 1
+        os.rename(path, dest)
+        return dest
+
+    # --- resume
+
+    def resume(self, resume: bool | str = True) -> int:
+        """Restore the run's state and return the number of steps already done (0: fresh).
+        True: the newest valid checkpoint in run_dir if any; False: fresh; a path: exactly that."""
+        found, error = None, None
+        if self.rank == 0:
+            try:
+                found = self._choose(resume)
+            except Exception as e:  # every rank must learn of it, or the others wait forever
+                error = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+        found, error = self._bcast((str(found) if found else None, error))
+        if error:
+            raise CheckpointError(error)
+        step = self.load(Path(found)) if found else 0
+        if self.rank == 0:
+            self._tidy(step)
+        self._barrier()
+        if found:
+            self.say(f"resumed from {found} at step {step} (data position {step})")
+        if found and step >= self.cfg.train.steps:
+            self.say(f"nothing left to train: train.steps is {self.cfg.train.steps} (raise it to continue)")
+        return step
+
+    def _choose(self, resume) -> Path | None:
+        if resume is False:
+            if step_dirs(self.root):
+                self.say(f"--no-resume: starting fresh; existing checkpoints in {self.root} are set aside")
+            return None
+        if resume is not True:
+            return resolve(resume)  # exactly what was asked for: a damaged one is an error
+        found, notes = find_resumable(self.root)
+        for n in notes:
+            self.say(n)
+        if found is None and step_dirs(self.root):
+            raise CheckpointError(f"{self.root}: checkpoints exist but none is valid:"
+                                  + "".join(f"\n  {n}" for n in notes)
+                                  + "\n  (--no-resume starts fresh and sets them aside)")
+        if found is None:
+            self.say(f"no checkpoint in {self.root}; starting fresh")
+        return found
+
+    def _tidy(self, step: int):
+        """Set aside this run dir's checkpoints newer than the resume point, drop .tmp leftovers."""
+        for p in step_dirs(self.root):
+            if step_of(p) > step:
+                dest = self._set_aside(p, "abandoned")
+                self.say(f"set aside {p.name} -> {dest.name} (newer than the resume point, step {step})")
+        for tmp in self.root.glob(".tmp-step_*") if self.root.is_dir() else []:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def load(self, ckpt: Path) -> int:
+        """Load a verified checkpoint into model, optimizer, scheduler and RNG; returns its step.
+        Works across parallel layouts: DCP reads the chunks each rank's (D)Tensors need."""
+        trainer = json.loads((ckpt / TRAINER).read_text())
+        self._compare_recipe(ckpt)
+        tensors, _ = self._state()  # current (sharded) tensors: DCP loads into them in place
+        md_keys = SafeReader(ckpt).read_metadata().state_dict_metadata
+        rng = tensors["rng"]
+        for k in [k for k in rng if f"rng.{k}" not in md_keys]:
+            del rng[k]  # saved with fewer ranks, or on CPU: this rank keeps its seeded RNG state
+        if trainer["world_size"] != _world():
+            self.say(f"saved with {trainer['world_size']} ranks, loading into {_world()} (resharded); "
+                     "ranks without a saved RNG state keep their seeded one")
+        _check_index(ckpt, _flat_keys(tensors))
+        with _quiet():
+            dcp.load(tensors, storage_reader=SafeReader(ckpt), process_group=self.pg, no_dist=self.pg is None)
+        groups = self._param_groups(trainer["optimizer_param_groups"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
+                       optim_state_dict={"state": tensors["optim"], "param_groups": groups})
+        self.scheduler.load_state_dict(trainer["scheduler"])
+        if f"rank{self.rank}.cpu" in rng:
+            torch.set_rng_state(rng[f"rank{self.rank}.cpu"])
+        if f"rank{self.rank}.cuda" in rng:
+            torch.cuda.set_rng_state(rng[f"rank{self.rank}.cuda"], self.device)
+        return int(trainer["step"])
+
+    def _param_groups(self, saved: list[dict]) -> list[dict]:
+        """The saved hyper-parameters, with JSON lists turned back into tuples where the live
+        optimizer has tuples (AdamW's betas)."""
+        live = get_state_dict(self.model, self.optimizer)[1]["param_groups"]
+        if len(live) != len(saved):
+            raise CheckpointError(f"optimizer has {len(live)} parameter groups, checkpoint {len(saved)}")
+        out = []
+        for cur, old in zip(live, saved):
+            out.append({k: tuple(v) if isinstance(cur.get(k), tuple) else v for k, v in old.items()})
+        return out
+
+    def _compare_recipe(self, ckpt: Path):
+        """A different model cannot load; other recipe changes are allowed and printed."""
+        saved = yaml.safe_load((ckpt / RECIPE).read_text())
+        now = self.cfg.to_dict()
+        diffs = [(f"{s}.{k}", (saved.get(s) or {}).get(k), v) for s in now for k, v in now[s].items()
+                 if (saved.get(s) or {}).get(k) != v]
+        model = [d for d in diffs if d[0].startswith("model.")]
+        if model:
+            raise CheckpointError(f"{ckpt}: saved with a different model: " + "; ".join(
+                f"{k}: {a!r} in the checkpoint, {b!r} now" for k, a, b in model))
+        if diffs:
+            self.say("recipe differs from the checkpoint's (the current one is used): " + "; ".join(
+                f"{k}: {a!r} -> {b!r}" for k, a, b in diffs))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading the weights alone (export, evaluation)
+
+
+def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
+    """Load a verified checkpoint's model tensors into a single-process model."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    sd = {"model": get_model_state_dict(model)}
+    _check_index(ckpt, _flat_keys(sd))
+    with _quiet():
+        dcp.load(sd, storage_reader=SafeReader(ckpt), no_dist=True)
+    set_model_state_dict(model, sd["model"])
