@@ -73,6 +73,11 @@ def test_dockerfiles_write_the_manifest_and_run_non_root():
         assert "appliance.py manifest --out /etc/pithtrain/manifest.json" in text
         assert text.rstrip().splitlines()[-3:][0] == "USER 1000:1000"
         assert "VOLUME /cache" in text and "TRITON_CACHE_DIR=/cache" in text
+        # The build context is the repo root: its ignore file lets in only what is copied.
+        ignore = f.with_name("Dockerfile.dockerignore").read_text().split()
+        assert "*" in ignore and "!pithtrain/appliance.py" in ignore
+        assert [line.split()[1] for line in text.splitlines() if line.startswith("COPY ")
+                and "--from=" not in line] == ["pithtrain/appliance.py"]
 
 
 @pytest.mark.parametrize("compose", COMPOSE_FILES, ids=lambda p: p.name)
