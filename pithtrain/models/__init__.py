@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from pithtrain.models import gpt_oss, qwen3_moe
+from pithtrain.models import deepseek_v2, gpt_oss, qwen3_moe
 
 
 class Family(NamedTuple):
@@ -24,6 +24,8 @@ class Family(NamedTuple):
 FAMILIES = {
     "qwen3_moe": Family(qwen3_moe.Qwen3MoeConfig, qwen3_moe.Qwen3MoeForCausalLM,
                         qwen3_moe.hf_to_native, qwen3_moe.native_to_hf),
+    "deepseek_v2": Family(deepseek_v2.DeepseekV2Config, deepseek_v2.DeepseekV2ForCausalLM,
+                          deepseek_v2.hf_to_native, deepseek_v2.native_to_hf),
     "gpt_oss": Family(gpt_oss.GptOssConfig, gpt_oss.GptOssForCausalLM, gpt_oss.hf_to_native, gpt_oss.native_to_hf),
 }
 
