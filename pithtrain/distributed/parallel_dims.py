@@ -26,6 +26,12 @@ the sequence (context_parallel.py).
 The meshes hold no pp dimension: each pipeline stage gets meshes over its own ranks (built on
 every rank, in the same order, as new_group requires), and `pp_group` links the ranks that hold
 the same position in different stages (for the pipeline engine's send/recv).
+
+API for other engines (pipeline, checkpoint): `from_config` (checks only), `init(device)`
+(process group + meshes), `close()`; flags `*_enabled`, `distributed`; coordinates `coords`,
+`pp_rank`, `cp_rank`, `ep_rank`, `batch_rank`, `batch_size` (pure arithmetic on `rank`); after
+`init`: `stage_mesh`, `dense_mesh`, `expert_mesh`, and groups `pp_group`, `cp_group`,
+`ep_group`, `stage_group` (all ranks of this stage).
 """
 
 from __future__ import annotations

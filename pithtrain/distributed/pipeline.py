@@ -463,6 +463,7 @@ class PipelineRunner:
         self.group_f, self.group_b = group_f, group_b
         self.act_shape, self.device, self.streams = tuple(act_shape), device, streams
         self.autocast = autocast
+        self.holds_loss = any(c.last for c in chunks)
         self.V = num_virtual_stages(pp, schedule)
         self.timeline = None
         # FSDP gathers a layer's weights around the layer's own call and reduce-scatters their
@@ -527,8 +528,9 @@ class PipelineRunner:
         the first stage reads the ids, the last the labels). Returns this rank's summed token
         loss (non-zero only where the last stage lives: a sum over ranks gives the total)."""
         assert len(micro_batches) == self.M
-        micro_batches = [mb if len(mb) == 3 else (*mb, torch.arange(mb[0].shape[1], device=mb[0].device)
-                                                  .expand_as(mb[0])) for mb in micro_batches]
+        micro_batches = [(x, y, pos[0] if pos and pos[0] is not None
+                          else torch.arange(x.shape[1], device=x.device).expand_as(x))
+                         for x, y, *pos in micro_batches]
         self.micro, self.runs, self.f_in, self.b_in, self.b_out, self.local_grad = micro_batches, {}, {}, {}, {}, {}
         self.loss_sum = torch.zeros((), device=self.device)
         self.loss_grad = torch.tensor(1.0 / denom, device=self.device)
@@ -591,6 +593,67 @@ class PipelineRunner:
             self._after_backward(op.b_chunk, op.b_mb, full=True)
         else:
             raise ValueError(f"unknown op {op}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer's three calls (train.py): prepare before parallelize, runner after materialise
+
+
+def prepare(model, cfg, dims) -> list[Chunk]:
+    """Check the pipeline settings and prune the (meta) model to this rank's chunks."""
+    from pithtrain.config import ConfigError
+    p, t = cfg.parallel, cfg.train
+    if p.pp_microbatches not in (0, t.grad_accum):
+        raise ConfigError(f"{cfg.source}: parallel.pp_microbatches: the pipeline runs the step's "
+                          f"train.grad_accum = {t.grad_accum} micro-batches; set 0 or {t.grad_accum}")
+    if p.pp_schedule == "dualpipev" and t.grad_accum < 2 * p.pp:
+        raise ConfigError(f"{cfg.source}: train.grad_accum: dualpipev needs at least 2 * pp = "
+                          f"{2 * p.pp} micro-batches, got {t.grad_accum}")
+    if dims.cp_enabled:
+        raise ConfigError(f"{cfg.source}: parallel.cp: pipeline x context parallel is not wired yet")
+    try:
+        chunks = rank_chunks(dims.pp_rank, p.pp, p.pp_schedule, cfg.model.num_layers, p.pp_layers)
+        prune_model(model, chunks)
+    except ValueError as e:
+        raise ConfigError(f"{cfg.source}: {e}") from None
+    return chunks
+
+
+def make_runner(model, chunks, cfg, dims, device, autocast=None) -> "PipelineRunner":
+    """After parallelize + materialise: FSDP hooks on the end methods, the two P2P groups, the op
+    list of this rank."""
+    p, t = cfg.parallel, cfg.train
+    register_fsdp_methods(model)
+    per_stage = dims.world_size // p.pp  # ranks are (pp, ...) row-major: stage s = one block
+    group_f, group_b = new_pp_groups([[s * per_stage + j for s in range(p.pp)] for j in range(per_stage)])
+    ops = build_schedule(p.pp_schedule, p.pp, t.grad_accum)[dims.pp_rank]
+    streams = overlap.Streams(device) if device.type == "cuda" else None
+    return PipelineRunner(model, chunks, ops, dims.pp_rank, p.pp, p.pp_schedule, t.grad_accum,
+                          group_f, group_b, (t.micro_batch_size, t.seq_len, cfg.model.hidden_size),
+                          device, streams, autocast)
+
+
+def run_step(runner: "PipelineRunner", micro_batches, denom: float, cfg, dims, step: int):
+    """The forward and backward of one optimizer step; returns (this rank's summed token loss,
+    its token count), both zero off the last stage, so the trainer's sum over ranks is right.
+    The last step of a run records its timeline (pipeline_viz draws it)."""
+    record = step + 1 == cfg.train.steps
+    runner.timeline = [] if record else None
+    loss = runner.step(micro_batches, denom)
+    if record:
+        save_timeline(runner.timeline, cfg.log.run_dir, dims.rank, dims.pp_rank, step + 1)
+    n_tokens = sum(mb[1].numel() for mb in micro_batches) if runner.holds_loss else 0
+    return loss, n_tokens
+
+
+def save_timeline(timeline: list, run_dir, rank: int, pp_rank: int, step: int):
+    """<run_dir>/pipeline_timeline/rank<R>.json, read by `python -m pithtrain.pipeline_viz`."""
+    import json
+    from pathlib import Path
+    d = Path(run_dir) / "pipeline_timeline"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"rank{rank}.json").write_text(json.dumps(
+        {"rank": rank, "pp_rank": pp_rank, "step": step, "ops": timeline}, indent=0))
 
 
 class _null:

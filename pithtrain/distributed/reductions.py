@@ -49,7 +49,7 @@ def clip_grad_norm_(params, max_norm: float, dims) -> float:
                 if isinstance(pl, Replicate):
                     weight /= size
             g = g.to_local()
-        total += weight * g.double().pow(2).sum()
+        total += weight * torch.linalg.vector_norm(g).double() ** 2  # no gradient-sized temporary
     if dims.distributed:
         total = total.to(_comm_device())
         dist.all_reduce(total)
