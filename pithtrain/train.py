@@ -23,6 +23,7 @@ from pithtrain.config import Config, ConfigError, load_config
 from pithtrain.data import build_batches, rows
 from pithtrain.distributed.context_parallel import split_batch
 from pithtrain.distributed.parallel_dims import ParallelDims
+from pithtrain.distributed import pipeline
 from pithtrain.distributed.parallelize import materialize, parallelize
 from pithtrain.distributed.reductions import all_sum, clip_grad_norm_, expert_imbalance
 from pithtrain.metrics import (StepLog, check_finite, flops_per_token, memory_gb, param_counts,
@@ -111,6 +112,7 @@ def train(cfg: Config, keep: dict | None = None) -> list[dict]:
     else:  # several processes: build on meta, parallelize, then materialise (below)
         model = build_model(cfg.model, device, init=not dims.distributed)
     model.train()
+    chunks = pipeline.prepare(model, cfg, dims) if dims.pp_enabled else None  # keep this stage's part
     parallelize(model, dims, t, device)  # EP -> CP -> activation checkpointing -> compile -> FSDP
     if any(p.is_meta for p in model.parameters()):  # the same RNG draws as one process
         materialize(model, build_model(cfg.model, "cpu"), device)
@@ -130,23 +132,29 @@ def train(cfg: Config, keep: dict | None = None) -> list[dict]:
     log = StepLog(cfg.log.run_dir, enabled=dims.rank == 0)
     autocast = (torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32
                 else contextlib.nullcontext())
+    runner = pipeline.make_runner(model, chunks, cfg, dims, device, autocast) if chunks else None
 
     AuxLoss.loss_scale = 1.0 / (t.grad_accum * dp_size)  # mean over the global batch's micro-batches
     history, tokens_since = [], 0
     log.tick()
     for step in range(t.steps):
-        loss_sum, n_tokens = 0.0, 0
+        loss_sum, n_tokens, micro_batches = 0.0, 0, []
         x_GS, y_GS = batches.batch(step)
         denom = (y_GS != -100).sum().item()  # loss = sum over the global batch / its target count
         for micro in range(t.grad_accum):
             r = rows(micro, dp_rank, dp_size, t.micro_batch_size)
             x_BS, y_BS = x_GS[r].to(device, non_blocking=True), y_GS[r].to(device, non_blocking=True)
             x_BS, y_BS, pos_BS = split_batch(x_BS, y_BS, dims)  # cp: this rank's sequence chunks
+            if runner is not None:  # pipeline: the schedule runs the micro-batches (below)
+                micro_batches.append((x_BS, y_BS, pos_BS))
+                continue
             with autocast:
                 loss = model(x_BS, positions_BS=pos_BS, labels_BS=y_BS)
             (loss / denom).backward()
             loss_sum += loss.item()
             n_tokens += y_BS.numel()
+        if runner is not None:
+            loss_sum, n_tokens = pipeline.run_step(runner, micro_batches, denom, cfg, dims, step)
         loss_sum, n_tokens = all_sum([loss_sum, n_tokens], dims)
         grad_norm = clip_grad_norm_(model.parameters(), t.grad_clip, dims)  # global over shards
         optimizer.step()

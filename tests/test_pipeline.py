@@ -59,11 +59,33 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, cases, out_dir, ep_cases=()):
+def train_cfg(parallel: dict, run_dir: str):
+    from pithtrain.config import config_from_dict
+    return config_from_dict({
+        "model": {"family": "qwen3_moe", **CFG},
+        "train": dict(steps=3, micro_batch_size=MBS, seq_len=SEQ, grad_accum=4, warmup_steps=1, device="cpu"),
+        "data": dict(max_bytes=20000), "parallel": parallel, "checkpoint": dict(final=False),
+        "log": dict(every=1, run_dir=run_dir)})
+
+
+def _train(rank, world, parallel, out_dir):
+    """train.py end to end (3 AdamW steps) under the pipeline."""
+    from pithtrain.train import train
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    keep = {}
+    name = parallel["pp_schedule"]
+    hist = train(train_cfg(parallel, os.path.join(out_dir, f"run-{name}")), keep=keep)
+    params = {n: p.detach() for n, p in keep["model"].named_parameters()}
+    torch.save({"hist": hist, "params": params}, os.path.join(out_dir, f"train-{name}.{rank}.pt"))
+
+
+def _worker(rank, world, port, cases, out_dir, ep_cases=(), train_cases=()):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        for parallel in train_cases:
+            _train(rank, world, parallel, out_dir)
         for name, schedule, M in ep_cases:
             _pp_fsdp_ep(rank, world, name, schedule, M, out_dir)
         group_f, group_b = pipeline.new_pp_groups([list(range(world))])
@@ -141,8 +163,9 @@ def check(out_dir, name, world, M):
         torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=f"{name}: {n}")
 
 
-def run_world(world, cases, tmp_path, ep_cases=()):
-    mp.spawn(_worker, args=(world, free_port(), cases, str(tmp_path), ep_cases), nprocs=world, join=True)
+def run_world(world, cases, tmp_path, ep_cases=(), train_cases=()):
+    mp.spawn(_worker, args=(world, free_port(), cases, str(tmp_path), ep_cases, train_cases),
+             nprocs=world, join=True)
     for name, _, M, _ in cases:
         check(str(tmp_path), name, world, M)
     for name, _, M in ep_cases:
@@ -150,8 +173,26 @@ def run_world(world, cases, tmp_path, ep_cases=()):
 
 
 def test_pp2_1f1b_and_dualpipev_match_one_process(tmp_path):
+    train_cases = [dict(pp=2, pp_schedule="dualpipev")]
     run_world(2, [("1f1b", "1f1b", 4, None), ("dualpipev", "dualpipev", 4, None),
-                  ("dualpipev_layers", "dualpipev", 5, [0, 3, 1, 2])], tmp_path)
+                  ("dualpipev_layers", "dualpipev", 5, [0, 3, 1, 2])], tmp_path, train_cases=train_cases)
+    # train.py: 3 AdamW steps with pp=2 DualPipeV equal one process (losses, grad norms, weights)
+    from pithtrain.train import train
+    keep = {}
+    ref = train(train_cfg({}, str(tmp_path / "ref")), keep=keep)
+    ref_params = {n: p.detach() for n, p in keep["model"].named_parameters()}
+    got = [torch.load(tmp_path / f"train-dualpipev.{r}.pt") for r in range(2)]
+    for a, b in zip(got[0]["hist"], ref):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    params = {**got[0]["params"], **got[1]["params"]}
+    assert params.keys() == ref_params.keys()
+    for n in params:
+        torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=2e-5, msg=n)
+    timeline = tmp_path / "run-dualpipev" / "pipeline_timeline"
+    assert {"rank0.json", "rank1.json"} <= {p.name for p in timeline.iterdir()}
+    from pithtrain import pipeline_viz
+    assert pipeline_viz.main([str(tmp_path / "run-dualpipev")]) == 0
 
 
 def test_pp4_1f1b_and_dualpipev_and_pp2_fsdp2_ep2_match_one_process(tmp_path):

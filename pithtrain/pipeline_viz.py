@@ -1,0 +1,96 @@
+"""Draw a pipeline run's timeline: one row per rank, one box per op, the gaps are the bubbles.
+
+    python -m pithtrain.pipeline_viz RUN_DIR            # RUN_DIR/pipeline_timeline/rank*.json
+    python -m pithtrain.pipeline_viz RUN_DIR --width 120
+    invoke pipeline-viz --run-dir RUN_DIR
+
+A pipeline run (parallel.pp > 1) records the op start/end times of its last step on every rank
+(pithtrain/distributed/pipeline.py: run_step). This writes RUN_DIR/pipeline_timeline/timeline.png
+(matplotlib, from the dev extra; skipped with a note when it is missing) and prints a text version:
+one character per time slot, the op kind's letter (F forward, B input-backward, W weight-backward,
+X full backward, O overlapped forward+backward), '.' for idle, then each rank's idle fraction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+LETTER = {"F": "F", "B": "B", "W": "W", "BW": "X", "FB": "O"}
+COLOR = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b", "BW": "#e45756", "FB": "#b279a2"}
+
+
+def load(run_dir: str | Path) -> list[dict]:
+    d = Path(run_dir) / "pipeline_timeline"
+    files = sorted(d.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+    if not files:
+        raise FileNotFoundError(f"{d}: no rank*.json (run with parallel.pp > 1 first)")
+    return [json.loads(p.read_text()) for p in files]
+
+
+def idle_fractions(ranks: list[dict]) -> list[float]:
+    end = max(op["end"] for r in ranks for op in r["ops"])
+    return [1 - sum(op["end"] - op["start"] for op in r["ops"]) / end for r in ranks]
+
+
+def text(ranks: list[dict], width: int = 100) -> str:
+    end = max(op["end"] for r in ranks for op in r["ops"])
+    lines = [f"step {ranks[0]['step']}: {end * 1e3:.1f} ms, {width} slots of {end / width * 1e3:.2f} ms"]
+    for r, idle in zip(ranks, idle_fractions(ranks)):
+        row = ["."] * width
+        for op in r["ops"]:
+            a = int(op["start"] / end * width)
+            b = max(a + 1, int(op["end"] / end * width))
+            for i in range(a, min(b, width)):
+                row[i] = LETTER.get(op["kind"], "?")
+        lines.append(f"rank {r['rank']:>3} (pp {r['pp_rank']}) |{''.join(row)}| idle {idle:.0%}")
+    lines.append("F forward  B input-backward  W weight-backward  X full backward  "
+                 "O forward+backward overlapped  . idle")
+    return "\n".join(lines)
+
+
+def png(ranks: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.5 * len(ranks)))
+    for y, r in enumerate(ranks):
+        for op in r["ops"]:
+            ax.barh(y, (op["end"] - op["start"]) * 1e3, left=op["start"] * 1e3, height=0.8,
+                    color=COLOR.get(op["kind"], "grey"), edgecolor="white", linewidth=0.3)
+    ax.set_yticks(range(len(ranks)), [f"rank {r['rank']}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the step started")
+    ax.set_title(f"pipeline timeline, step {ranks[0]['step']}")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOR.values()]
+    fig.legend(handles, ["F", "B", "W", "B+W", "F+B overlapped"], loc="lower center", fontsize=7, ncol=5)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pithtrain.pipeline_viz", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir")
+    p.add_argument("--width", type=int, default=100, help="characters per rank in the text version")
+    args = p.parse_args(argv)
+    try:
+        ranks = load(args.run_dir)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(text(ranks, args.width))
+    out = Path(args.run_dir) / "pipeline_timeline" / "timeline.png"
+    print(f"wrote {out}" if png(ranks, out) else "matplotlib not installed: no PNG (pip install -e '.[dev]')")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
