@@ -58,14 +58,23 @@ def _gpu(gpu: str) -> str | None:
     return gpu
 
 
-def _runtime(runtime: str, gpu: str | None) -> str:
+def _runtime(runtime: str, gpu: str | None, dry_run: bool = False) -> str:
+    """docker with --gpu, native without it, inside the image, or where docker is missing."""
     if runtime not in ("", "docker", "native"):
         raise Exit(f"error: --runtime={runtime}: use docker or native", 2)
     if os.environ.get("PITHTRAIN_TARGET"):  # set by the image: we are already inside it
         return "native"
     if runtime == "docker" and gpu is None:
         raise Exit("error: --runtime=docker needs --gpu (the GPU picks the image)", 2)
-    return runtime or ("docker" if gpu else "native")
+    if runtime:
+        return runtime
+    if gpu is None:
+        return "native"
+    if not dry_run and not shutil.which("docker"):  # a dry run shows what the appliance would do
+        print("note: docker not found: running natively, not in the pinned image "
+              "(--runtime=docker insists)", file=sys.stderr)
+        return "native"
+    return "docker"
 
 
 def _image(gpu: str) -> tuple[str, dict]:
@@ -132,7 +141,7 @@ def _train_lines(runtime, gpu, args, nproc, multinode=None) -> list[str]:
 def train(c, recipe="", model="", set=None, gpu="", runtime="", nproc="", dry_run=False):
     """Train from a recipe (no arguments: the tiny embedded default on CPU or the visible GPU)."""
     gpu_ = _gpu(gpu)
-    rt = _runtime(runtime, gpu_)
+    rt = _runtime(runtime, gpu_, dry_run)
     args = ap.train_args(_recipe(recipe, model), gpu_, set or [])
     if rt == "native" and not dry_run and nproc in ("", "1"):
         # Exactly the pre-appliance command (README quick start, CI): no echo, same exit code.
@@ -155,7 +164,7 @@ def launch(c, recipe="", model="", set=None, gpu="", runtime="", nproc="", dry_r
     except ap.ApplianceError as e:
         raise Exit(f"error: {e}", 2)
     gpu_ = _gpu(gpu or os.environ.get("PITHTRAIN_GPU", ""))
-    rt = _runtime(runtime, gpu_)
+    rt = _runtime(runtime, gpu_, dry_run)
     recipe_ = _recipe(recipe, model) or os.environ.get("PITHTRAIN_MODEL", "")
     args = ap.train_args(recipe_, gpu_, set or [])
     _emit(c, _train_lines(rt, gpu_, args, nproc, multinode=env), dry_run)
@@ -170,7 +179,7 @@ def profile(c, recipe="", model="", set=None, gpu="", runtime="", nproc="", step
             pipeline=False, dry_run=False):
     """Nsight Systems timeline of a short run, written to runs/profile/<name>.nsys-rep."""
     gpu_ = _gpu(gpu)
-    rt = _runtime(runtime, gpu_)
+    rt = _runtime(runtime, gpu_, dry_run)
     recipe_ = _recipe(recipe, model)
     if pipeline:
         lines = _python(rt, gpu_, ["-m", "pithtrain.pipeline_viz",
@@ -199,7 +208,7 @@ def validate(c, recipe="", model="", set=None, gpu="", runtime="", nproc="", ste
              dry_run=False):
     """PASS/FAIL: a short run whose logged loss is finite and falls (first 5 vs last 5 steps)."""
     gpu_ = _gpu(gpu)
-    rt = _runtime(runtime, gpu_)
+    rt = _runtime(runtime, gpu_, dry_run)
     recipe_ = _recipe(recipe, model)
     run_dir = f"runs/validate/{Path(recipe_ or 'default').stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     args = ap.train_args(recipe_, gpu_, [*(set or []), f"train.steps={steps}", "log.every=1",
@@ -217,8 +226,8 @@ def validate(c, recipe="", model="", set=None, gpu="", runtime="", nproc="", ste
 def bench(c, gpu="", runtime="", args="", dry_run=False):
     """The single-GPU benchmark suite (shared/BENCH.md): PithTrain vs transformers, one run."""
     gpu_ = _gpu(gpu)
-    _emit(c, _python(_runtime(runtime, gpu_), gpu_, ["-m", "pithtrain.bench", *shlex.split(args)]),
-          dry_run)
+    rt = _runtime(runtime, gpu_, dry_run)
+    _emit(c, _python(rt, gpu_, ["-m", "pithtrain.bench", *shlex.split(args)]), dry_run)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,7 +286,7 @@ def doctor(c, gpu="", runtime="", manifest="", skill="", dry_run=False):
     Inside the image it checks the build's manifest and the live environment; outside it, with
     --gpu, it runs itself in that image (docker) or checks this machine against it (native)."""
     gpu_ = _gpu(gpu)
-    rt = "native" if manifest else _runtime(runtime, gpu_)
+    rt = "native" if manifest else _runtime(runtime, gpu_, dry_run)
     if rt == "docker":
         _emit(c, _in_image(gpu_, ["invoke", "doctor", *(["--skill", skill] if skill else [])]),
               dry_run)
@@ -384,7 +393,7 @@ def prepare_data(c, inputs, tokenizer, out, text_key="text", gpu="", runtime="",
     gpu_ = _gpu(gpu)
     code = (f"from pithtrain.data import prepare_data; prepare_data({inputs.split(',')!r}, "
             f"tokenizer_dir={tokenizer!r}, out_dir={out!r}, text_key={text_key!r})")
-    _emit(c, _python(_runtime(runtime, gpu_), gpu_, ["-c", code]), dry_run)
+    _emit(c, _python(_runtime(runtime, gpu_, dry_run), gpu_, ["-c", code]), dry_run)
 
 
 @task(help={"ckpt": "checkpoint directory written by training",
@@ -393,7 +402,7 @@ def prepare_data(c, inputs, tokenizer, out, text_key="text", gpu="", runtime="",
 def export_hf(c, ckpt, out, gpu="", runtime="", dry_run=False):
     """Export a checkpoint as a Hugging Face model directory (safetensors + config)."""
     gpu_ = _gpu(gpu)
-    _emit(c, _python(_runtime(runtime, gpu_), gpu_,
+    _emit(c, _python(_runtime(runtime, gpu_, dry_run), gpu_,
                      ["-m", "pithtrain.checkpoint.export", "--ckpt", ckpt, "--out", out]), dry_run)
 
 
@@ -401,8 +410,8 @@ def export_hf(c, ckpt, out, gpu="", runtime="", dry_run=False):
 def info(c, model="default", gpu="", runtime="", dry_run=False):
     """Parameters, FLOPs per token and memory of a model recipe."""
     gpu_ = _gpu(gpu)
-    _emit(c, _python(_runtime(runtime, gpu_), gpu_, ["-m", "pithtrain.info", "--model", model]),
-          dry_run)
+    rt = _runtime(runtime, gpu_, dry_run)
+    _emit(c, _python(rt, gpu_, ["-m", "pithtrain.info", "--model", model]), dry_run)
 
 
 @task(help={"path": "folder to count (default: the pithtrain package)"})

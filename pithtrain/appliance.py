@@ -60,9 +60,11 @@ def load_versions(path: str | Path = VERSIONS) -> dict:
 
     data = yaml.safe_load(Path(path).read_text())
     for target, pins in data["targets"].items():
-        for key, value in list(pins.items()) + list(pins["python_packages"].items()):
+        values = {**{k: v for k, v in pins.items() if k != "python_packages"},
+                  **{f"python_packages.{k}": v for k, v in pins["python_packages"].items()}}
+        for key, value in values.items():
             # YAML reads an unquoted 3.10 as the float 3.1: every pin must be written as a string.
-            if key != "python_packages" and not isinstance(value, str):
+            if not isinstance(value, str):
                 raise ApplianceError(f"{path}: targets.{target}.{key}: write the pin as a string "
                                      f"(YAML read {value!r})")
     return data
@@ -266,14 +268,14 @@ def driver_problem(driver: str, driver_min: str) -> str | None:
 # ---------------------------------------------------------------------------------------------
 # Version literals outside versions.yaml
 
-# A version-looking literal: a pip specifier's dotted version (torch==2.11.0), a number with three or more dotted parts,
-# a two-part number right after a component name (python3.12, CUDA 13.0, torch 2.11), a git
-# commit or an image digest.
+# A version-looking literal: a pip specifier's dotted version (torch==2.11.0), a number with three
+# or more dotted parts, a two-part number right after a component name (python3.12, CUDA 13.0,
+# torch 2.11), a git commit or an image digest.
 _VERSION_PATTERNS = [
     re.compile(r"(?<=[\w\]])(?:==|>=|<=|~=|!=)v?(\d+(?:\.\d+)+[\w.]*)"),  # name==1.2, not `x == 0`
     re.compile(r"(?<![\w.])v?(\d+\.\d+\.\d+[\w.]*)"),
-    re.compile(r"(?i)(?<![a-z])(?:python|py|cuda|cu|torch|pytorch|triton|nccl|cudnn|nsys|nsight-systems|"
-               r"ubuntu|flash-attn|fa|deepgemm|transformers)[-_ :=v]*(\d+\.\d+[\w.]*)"),
+    re.compile(r"(?i)(?<![a-z])(?:python|py|cuda|cu|torch|pytorch|triton|nccl|cudnn|nsys|"
+               r"nsight-systems|ubuntu|flash-attn|fa|deepgemm|transformers)[-_ :=v]*(\d+\.\d+[\w.]*)"),
     re.compile(r"(?<![0-9a-f])([0-9a-f]{40})(?![0-9a-f])"),
     re.compile(r"(sha256:[0-9a-f]{64})"),
 ]
@@ -331,7 +333,8 @@ def check_loss(metrics_jsonl: str | Path, window: int = 5) -> tuple[bool, str]:
         return False, f"FAIL: non-finite loss in {metrics_jsonl}"
     first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
     ok = last < first
-    return ok, f"{'PASS' if ok else 'FAIL'}: mean loss first {window} {first:.4f} -> last {window} {last:.4f}"
+    verdict = "PASS" if ok else "FAIL"
+    return ok, f"{verdict}: mean loss first {window} {first:.4f} -> last {window} {last:.4f}"
 
 
 def count_lines(root: str | Path) -> dict[str, int]:

@@ -273,6 +273,21 @@ def test_train_is_native_without_gpu_and_inside_the_image():
     assert r.returncode != 0 and "--runtime=docker needs --gpu" in r.stderr
 
 
+def test_runtime_choice(monkeypatch):
+    import tasks
+
+    monkeypatch.delenv("PITHTRAIN_TARGET", raising=False)
+    monkeypatch.setattr(tasks.shutil, "which", lambda name: None)  # a box without docker
+    assert tasks._runtime("", None) == "native"
+    assert tasks._runtime("", "h200") == "native"  # native when there is no docker...
+    assert tasks._runtime("", "h200", dry_run=True) == "docker"  # ...but a dry run shows the plan
+    assert tasks._runtime("docker", "h200") == "docker"
+    monkeypatch.setattr(tasks.shutil, "which", lambda name: "/usr/bin/" + name)
+    assert tasks._runtime("", "h200") == "docker"
+    monkeypatch.setenv("PITHTRAIN_TARGET", "hopper")  # inside the image
+    assert tasks._runtime("docker", "h200") == "native"
+
+
 def test_launch_multinode_dry_run():
     r = _invoke("launch", "--gpu=h200", "--model=qwen3-30b-a3b", "--dry-run",
                 env={**MULTINODE, "NODE_RANK": "1", "RUN_ID": "job7"})
@@ -427,4 +442,5 @@ def test_check_loss(tmp_path):
 
 def test_stats_counts_code_lines():
     r = _invoke("stats")
-    assert r.returncode == 0 and "pithtrain " in r.stdout and r.stdout.splitlines()[-1].startswith("total")
+    assert r.returncode == 0 and "pithtrain " in r.stdout
+    assert r.stdout.splitlines()[-1].startswith("total")
