@@ -117,9 +117,11 @@ def test_two_stream_overlapped_step_equals_sequential_on_gpu():
     two_losses, two, order = overlapped_step(model, overlap.Streams(dev))
     torch.cuda.synchronize()
     assert any(p[0] and p[1] for p in order)
+    # index_add (combine) uses atomics on CUDA, so sums may reassociate between runs: float32
+    # round-off, not bit equality.
     for a, b, c in zip(two_losses, seq_losses, ref_losses):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
     for n in ref:
-        torch.testing.assert_close(two[n], seq[n], rtol=1e-6, atol=1e-7, msg=n)
-        torch.testing.assert_close(two[n], ref[n], rtol=1e-4, atol=1e-6, msg=n)
+        torch.testing.assert_close(two[n], seq[n], rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(two[n], ref[n], rtol=1e-4, atol=1e-5, msg=n)

@@ -29,9 +29,9 @@ their phases interleaved: when one side's next phase is communication and the ot
 the communication phase is issued on the communication CUDA stream and the compute phase on the
 compute stream, so the all-to-all of one micro-batch runs under the other's matmuls. Each side is
 a chain: before a phase starts, its stream waits on the event recorded after that side's previous
-phase (events are transitive, so every earlier output of the same side is ready). At the end the
-two streams wait on each other, so no tensor allocated on one is reused while the other still
-reads it. On CPU (or `streams=None`) the identical interleaving runs in order on one thread.
+phase (events are transitive, so every earlier output of the same side is ready). Tensors the
+backward side frees mid-step are held until the end, where the two streams wait on each other, so
+no memory made on one stream is reused while the other may still read it. On CPU (or `streams=None`) the identical interleaving runs in order on one thread.
 """
 
 from __future__ import annotations
@@ -176,9 +176,10 @@ def forward_phase(run: ChunkRun, k: int):
     run.records.append((leaves, outs))
 
 
-def backward_phase(run: ChunkRun, k: int, input_only: bool = False):
+def backward_phase(run: ChunkRun, k: int, input_only: bool = False, hold: list | None = None):
     """Backward through phase k (phases are walked from the last). Full: parameter and leaf
-    gradients at once. Input-only: leaf gradients, graph retained, output gradients saved for W."""
+    gradients at once. Input-only: leaf gradients, graph retained, output gradients saved for W.
+    hold: receives the phase's tensors instead of freeing them (two streams: see forward_backward)."""
     leaves, outs = run.records[k]
     pairs = [(t, run.grads.pop(n)) for n, t in outs.items()
              if n in run.grads and isinstance(t, torch.Tensor) and t.requires_grad]
@@ -195,6 +196,8 @@ def backward_phase(run: ChunkRun, k: int, input_only: bool = False):
         for (n, _), g in zip(want, got):
             if g is not None:
                 run.grads[n] = run.grads[n] + g if n in run.grads else g
+    if hold is not None:
+        hold.append((run.records[k], pairs, want))
     if not input_only:
         run.records[k] = None  # free the phase's graph and activations
 
@@ -257,20 +260,23 @@ def forward_backward(f: ChunkRun, b: ChunkRun, grad_out, streams: Streams | None
     b.grads["out"] = grad_out
     fi, bi, n_f = 0, len(b.phases) - 1, len(f.phases)
     fc, bc, order = _Chain(), _Chain(), []
+    # A tensor made on one stream and last read on the other must not return to the allocator
+    # before the reader is done: the backward side's tensors are held until the final barrier.
+    hold = [] if streams is not None else None
     while fi < n_f or bi >= 0:
         fph = f.phases[fi] if fi < n_f else None
         bph = b.phases[bi] if bi >= 0 else None
         if fph is not None and bph is not None and fph.comm != bph.comm:
             k_f, k_b = fi, bi
             run_f = lambda: _issue(streams, fph.comm, fc, lambda: forward_phase(f, k_f))  # noqa: E731
-            run_b = lambda: _issue(streams, bph.comm, bc, lambda: backward_phase(b, k_b))  # noqa: E731
+            run_b = lambda: _issue(streams, bph.comm, bc, lambda: backward_phase(b, k_b, hold=hold))  # noqa: E731
             # Issue the communication side first so that it starts as early as possible.
             for run in ((run_f, run_b) if fph.comm else (run_b, run_f)):
                 run()
             order.append((fph.name, bph.name))
             fi, bi = fi + 1, bi - 1
         elif bph is not None:
-            _issue(streams, bph.comm, bc, lambda: backward_phase(b, bi))
+            _issue(streams, bph.comm, bc, lambda: backward_phase(b, bi, hold=hold))
             order.append((None, bph.name))
             bi -= 1
         else:
@@ -280,4 +286,5 @@ def forward_backward(f: ChunkRun, b: ChunkRun, grad_out, streams: Streams | None
     if streams is not None:
         streams.compute.wait_stream(streams.comm)
         streams.comm.wait_stream(streams.compute)
+        hold.clear()
     return order

@@ -42,9 +42,12 @@ Three parts, read top to bottom:
    and combine of one micro-batch run on the communication stream while the other micro-batch's
    attention / experts compute), so each pair costs about max(compute, communication) instead of
    their sum, and by the formula every unit saved in F&B also shrinks the bubble by p - 1 units.
-   With EP across nodes the all-to-all is often 30-50% of a layer's time (the DualPipe report), so
-   that is where the step time goes. On one GPU with no EP there is nothing to hide (the test
-   only shows the two-stream step computes the same numbers); on CPU the same ops run in order.
+   With EP across nodes the DeepSeek-V3 report puts communication near 1:1 with computation, so
+   without overlap up to half of an MoE layer's time is all-to-all; with it, that half hides.
+   On one GPU with no EP there is nothing to hide (the GPU test only shows that the two-stream
+   step computes the same numbers); on CPU the same ops run in order on one thread.
+   Under FSDP, layers run whole (FSDP's hooks wrap a layer's call) and B is a full backward, so
+   intra-layer overlap and the weight-gradient delay are given up there for now (PipelineRunner).
 
 3. The executor (`PipelineRunner`) runs one rank's list with torch.distributed point-to-point
    sends and receives. Every chunk runs as a list of phases (overlap.py): the forward records each
