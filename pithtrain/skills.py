@@ -1,0 +1,241 @@
+"""Skills (skills/<name>/SKILL.md): lint them, and check one skill's prerequisites before it runs.
+
+    python -m pithtrain.skills check validate-correctness   # or: invoke doctor --skill validate-correctness
+    python -m pithtrain.skills lint                          # every skill; what tests/test_skills.py runs
+
+A SKILL.md opens with YAML front matter (the Agent Skills format plus one key of ours):
+
+    name: validate-correctness          # equals the folder name
+    description: Use when ...           # when to use it
+    prerequisites:
+      versions: [torch]                 # pins it relies on: a key under every target of
+                                        # images/versions.yaml, or a full path (targets.hopper.nsys)
+      commands: [git]                   # executables that must be on PATH
+      modules: [torch]                  # Python modules that must be importable
+      optional: [nsys]                  # executables used when present; reported, never required
+
+`lint` is static (runs anywhere, CI): front matter, name, description, body length, the doctor step,
+referenced files, and that every `versions` key exists in versions.yaml, so renaming a pin without
+updating the skills fails. `check` is the runtime half: the same keys plus PATH and imports here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+SKILLS_DIR = ROOT / "skills"
+VERSIONS = ROOT / "images" / "versions.yaml"
+
+MAX_BODY_LINES = 500
+NAME_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")  # Agent Skills: lowercase, digits, single hyphens
+FRONT_KEYS = {"name", "description", "license", "compatibility", "allowed-tools", "metadata",
+              "prerequisites"}
+PREREQ_KINDS = ("versions", "commands", "modules", "optional")
+# Repo paths a skill names in backticks, e.g. `pithtrain/train.py` or `scripts/validate.py`.
+PATH_RE = re.compile(r"`((?:scripts|pithtrain|tests|skills|images|compose|docs)/[\w./-]*"
+                     r"|tasks\.py|AGENTS\.md|README\.md|pyproject\.toml)`")
+
+
+@dataclass
+class Skill:
+    name: str
+    description: str
+    prerequisites: dict  # kind -> list of strings (PREREQ_KINDS)
+    body: str
+    dir: Path
+
+
+def parse(skill_md: Path) -> Skill:
+    """Split front matter from body; raise ValueError naming the file when it is not parseable."""
+    text = skill_md.read_text()
+    m = re.match(r"^---\n(.*?)\n---\n(.*)$", text, re.S)
+    if not m:
+        raise ValueError(f"{skill_md}: no YAML front matter (the file must open with '---')")
+    try:
+        front = yaml.safe_load(m[1])
+    except yaml.YAMLError as e:
+        raise ValueError(f"{skill_md}: front matter is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(front, dict):
+        raise ValueError(f"{skill_md}: front matter must be a mapping")
+    unknown = set(front) - FRONT_KEYS
+    if unknown:
+        raise ValueError(f"{skill_md}: unknown front-matter keys {sorted(unknown)} (allowed: {sorted(FRONT_KEYS)})")
+    prereq = front.get("prerequisites") or {}
+    if not isinstance(prereq, dict) or set(prereq) - set(PREREQ_KINDS):
+        raise ValueError(f"{skill_md}: prerequisites must be a mapping with keys from {PREREQ_KINDS}")
+    for kind, items in prereq.items():
+        if not isinstance(items, list) or not all(isinstance(i, str) and i for i in items):
+            raise ValueError(f"{skill_md}: prerequisites.{kind} must be a list of non-empty strings")
+    return Skill(name=str(front.get("name", "")), description=str(front.get("description") or ""),
+                 prerequisites={k: list(prereq.get(k, [])) for k in PREREQ_KINDS},
+                 body=m[2], dir=skill_md.parent)
+
+
+def load_versions(path: Path = VERSIONS) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no versions file (the image pins live in images/versions.yaml)")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping")
+    return data
+
+
+def _get(node, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def lookup(versions: dict, key: str) -> dict[str, object]:
+    """{full key: value} for a prerequisite key: 'targets.hopper.nsys' names one pin; a short key
+    ('torch', 'python_packages.transformers') names that pin in every target. None: missing."""
+    if key.startswith("targets.") or "targets" not in versions:
+        return {key: _get(versions, key)}
+    return {f"targets.{t}.{key}": _get(pins, key) for t, pins in versions["targets"].items()}
+
+
+def _leaf_strings(node) -> set[str]:
+    if isinstance(node, dict):
+        return set().union(set(), *(_leaf_strings(v) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(set(), *(_leaf_strings(v) for v in node))
+    return {str(node)} if node is not None else set()
+
+
+def version_literals(versions: dict) -> set[str]:
+    """Pinned values that look like versions or commits (digits and dots, or long hex)."""
+    return {v for v in _leaf_strings(versions)
+            if re.fullmatch(r"v?\d+\.\d+[\w.+-]*", v) or re.fullmatch(r"[0-9a-f]{12,64}", v)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Lint (static) and check (this machine)
+
+
+def lint(skill_dir: Path, versions: dict) -> list[str]:
+    """Problems with one skill folder; empty when it is well-formed and consistent with the pins."""
+    md = skill_dir / "SKILL.md"
+    if not md.is_file():
+        return [f"{skill_dir}: no SKILL.md"]
+    try:
+        s = parse(md)
+    except ValueError as e:
+        return [str(e)]
+    problems = []
+    if s.name != skill_dir.name:
+        problems.append(f"{md}: name {s.name!r} must equal the folder name {skill_dir.name!r}")
+    if not NAME_RE.fullmatch(s.name) or len(s.name) > 64:
+        problems.append(f"{md}: name {s.name!r}: lowercase letters, digits and single hyphens, <= 64 chars")
+    if not s.description.strip() or len(s.description) > 1024:
+        problems.append(f"{md}: description must say when to use the skill (1..1024 characters)")
+    n_lines = len(s.body.splitlines())
+    if n_lines >= MAX_BODY_LINES:
+        problems.append(f"{md}: body has {n_lines} lines (keep it under {MAX_BODY_LINES})")
+    if f"invoke doctor --skill {skill_dir.name}" not in s.body:
+        problems.append(f"{md}: the first step must run `invoke doctor --skill {skill_dir.name}`")
+    for key in s.prerequisites["versions"]:
+        for full, value in lookup(versions, key).items():
+            if value is None:
+                problems.append(f"{md}: prerequisite {key!r}: {full} is not in images/versions.yaml")
+    for ref in sorted(set(PATH_RE.findall(s.body))):
+        if not ((skill_dir / ref).exists() or (ROOT / ref).exists()):
+            problems.append(f"{md}: names `{ref}`, which does not exist")
+    scripts = sorted(p for p in (skill_dir / "scripts").glob("*") if p.is_file())
+    if not scripts:
+        problems.append(f"{skill_dir}: no scripts/ (every skill ends in a PASS/FAIL script)")
+    # No version literal at all: a pin's value is named by its key (ours), and a version-looking
+    # literal that is not a pin is drift (the appliance's checker, which also scans Dockerfiles).
+    literals = version_literals(versions)
+    for f in [md, *scripts]:
+        text = f.read_text()
+        for v in sorted(literals):
+            if re.search(rf"(?<![\w.]){re.escape(v)}(?![\w])", text):
+                problems.append(f"{f}: version literal {v!r}; refer to its images/versions.yaml key")
+    if "targets" in versions:
+        from pithtrain.appliance import find_unpinned_versions
+
+        problems += [f"{hit}: version literal not from images/versions.yaml"
+                     for hit in find_unpinned_versions([md, *scripts], versions)]
+    return problems
+
+
+def lint_all(skills_dir: Path = SKILLS_DIR, versions_path: Path = VERSIONS) -> list[str]:
+    versions = load_versions(versions_path)
+    dirs = sorted(p for p in skills_dir.iterdir() if p.is_dir())
+    if not dirs:
+        return [f"{skills_dir}: no skills"]
+    return [p for d in dirs for p in lint(d, versions)]
+
+
+def check(name: str, skills_dir: Path = SKILLS_DIR, versions_path: Path = VERSIONS) -> list[tuple[str, bool, str]]:
+    """(item, ok, detail) for every prerequisite of skill `name` on this machine."""
+    md = skills_dir / name / "SKILL.md"
+    if not md.is_file():
+        known = ", ".join(sorted(p.name for p in skills_dir.iterdir() if (p / "SKILL.md").is_file()))
+        return [(f"skill {name}", False, f"no such skill (skills: {known})")]
+    s = parse(md)
+    versions = load_versions(versions_path)
+    rows = []
+    for key in s.prerequisites["versions"]:
+        for full, value in lookup(versions, key).items():
+            rows.append((f"pin {full}", value is not None,
+                         "missing from images/versions.yaml" if value is None else str(value)))
+    for cmd in s.prerequisites["commands"]:
+        path = shutil.which(cmd)
+        rows.append((f"command {cmd}", path is not None, path or "not on PATH"))
+    for mod in s.prerequisites["modules"]:
+        found = importlib.util.find_spec(mod) is not None
+        rows.append((f"module {mod}", found, "importable" if found else "not importable"))
+    for cmd in s.prerequisites["optional"]:
+        path = shutil.which(cmd)
+        rows.append((f"optional {cmd}", True, path or "absent (the skill uses its fallback)"))
+    return rows
+
+
+def report(name: str, **kw) -> bool:
+    """Print the prerequisite table for skill `name`; True when every required item is present."""
+    rows = check(name, **kw)
+    for item, ok, detail in rows:
+        print(f"  {'ok  ' if ok else 'MISS'} {item:<34} {detail}")
+    ok = all(r[1] for r in rows)
+    print(f"skill {name}: prerequisites {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pithtrain.skills", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check", help="check one skill's prerequisites on this machine")
+    c.add_argument("name")
+    lt = sub.add_parser("lint", help="lint every skill against images/versions.yaml")
+    for q in (c, lt):
+        q.add_argument("--versions", type=Path, default=VERSIONS, help="versions file to check against")
+        q.add_argument("--skills-dir", type=Path, default=SKILLS_DIR, help="folder holding the skills")
+    args = p.parse_args(argv)
+    if args.cmd == "check":
+        return 0 if report(args.name, skills_dir=args.skills_dir, versions_path=args.versions) else 1
+    problems = lint_all(args.skills_dir, args.versions)
+    for line in problems:
+        print(line)
+    print("FAIL" if problems else "PASS")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

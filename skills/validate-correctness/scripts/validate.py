@@ -1,0 +1,165 @@
+"""Validate a change: the evidence every change to PithTrain must produce. Prints PASS or FAIL.
+
+    python skills/validate-correctness/scripts/validate.py --quick                # CI subset (~1 min, 2 cores)
+    python skills/validate-correctness/scripts/validate.py                        # every check this tree has
+    python skills/validate-correctness/scripts/validate.py --family gpt_oss       # parity for one family
+    python skills/validate-correctness/scripts/validate.py --changed-since main   # families the diff touches
+    python skills/validate-correctness/scripts/validate.py --quick --fail-fast    # stop at the first FAIL
+
+Checks, in order; each is PASS, FAIL or SKIP (with the reason); the verdict is FAIL if any check fails:
+  parity <family>  tests/test_<family>.py against transformers (--quick: only *match_transformers tests)
+  moe              tests/test_moe.py: grouped matmul == per-expert loop, forward and backward
+  training <fam>   a fixed 30-step run of a tiny model of the first family checked (plus --set
+                   overrides): every loss finite and mean(last 3) < mean(first 3) - 1.0
+                   (CPU fp32, seeded: the same verdict every time)
+  distributed      tests/test_distributed*.py, test_parallel*.py, test_pipeline*.py, test_overlap*.py:
+                   every parallel layout equals one process (skipped with --quick)
+  resume           tests/test_checkpoint*.py, test_resume*.py, test_dcp*.py: a resumed run equals the
+                   uninterrupted one (skipped with --quick)
+
+It validates the tree it lives in (imports <root>/pithtrain, runs <root>/tests), so a patched copy of
+the repository validates itself: tests/test_skills.py plants a bug in a copy and expects FAIL.
+Exit status: 0 on PASS, 1 on FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
+
+# Which test files hold which evidence (globs under tests/).
+DISTRIBUTED_TESTS = ("test_distributed*.py", "test_parallel*.py", "test_pipeline*.py", "test_overlap*.py")
+RESUME_TESTS = ("test_checkpoint*.py", "test_resume*.py", "test_dcp*.py")
+# Files whose change touches every family (shared blocks, the family table, HF import/export).
+SHARED_MODEL_FILES = ("pithtrain/models/common.py", "pithtrain/models/__init__.py", "pithtrain/checkpoint/hf.py")
+# The fixed short run: every family's config defaults are already tiny; narrower and shallower here.
+TINY_RUN = {"train": {"steps": 30, "micro_batch_size": 4, "seq_len": 64, "warmup_steps": 5, "device": "cpu",
+                      "seed": 1234},
+            "data": {"max_bytes": 300000}, "checkpoint": {"final": False}, "log": {"every": 10}}
+TINY_MODEL = {"hidden_size": 64, "num_layers": 2}
+MARGIN = 1.0  # nats the loss must fall between the first and last three steps
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks: each returns (verdict, detail) with verdict in PASS / FAIL / SKIP
+
+
+def pytest(files: list[Path], k: str | None = None, missing_is: str = "FAIL") -> tuple[str, str]:
+    if not files:
+        return missing_is, "no such test files in this tree"
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *map(str, files)]
+    if k:
+        cmd += ["-k", k]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    counts = [ln for ln in lines if re.search(r"\d+ (passed|failed|error|skipped|deselected)", ln)]
+    summary = (counts or lines or ["(no output)"])[-1].strip("= ")
+    names = ", ".join(f.name for f in files)
+    if r.returncode == 0:
+        return "PASS", f"{names}: {summary}"
+    if r.returncode == 5:
+        return missing_is, f"{names}: no test selected ({k or 'all'})"
+    print("\n".join(lines[-40:]), r.stderr[-2000:], sep="\n", file=sys.stderr)
+    return "FAIL", f"{names}: {summary}"
+
+
+def training(family: str, overrides: list[str]) -> tuple[str, str]:
+    import yaml
+
+    from pithtrain.config import load_config
+    from pithtrain.train import train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = Path(tmp) / "tiny.yaml"
+        recipe.write_text(yaml.safe_dump({"model": {"family": family, **TINY_MODEL}, **TINY_RUN}))
+        try:
+            hist = train(load_config(recipe, [f"log.run_dir={tmp}/run", *overrides]), resume=False)
+        except Exception as e:  # a bad override or a non-finite loss: a FAIL, not a crash
+            return "FAIL", f"training raised {type(e).__name__}: {e}"
+    losses = [h["loss"] for h in hist]
+    if not all(math.isfinite(v) for v in losses + [h["grad_norm"] for h in hist]):
+        return "FAIL", "a loss or gradient norm is not finite"
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    detail = f"loss {first:.3f} -> {last:.3f} over {len(losses)} steps (needs a fall > {MARGIN})"
+    return ("PASS" if last < first - MARGIN else "FAIL"), detail
+
+
+def changed_families(ref: str, families: list[str]) -> list[str]:
+    diff = subprocess.run(["git", "diff", "--name-only", ref], cwd=ROOT, capture_output=True, text=True)
+    new = subprocess.run(["git", "ls-files", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True)
+    if diff.returncode != 0:
+        sys.exit(f"error: git diff {ref}: {diff.stderr.strip()}")
+    paths = set(diff.stdout.split()) | set(new.stdout.split())
+    if paths & set(SHARED_MODEL_FILES):
+        return families
+    touched = [f for f in families if f"pithtrain/models/{f}.py" in paths or f"tests/test_{f}.py" in paths]
+    return touched or families[:1]  # nothing model-specific: still check the default family
+
+
+def glob_tests(patterns) -> list[Path]:
+    return sorted({p for pat in patterns for p in (ROOT / "tests").glob(pat)})
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the CI subset: parity of one family, moe, training")
+    p.add_argument("--fail-fast", action="store_true", help="stop at the first failing check")
+    p.add_argument("--family", action="append", default=[], help="family to check parity for (repeatable)")
+    p.add_argument("--changed-since", metavar="REF", help="check the families touched since git REF")
+    p.add_argument("--set", action="append", default=[], metavar="K=V",
+                   help="override for the training run, e.g. model.top_k=1 (repeatable): a variant's switch")
+    args = p.parse_args(argv)
+
+    from pithtrain.models import FAMILIES
+
+    known = list(FAMILIES)
+    families = args.family or (changed_families(args.changed_since, known) if args.changed_since
+                               else known[:1] if args.quick else known)
+    for f in families:
+        if f not in FAMILIES:
+            sys.exit(f"error: unknown family {f!r} (families: {', '.join(known)})")
+
+    plan = [(f"parity {f}", lambda f=f: pytest(glob_tests([f"test_{f}.py"]),
+                                               "match_transformers" if args.quick else None))
+            for f in families]
+    plan += [("moe", lambda: pytest(glob_tests(["test_moe.py"]))),
+             (f"training {families[0]}", lambda: training(families[0], args.set))]
+    if args.quick:
+        plan += [(name, lambda: ("SKIP", "not run with --quick")) for name in ("distributed", "resume")]
+    else:
+        plan += [("distributed", lambda: pytest(glob_tests(DISTRIBUTED_TESTS), missing_is="SKIP")),
+                 ("resume", lambda: pytest(glob_tests(RESUME_TESTS), missing_is="SKIP"))]
+
+    print(f"validate-correctness: {ROOT} | families {', '.join(families)}{' | --quick' if args.quick else ''}",
+          flush=True)
+    rows = []
+    for name, run in plan:
+        t0 = time.perf_counter()
+        verdict, detail = run()
+        rows.append((name, verdict, time.perf_counter() - t0, detail))
+        print(f"  {name:<22} {verdict:<4} {rows[-1][2]:6.1f}s  {detail}", flush=True)
+        if verdict == "FAIL" and args.fail_fast:
+            break
+    ok = all(v != "FAIL" for _, v, _, _ in rows)
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
