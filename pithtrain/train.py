@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from pithtrain.checkpoint.dcp import CheckpointError, Checkpointer
 from pithtrain.config import Config, ConfigError, load_config
 from pithtrain.data import build_batches, rows
 from pithtrain.distributed.context_parallel import split_batch
@@ -92,8 +93,10 @@ def lr_lambda(cfg: Config):
 # Training
 
 
-def train(cfg: Config, keep: dict | None = None) -> list[dict]:
-    """Run `cfg.train.steps` optimizer steps; returns the per-step records (loss, lr, grad norm).
+def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> list[dict]:
+    """Run optimizer steps up to `cfg.train.steps`; returns the per-step records (loss, lr, grad norm).
+    resume: True continues from the newest valid checkpoint in log.run_dir, False starts fresh,
+    a path continues from that checkpoint (pithtrain/checkpoint/dcp.py).
     keep: a dict that receives the trained `model` (parity tests compare its parameters)."""
     dims = ParallelDims.from_config(cfg)  # layout vs WORLD_SIZE and model: fails before any collective
     device = pick_device(cfg)
@@ -118,6 +121,8 @@ def train(cfg: Config, keep: dict | None = None) -> list[dict]:
         materialize(model, build_model(cfg.model, "cpu"), device)
     optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    ckpt = Checkpointer(cfg, model, optimizer, scheduler, device)
+    start = ckpt.resume(resume)  # steps already done = data position (0: fresh); says what it did
 
     dp_rank, dp_size = dims.batch_rank, dims.batch_size  # cp ranks share their rows
     global_batch = t.micro_batch_size * t.grad_accum * dp_size
@@ -137,7 +142,7 @@ def train(cfg: Config, keep: dict | None = None) -> list[dict]:
     AuxLoss.loss_scale = 1.0 / (t.grad_accum * dp_size)  # mean over the global batch's micro-batches
     history, tokens_since = [], 0
     log.tick()
-    for step in range(t.steps):
+    for step in range(start, t.steps):
         loss_sum, n_tokens, micro_batches = 0.0, 0, []
         x_GS, y_GS = batches.batch(step)
         denom = (y_GS != -100).sum().item()  # loss = sum over the global batch / its target count
@@ -175,6 +180,8 @@ def train(cfg: Config, keep: dict | None = None) -> list[dict]:
             log.write({**rec, "tokens_per_s": tps,
                        "mfu": tps * fpt / (peak * 1e12) if peak else None,
                        "mem_gb": memory_gb(device), "imbalance": expert_imbalance(model, dims)})
+        ckpt.after_step(step + 1)  # saves when due (checkpoint.every, final)
+    ckpt.close()  # an asynchronous save still in flight is finished and committed
     if keep is not None:
         keep["model"] = model
     dims.close()
@@ -191,14 +198,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("recipe", nargs="?", default=None,
                    help="recipe YAML file or embedded recipe name (default: the tiny embedded default)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.lr=1e-3")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resume", metavar="PATH", default=None,
+                   help="continue from this checkpoint (a step_N dir, or a run dir's newest valid one); "
+                        "default: the newest valid checkpoint in log.run_dir, if any")
+    g.add_argument("--no-resume", action="store_true", help="start fresh even if log.run_dir has checkpoints")
     args = p.parse_args(argv)
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe:  # only overrides were given
         recipe, overrides = None, [recipe, *overrides]
     try:
         cfg = load_config(recipe, overrides)
-        train(cfg)
-    except ConfigError as e:
+        train(cfg, resume=False if args.no_resume else (args.resume or True))
+    except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

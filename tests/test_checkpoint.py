@@ -1,0 +1,360 @@
+"""Checkpoints: exact resume, crash safety, damaged files named, safe loading, Hugging Face export.
+
+One reference run (20 steps, a checkpoint every 5) is shared by most tests; each test that damages
+or extends checkpoints works on a copy."""
+
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pithtrain.checkpoint.dcp import CheckpointError, Checkpointer, SafeReader, resolve, verify
+from pithtrain.config import load_config
+from pithtrain.data import TokenBatches
+from pithtrain.models import build_model
+from pithtrain.train import build_optimizer, lr_lambda, main, train
+
+# conftest.tiny_overrides without the run dir, for the module-scoped reference run
+TINY = ["train.micro_batch_size=4", "train.seq_len=64", "train.warmup_steps=5",
+        "model.hidden_size=64", "model.num_heads=4", "model.head_dim=16",
+        "model.moe_intermediate_size=64", "model.num_layers=2", "data.max_bytes=300000"]
+RUN = TINY + ["train.steps=20", "checkpoint.every=5", "checkpoint.keep_last=3", "log.every=1"]
+
+
+def cfg_for(run_dir, *extra):
+    return load_config(None, RUN + [f"log.run_dir={run_dir}", *extra])
+
+
+def losses(run_dir) -> dict[int, float]:
+    """step -> loss from metrics.jsonl (a resumed run appends; a re-done step must agree)."""
+    out = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        assert out.setdefault(r["step"], r["loss"]) == r["loss"], f"step {r['step']} differs"
+        out[r["step"]] = r["loss"]
+    return out
+
+
+def restored(ckpt, run_dir):
+    """(model state, optimizer state) as a fresh process would restore them from `ckpt`."""
+    cfg = cfg_for(run_dir)
+    model = build_model(cfg.model, "cpu")
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    step = Checkpointer(cfg, model, opt, sched, torch.device("cpu")).load(Path(ckpt))
+    return step, model.state_dict(), opt.state_dict()["state"], sched.state_dict()
+
+
+def assert_same(a, b):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """20 steps straight; checkpoints at 5, 10, 15, 20 (keep_last 3: 10, 15, 20 remain)."""
+    run = tmp_path_factory.mktemp("ref") / "run"
+    hist = train(cfg_for(run))
+    assert [h["step"] for h in hist] == list(range(1, 21))
+    return run
+
+
+def copy_run(ref, tmp_path) -> Path:
+    dst = tmp_path / "run"
+    shutil.copytree(ref, dst)
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact resume
+
+
+class Preempted(Exception):
+    pass
+
+
+def test_resume_is_bit_exact(ref, tmp_path, monkeypatch, capsys):
+    """10 steps, a crash, a resume, 10 more == 20 straight: every loss and the final parameters,
+    optimizer moments and LR schedule, bit for bit (float32, CPU)."""
+    run = tmp_path / "run"
+    real_batch = TokenBatches.batch
+
+    def batch_until_10(self, step):
+        if step == 10:  # after step 10 was trained and checkpointed
+            raise Preempted
+        return real_batch(self, step)
+
+    monkeypatch.setattr(TokenBatches, "batch", batch_until_10)
+    with pytest.raises(Preempted):
+        train(cfg_for(run))
+    monkeypatch.setattr(TokenBatches, "batch", real_batch)
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_10"
+    hist = train(cfg_for(run))  # no flag: resumes by itself
+    assert "resumed from" in capsys.readouterr().out
+    assert [h["step"] for h in hist] == list(range(11, 21))
+
+    assert losses(run) == losses(ref)  # every step, exact float equality
+    a, b = restored(run / "checkpoints/step_20", run), restored(ref / "checkpoints/step_20", ref)
+    assert a[0] == b[0] == 20
+    assert_same(a[1:], b[1:])
+
+
+def test_resume_restores_rng_and_reports_nothing_left(ref, tmp_path, capsys):
+    run = copy_run(ref, tmp_path)
+    torch.manual_seed(0)
+    assert train(cfg_for(run)) == []  # already at step 20 of 20
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "step_20" in out and "nothing left to train" in out
+    # the RNG state is the one the reference run had when it saved step 20, not seed 0's
+    torch.manual_seed(0)
+    after_seed0 = torch.get_rng_state()
+    restored(run / "checkpoints/step_20", run)
+    assert not torch.equal(torch.get_rng_state(), after_seed0)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
+def test_async_save_snapshots_state(tmp_path):
+    """The CUDA path (dcp.async_save + commit thread), exercised on CPU: the checkpoint holds the
+    state at save time even though training changes the parameters while it is written."""
+    cfg = cfg_for(tmp_path / "run", "train.steps=3")
+    model = build_model(cfg.model, "cpu")
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    ck = Checkpointer(cfg, model, opt, sched, torch.device("cpu"))
+    ck.use_async = True
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ck.save(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ck.close()
+    assert (tmp_path / "run/checkpoints/latest").read_text().strip() == "step_3"
+    _, state, _, _ = restored(tmp_path / "run/checkpoints/step_3", tmp_path / "run")
+    assert_same(state, before)
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults: SIGKILL mid-run, death inside a save, damaged files
+
+
+# one intra-op thread in subprocesses: on 2 shared cores, two spinning OpenMP threads per process
+# only slow everything down
+SUB_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def train_cmd(run, *extra):
+    overrides = TINY + [f"log.run_dir={run}", "log.every=1", *extra]
+    return [sys.executable, "-m", "pithtrain.train", *overrides]
+
+
+def test_sigkill_mid_run_resumes_from_last_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    extra = ["train.steps=10", "checkpoint.every=2"]
+    proc = subprocess.Popen(train_cmd(run, *extra), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env=SUB_ENV)
+    latest, deadline = run / "checkpoints" / "latest", time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if latest.is_file() and latest.read_text().strip() in ("step_4", "step_6"):
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # no chance to clean up: may land inside a save
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    killed = losses(run)
+
+    out = subprocess.run(train_cmd(run, *extra), capture_output=True, text=True, timeout=180, env=SUB_ENV)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first = int(re.search(r"resumed from \S+ at step (\d+)", out.stdout).group(1))
+    assert first >= 4 and f"step {first + 1:6d} |" in out.stdout
+    redone = losses(run)  # raises if a step trained twice disagrees with the killed run
+    assert sorted(redone) == list(range(1, 11))
+    assert all(redone[s] == killed[s] for s in killed)
+
+
+def test_death_inside_save_keeps_previous_checkpoint(tmp_path, capsys):
+    run = tmp_path / "run"
+    env = {**SUB_ENV, "PITHTRAIN_TEST_CRASH_IN_SAVE": "4"}
+    out = subprocess.run(train_cmd(run, "train.steps=6", "checkpoint.every=2"), env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 70, out.stderr[-2000:]
+    ck = run / "checkpoints"
+    assert (ck / "latest").read_text().strip() == "step_2"
+    assert (ck / ".tmp-step_4" / ".metadata").is_file() and not (ck / "step_4").exists()
+    verify(ck / "step_2")
+    hist = train(cfg_for(run, "train.steps=6", "checkpoint.every=2"))
+    said = capsys.readouterr().out
+    assert "ignoring .tmp-step_4: a save that did not finish" in said
+    assert "resumed from" in said and "step_2 at step 2" in said
+    assert [h["step"] for h in hist] == list(range(3, 7))
+    assert not (ck / ".tmp-step_4").exists() and (ck / "step_4").is_dir()
+
+
+def damage(path: Path, how: str):
+    data = bytearray(path.read_bytes())
+    if how == "corrupt":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        data = data[: len(data) // 2]
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how,word", [("corrupt", "sha256"), ("truncate", "truncated")])
+def test_damaged_shard_is_named(ref, tmp_path, capsys, how, word):
+    run = copy_run(ref, tmp_path)
+    ck = run / "checkpoints"
+    shard = ck / "step_20" / "__0_0.distcp"
+    damage(shard, how)
+    with pytest.raises(CheckpointError, match=word) as e:
+        verify(ck / "step_20")
+    assert str(shard) in str(e.value)
+    # asked for by name: an error naming the file, through the command line too
+    assert main(RUN + [f"log.run_dir={tmp_path / 'other'}", f"--resume={ck / 'step_20'}"]) == 2
+    assert str(shard) in capsys.readouterr().err
+    # automatic resume: skips it out loud, falls back to step_15, sets the damaged one aside
+    hist = train(cfg_for(run))
+    said = capsys.readouterr().out
+    assert f"skipping step_20: {shard}" in said and "step_15 at step 15" in said
+    assert "set aside step_20 -> .abandoned-step_20" in said
+    assert [h["step"] for h in hist] == list(range(16, 21))
+    assert losses(run) == losses(ref)
+    assert (ck / ".abandoned-step_20").is_dir() and verify(ck / "step_20")
+
+
+def test_no_valid_checkpoint_is_an_error_not_a_fresh_start(ref, tmp_path, capsys):
+    run = copy_run(ref, tmp_path)
+    for d in ("step_10", "step_15", "step_20"):
+        damage(run / "checkpoints" / d / "trainer.json", "corrupt")
+    assert main(RUN + [f"log.run_dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert "none is valid" in err and all(f"skipping {d}" in err for d in ("step_10", "step_20"))
+
+
+def test_no_resume_starts_fresh(ref, tmp_path, capsys):
+    run = copy_run(ref, tmp_path)
+    assert main(RUN + [f"log.run_dir={run}", "train.steps=2", "--no-resume"]) == 0
+    out = capsys.readouterr().out
+    assert "--no-resume: starting fresh" in out and "step      1 |" in out
+    ck = run / "checkpoints"
+    assert (ck / ".abandoned-step_20").is_dir()  # set aside, not deleted, not resumable
+    assert (ck / "latest").read_text().strip() == "step_2"
+    assert resolve(run) == ck / "step_2"
+
+
+def test_metadata_pickle_with_foreign_objects_is_refused(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
+        SafeReader(tmp_path).read_metadata()
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face export
+
+
+def test_export_loads_in_transformers_with_same_logits(ref, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from pithtrain.checkpoint.export import load_checkpoint_model
+
+    out = subprocess.run([sys.executable, "-m", "pithtrain.checkpoint.export", "--ckpt", str(ref),
+                          "--out", str(tmp_path / "hf")], capture_output=True, text=True, timeout=180,
+                         env=SUB_ENV)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ours = load_checkpoint_model(ref / "checkpoints" / "step_20")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+    x = torch.randint(0, 258, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(x).logits, ours(x), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resharding: 4 gloo processes (fsdp=2 x ep=2) <-> one process
+
+
+RESHARD = ["train.steps=4", "checkpoint.every=2", "train.device=cpu", "log.every=1"]
+PROBE = torch.randint(0, 258, (2, 32), generator=torch.Generator().manual_seed(1))
+
+
+def _reshard_worker(rank: int, world: int, port: int, tmp: str, ref_ckpt: str):
+    """Phase 1: train 4 steps on fsdp=2 x ep=2 (recipe fsdp=4 ep=2: ep borrows fsdp ranks),
+    checkpoints at 2 and 4. Phase 2: load the single-process reference checkpoint into this
+    layout. Rank 0 writes full parameters, losses and logits of both phases."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    layout = ["parallel.fsdp=4", "parallel.ep=2"]
+    out = {}
+    for phase, run, extra, resume in (("saved", "run4", RESHARD, False),
+                                      ("loaded", "run4b", ["train.steps=20"], ref_ckpt)):
+        keep = {}
+        hist = train(load_config(None, RUN + layout + extra + [f"log.run_dir={tmp}/{run}"]),
+                     resume=resume, keep=keep)
+        model = keep["model"]
+        params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                  for n, p in model.named_parameters()}
+        with torch.no_grad():
+            logits = model(PROBE)
+        out[phase] = {"params": params, "logits": logits, "loss": [h["loss"] for h in hist]}
+    if rank == 0:
+        torch.save(out, os.path.join(tmp, "reshard.pt"))
+    dist.destroy_process_group()
+
+
+def test_reshard_between_four_processes_and_one(ref, tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_reshard_worker, args=(4, port, str(tmp_path), str(ref / "checkpoints" / "step_20")), nprocs=4)
+    got = torch.load(tmp_path / "reshard.pt", weights_only=True)
+
+    # 4 -> 1: the sharded checkpoint loads into one process with the same parameters, exactly
+    saved = tmp_path / "run4" / "checkpoints"
+    _, params, _, _ = restored(saved / "step_4", tmp_path / "run1")
+    assert_same({n: params[n] for n in got["saved"]["params"]}, got["saved"]["params"])
+    cfg1 = cfg_for(tmp_path / "run1")
+    model = build_model(cfg1.model, "cpu")
+    model.load_state_dict(params)
+    with torch.no_grad():  # same weights; EP sums a token's experts in a different order
+        torch.testing.assert_close(model(PROBE), got["saved"]["logits"], rtol=1e-5, atol=1e-5)
+
+    # ... and optimizer moments and LR schedule too: one process resumed from the 4-process step 2
+    # (grad_accum 4 = the same global batch) trains steps 3-4 like the 4 processes did
+    hist = train(cfg_for(tmp_path / "run1", *RESHARD, "train.grad_accum=4"),
+                 resume=str(saved / "step_2"))
+    assert [h["step"] for h in hist] == [3, 4]
+    torch.testing.assert_close([h["loss"] for h in hist], got["saved"]["loss"][2:], rtol=1e-5, atol=0)
+
+    # 1 -> 4: the single-process reference checkpoint loaded into fsdp=2 x ep=2
+    ref_model = build_model(cfg1.model, "cpu")
+    ref_model.load_state_dict(restored(ref / "checkpoints" / "step_20", ref)[1])
+    with torch.no_grad():
+        torch.testing.assert_close(got["loaded"]["logits"], ref_model(PROBE), rtol=1e-5, atol=1e-5)
