@@ -30,8 +30,10 @@ def test_grad_accum_matches_one_big_batch(tiny_overrides):
     is switched off here to make the two runs the same function."""
     base = [o for o in tiny_overrides if not o.startswith(("train.steps", "train.micro"))]
     base += ["train.steps=4", "model.aux_loss_coeff=0"]
-    a = train(load_config(None, base + ["train.micro_batch_size=4", "train.grad_accum=2"]))
-    b = train(load_config(None, base + ["train.micro_batch_size=8", "train.grad_accum=1"]))
+    # one run dir: without resume=False, b would resume from a's final checkpoint and train nothing
+    a = train(load_config(None, base + ["train.micro_batch_size=4", "train.grad_accum=2"]), resume=False)
+    b = train(load_config(None, base + ["train.micro_batch_size=8", "train.grad_accum=1"]), resume=False)
+    assert len(a) == len(b) == 4
     for ra, rb in zip(a, b):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
         assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4)
