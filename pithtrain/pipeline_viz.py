@@ -2,7 +2,8 @@
 
     python -m pithtrain.pipeline_viz RUN_DIR            # RUN_DIR/pipeline_timeline/rank*.json
     python -m pithtrain.pipeline_viz RUN_DIR --width 120
-    invoke pipeline-viz --run-dir RUN_DIR
+    python -m pithtrain.pipeline_viz RECIPE [k=v ...]   # the recipe's log.run_dir
+    invoke profile --pipeline --recipe RECIPE
 
 A pipeline run (parallel.pp > 1) records the op start/end times of its last step on every rank
 (pithtrain/distributed/pipeline.py: run_step). This writes RUN_DIR/pipeline_timeline/timeline.png
@@ -75,19 +76,29 @@ def png(ranks: list[dict], path: Path) -> bool:
     return True
 
 
+def run_directory(args: list[str]) -> Path:
+    """A directory argument is the run directory; otherwise recipe + overrides name it."""
+    if len(args) == 1 and Path(args[0]).is_dir():
+        return Path(args[0])
+    from pithtrain.config import load_config
+    recipe, overrides = (args[0], args[1:]) if args and "=" not in args[0] else (None, args)
+    return Path(load_config(recipe, overrides).log.run_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pithtrain.pipeline_viz", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir")
+    p.add_argument("run", nargs="*", help="a run directory, or a recipe and overrides (its log.run_dir)")
     p.add_argument("--width", type=int, default=100, help="characters per rank in the text version")
     args = p.parse_args(argv)
     try:
-        ranks = load(args.run_dir)
-    except FileNotFoundError as e:
+        run_dir = run_directory(args.run)
+        ranks = load(run_dir)
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(text(ranks, args.width))
-    out = Path(args.run_dir) / "pipeline_timeline" / "timeline.png"
+    out = Path(run_dir) / "pipeline_timeline" / "timeline.png"
     print(f"wrote {out}" if png(ranks, out) else "matplotlib not installed: no PNG (pip install -e '.[dev]')")
     return 0
 
