@@ -218,7 +218,7 @@ def forward(run: ChunkRun):
 
 
 def backward(run: ChunkRun, grad_out, input_only: bool = False):
-    run.grads["out"] = grad_out
+    run.grads["out"] = grad_out.to(run.output.dtype)
     for k in reversed(range(len(run.phases))):
         backward_phase(run, k, input_only)
 
@@ -257,7 +257,7 @@ def forward_backward(f: ChunkRun, b: ChunkRun, grad_out, streams: Streams | None
     communication phase of one side is paired with a compute phase of the other (greedily; when
     both next phases are of the same kind the backward side goes alone). Returns the pairing as
     [(forward phase name or None, backward phase name or None)] for tests and timelines."""
-    b.grads["out"] = grad_out
+    b.grads["out"] = grad_out.to(b.output.dtype)
     fi, bi, n_f = 0, len(b.phases) - 1, len(f.phases)
     fc, bc, order = _Chain(), _Chain(), []
     # A tensor made on one stream and last read on the other must not return to the allocator

@@ -473,8 +473,8 @@ class PipelineRunner:
         # gradients when its backward finishes, so under FSDP layers run whole and B runs the full
         # backward (W is then empty): the schedule is unchanged, only its weight-gradient delay
         # is given up. Deferring FSDP's reduce-scatter to W is the missing piece.
-        fsdp = any(type(m).__name__.startswith("FSDP") for m in model.modules())
-        self.split = not fsdp
+        from torch.distributed.fsdp import FSDPModule
+        self.split = not any(isinstance(m, FSDPModule) for m in model.modules())
 
     # --- helpers
     def _global(self, group, pp_peer):
