@@ -315,11 +315,11 @@ def doctor(c, gpu="", runtime="", manifest="", skill="", dry_run=False):
             problems += [f"host: {p}"] if p else []
     for p in problems:
         print(p)
-    checked = " and ".join([w for w, _ in checks] + ([f"skill {skill}"] if skill else []))
+    checked = [f"{w} against images/versions.yaml target {target}" for w, _ in checks]
+    checked = "; ".join(checked + ([f"skill {skill} prerequisites"] if skill else []))
     if problems:
-        raise Exit(f"doctor: FAIL, {len(problems)} problem(s) ({checked} against "
-                   f"images/versions.yaml target {target})", 1)
-    print(f"doctor: PASS ({checked} match images/versions.yaml target {target})")
+        raise Exit(f"doctor: FAIL, {len(problems)} problem(s) ({checked})", 1)
+    print(f"doctor: PASS ({checked})")
 
 
 @task(help={"gpu": H_GPU + " (default: auto)",
