@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from pithtrain import kernels
 from pithtrain.checkpoint.dcp import CheckpointError, Checkpointer
 from pithtrain.config import Config, ConfigError, load_config
 from pithtrain.data import build_batches, rows
@@ -115,6 +116,9 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
     else:  # several processes: build on meta, parallelize, then materialise (below)
         model = build_model(cfg.model, device, init=not dims.distributed)
     model.train()
+    kernels.configure(t.kernels, device)
+    if dims.rank == 0:
+        print(kernels.describe(), flush=True)
     chunks = pipeline.prepare(model, cfg, dims) if dims.pp_enabled else None  # keep this stage's part
     parallelize(model, dims, t, device)  # EP -> CP -> activation checkpointing -> compile -> FSDP
     if any(p.is_meta for p in model.parameters()):  # the same RNG draws as one process

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pithtrain import kernels  # which fused operators this process uses (kernels.USE)
+
 
 # ---------------------------------------------------------------------------------------------
 # Norm and rotary embeddings
@@ -112,11 +114,29 @@ def attention(q_BHSd, k_BKSd, v_BKSe, *, scale: float, window: int | None = None
               sinks_H: torch.Tensor | None = None):
     """Causal attention with optional sliding window (keys within the last `window` positions,
     Hugging Face's convention) and learned sinks (an extra logit per head that takes softmax mass).
-    GQA: K may divide H. The plain case uses SDPA (flash / cuDNN / efficient kernels on GPU)."""
+    GQA: K may divide H. The plain case uses SDPA: with kernels.USE["cudnn_sdpa"] cuDNN's fused
+    kernel first (GQA heads expanded, which it needs), else SDPA's own order (flash first).
+    Windows / sinks on GPU go to FlexAttention (kernels/flex.py); on CPU to the eager reference."""
     if window is None and sinks_H is None:
+        gqa = k_BKSd.shape[1] != q_BHSd.shape[1]
+        if kernels.USE["cudnn_sdpa"] and q_BHSd.is_cuda:
+            if gqa:
+                r = q_BHSd.shape[1] // k_BKSd.shape[1]
+                k_BKSd, v_BKSe = k_BKSd.repeat_interleave(r, 1), v_BKSe.repeat_interleave(r, 1)
+            with torch.nn.attention.sdpa_kernel(_SDPA_CUDNN_FIRST, set_priority=True):
+                return F.scaled_dot_product_attention(q_BHSd, k_BKSd, v_BKSe, is_causal=True,
+                                                      scale=scale)
         return F.scaled_dot_product_attention(q_BHSd, k_BKSd, v_BKSe, is_causal=True, scale=scale,
-                                              enable_gqa=k_BKSd.shape[1] != q_BHSd.shape[1])
+                                              enable_gqa=gqa)
+    if kernels.USE["flex"] and q_BHSd.is_cuda:
+        from pithtrain.kernels.flex import flex_sink_attention
+        return flex_sink_attention(q_BHSd, k_BKSd, v_BKSe, scale=scale, window=window, sinks_H=sinks_H)
     return eager_attention(q_BHSd, k_BKSd, v_BKSe, scale=scale, window=window, sinks_H=sinks_H)
+
+
+_SDPA_CUDNN_FIRST = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
+                     torch.nn.attention.SDPBackend.FLASH_ATTENTION,
+                     torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]
 
 
 def eager_attention(q_BHSd, k_BKSd, v_BKSe, *, scale, window=None, sinks_H=None, q_offset=0):
@@ -163,7 +183,11 @@ class SwiGLUMLP(nn.Module):
 
 def swiglu(h_XF2, alpha: float | None = None, limit: float | None = None):
     """silu(gate) * up on the concatenated [gate | up] rows. With alpha/limit: GPT-OSS's clamped
-    variant, gate.clamp(max=limit) * sigmoid(alpha * gate) * (up.clamp(-limit, limit) + 1)."""
+    variant, gate.clamp(max=limit) * sigmoid(alpha * gate) * (up.clamp(-limit, limit) + 1).
+    CUDA with kernels.USE["swiglu"]: one Triton kernel each way (kernels/swiglu.py)."""
+    if kernels.USE["swiglu"] and h_XF2.is_cuda:
+        from pithtrain.kernels.swiglu import swiglu as fused
+        return fused(h_XF2, alpha, limit)
     gate, up = h_XF2.chunk(2, dim=-1)
     if alpha is None:
         return F.silu(gate) * up
@@ -236,16 +260,23 @@ def _local(w):
 
 class LocalDispatcher:
     """Permute tokens to expert-contiguous rows, run the experts, and scatter-add back weighted.
-    The expert-parallel dispatcher has the same three methods and replaces this one."""
+    The expert-parallel dispatcher has the same three methods and replaces this one.
+    CUDA with kernels.USE["permute"]: the same maps as gathers only (kernels/permute.py)."""
 
     def dispatch(self, x_TD, idx_TA, num_experts):
         flat_X = idx_TA.reshape(-1)
         order_X = torch.argsort(flat_X, stable=True)
         counts_E = torch.bincount(flat_X, minlength=num_experts)
+        if kernels.USE["permute"] and x_TD.is_cuda:
+            from pithtrain.kernels.permute import inverse_order, permute
+            return permute(x_TD, order_X, inverse_order(order_X, idx_TA.shape[1])), counts_E, order_X
         x_XD = x_TD[order_X // idx_TA.shape[1]]
         return x_XD, counts_E, order_X
 
     def combine(self, y_XD, w_TA, order_X, T):
+        if kernels.USE["permute"] and y_XD.is_cuda:
+            from pithtrain.kernels.permute import inverse_order, unpermute
+            return unpermute(y_XD, w_TA.to(y_XD.dtype), order_X, inverse_order(order_X, w_TA.shape[1]))
         w_X = w_TA.reshape(-1)[order_X].to(y_XD.dtype)
         out_TD = y_XD.new_zeros(T, y_XD.shape[-1])
         return out_TD.index_add(0, order_X // w_TA.shape[1], y_XD * w_X[:, None])
@@ -290,7 +321,13 @@ def load_balance_loss(probs_TE, idx_TA, num_experts):
 
 def cross_entropy_sum(h_TD, weight_VD, labels_T, chunk: int = 4096):
     """Sum of token cross-entropies (labels == -100 ignored), with logits made `chunk` rows at a
-    time under activation checkpointing, so (T, V) logits never exist at once in fp32."""
+    time under activation checkpointing, so (T, V) logits never exist at once in fp32.
+    With kernels.USE["linear_ce"] and gradients wanted: each chunk once, its gradients made in the
+    forward pass (kernels/linear_ce.py), saving the recomputed LM-head matmul."""
+    wants_grad = torch.is_grad_enabled() and (h_TD.requires_grad or weight_VD.requires_grad)
+    if kernels.USE["linear_ce"] and wants_grad:
+        from pithtrain.kernels.linear_ce import linear_cross_entropy_sum
+        return linear_cross_entropy_sum(h_TD, weight_VD, labels_T, chunk)
     total = h_TD.new_zeros((), dtype=torch.float32)
     for s in range(0, h_TD.shape[0], chunk):
         total = total + torch.utils.checkpoint.checkpoint(

@@ -1,0 +1,268 @@
+"""Single-GPU throughput suite (../shared/BENCH.md): each family at its real widths, truncated to 4
+layers, micro-batch 2 x sequence 4096, bf16, AdamW, random init; PithTrain and Hugging Face
+transformers on the identical configuration, in one process, one table.
+
+    python -m pithtrain.bench                                   # all families, default variants
+    python -m pithtrain.bench --models qwen3-30b-a3b --variants ref,fused+compile --steps 10
+    python -m pithtrain.bench --models qwen3-30b-a3b --no-hf --profile prof.txt
+    invoke bench
+
+A variant is '+'-joined words: `ref` (PyTorch reference operators, kernels=torch) or `fused`
+(kernels=auto); `compile` (train.compile); `ac-full` / `ac-sel` (activation checkpointing);
+`fp32` (fp32 master weights and AdamW state under bf16 autocast, as train.py; default bf16
+parameters and AdamW state, as the peers run); `no-NAME` turns one fused operator off
+(names: pithtrain.kernels.USE). The step timed is train.py's: forward (summed loss), backward of
+loss / tokens, clip to 1.0, fused AdamW, zero_grad; the peer's is the same around its forward.
+Timing: CUDA events around each step after warm-up; the median of the timed steps.
+MFU = tokens/s x model FLOPs per token (pithtrain.metrics.flops_per_token) / 989e12.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from pithtrain import kernels
+from pithtrain.compile import apply_activation_checkpoint, apply_compile
+from pithtrain.config import load_config
+from pithtrain.metrics import flops_per_token
+from pithtrain.models import build_model
+from pithtrain.train import build_optimizer
+
+MODELS = ["deepseek-v2-lite", "qwen3-30b-a3b", "gpt-oss-20b"]  # recipe names
+HF_ATTENTION = {"gpt_oss": "eager"}  # transformers 5.17 has no SDPA path for sinks
+PEAK_TFLOPS = 989.0  # H100/H200 dense bf16 datasheet
+DEFAULT_VARIANTS = "fused+compile"
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup
+
+
+def bench_config(name: str, layers: int, batch: int, seq: int):
+    cfg = load_config(name, [f"model.num_layers={layers}", f"train.micro_batch_size={batch}",
+                             f"train.seq_len={seq}"])
+    if hasattr(cfg.model, "max_position_embeddings"):
+        cfg.model.max_position_embeddings = max(cfg.model.max_position_embeddings, seq)
+    return cfg
+
+
+def parse_variant(v: str) -> dict:
+    words = v.split("+")
+    out = {"kernels": "torch" if "ref" in words else "auto", "compile": "compile" in words,
+           "ac": "full" if "ac-full" in words else "selective" if "ac-sel" in words else "none",
+           "fp32": "fp32" in words, "off": [w[3:] for w in words if w.startswith("no-")]}
+    unknown = [w for w in words if w not in ("ref", "fused", "compile", "ac-full", "ac-sel", "fp32")
+               and not w.startswith("no-")]
+    if unknown or any(o not in kernels.USE for o in out["off"]):
+        raise SystemExit(f"bench: unknown variant words in {v!r}: {unknown or out['off']}")
+    return out
+
+
+def random_batch(cfg, device, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    B, S, V = cfg.train.micro_batch_size, cfg.train.seq_len, cfg.model.vocab_size
+    ids = torch.randint(0, V, (B, S + 1), generator=g)
+    return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
+
+
+def free():
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def time_steps(step, warmup: int, steps: int) -> tuple[list[float], float]:
+    """Per-step milliseconds (CUDA events) after `warmup` untimed steps; and the warm-up seconds."""
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return times, warm_s
+
+
+# ---------------------------------------------------------------------------------------------
+# The two sides
+
+
+def pithtrain_step(cfg, variant: dict, device):
+    kernels.configure(variant["kernels"], device)
+    for name in variant["off"]:
+        kernels.USE[name] = False
+    print("bench:   " + kernels.describe(), flush=True)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, device)
+    if not variant["fp32"]:  # parameters (and so AdamW state) in bf16; buffers (RoPE) stay fp32
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    model.train()
+    apply_activation_checkpoint(model, variant["ac"])
+    if variant["compile"]:
+        torch._dynamo.reset()  # each variant compiles its own model from a clean cache
+        apply_compile(model)
+    opt = build_optimizer(model, cfg, device)
+    x, y = random_batch(cfg, device)
+    denom = y.numel()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, labels_BS=y)
+        (loss / denom).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach() / denom
+
+    return model, step
+
+
+def hf_step(cfg, device):
+    import transformers
+
+    hf = cfg.model.to_hf()
+    model_type = hf.pop("model_type")
+    hf.pop("architectures", None)
+    hf_cfg = transformers.AutoConfig.for_model(model_type, **hf)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            hf_cfg, dtype=torch.bfloat16, attn_implementation=HF_ATTENTION.get(cfg.model.family, "sdpa"),
+            experts_implementation="grouped_mm")
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
+                            weight_decay=cfg.train.weight_decay, fused=True)
+    x, _ = random_batch(cfg, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step():
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return model, step
+
+
+# ---------------------------------------------------------------------------------------------
+# One measurement
+
+
+def measure(name, side, cfg, make, warmup, steps, profile=None) -> dict:
+    free()
+    rec = {"model": name, "side": side, "batch": cfg.train.micro_batch_size, "seq": cfg.train.seq_len}
+    try:
+        model, step = make()
+        first = float(step())  # loss of a random model, ~ln(V)
+        times, warm_s = time_steps(step, warmup - 1, steps)
+        if profile:
+            profile_steps(step, profile, f"{name} {side}")
+        tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+        med = statistics.median(times)
+        tps = tokens / (med / 1e3)
+        fpt = flops_per_token(cfg.model, cfg.train.seq_len)
+        rec.update(ok=True, first_loss=first, step_ms=med, step_ms_all=times, warmup_s=warm_s,
+                   tokens_per_s=tps, mfu=tps * fpt / (PEAK_TFLOPS * 1e12),
+                   peak_gb=torch.cuda.max_memory_allocated() / 1e9, flops_per_token=fpt)
+        print(f"bench: {name:18s} {side:32s} {tps / 1e3:7.1f}K tok/s  {100 * rec['mfu']:5.1f}% MFU  "
+              f"{rec['peak_gb']:6.1f} GB  step {med:7.1f} ms (min {min(times):.1f}, max {max(times):.1f})"
+              f"  loss0 {first:.3f}", flush=True)
+        del model, step
+    except Exception as e:  # one failing side must not lose the others' numbers
+        traceback.print_exc()
+        rec.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        print(f"bench: {name} {side} FAILED: {rec['error']}", flush=True)
+    free()
+    return rec
+
+
+def profile_steps(step, path, title, n=3):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+    with open(path, "a") as f:
+        f.write(f"\n### {title} ({n} steps)\n{table}\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def table(recs: list[dict]) -> str:
+    lines = ["| model (4 layers) | side | tokens/s | MFU | peak GB | step ms | vs transformers |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    hf = {r["model"]: r for r in recs if r["side"] == "transformers" and r.get("ok")}
+    for r in recs:
+        if not r.get("ok"):
+            lines.append(f"| {r['model']} | {r['side']} | failed: {r.get('error', '')[:60]} | | | | |")
+            continue
+        peer = hf.get(r["model"])
+        ratio = f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else "-"
+        lines.append(f"| {r['model']} | {r['side']} | {r['tokens_per_s'] / 1e3:.1f}K | "
+                     f"{100 * r['mfu']:.1f}% | {r['peak_gb']:.1f} | {r['step_ms']:.1f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pithtrain.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated recipe names")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated variants (see above)")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--json", default="bench.json", help="where to write all records")
+    p.add_argument("--profile", default=None, help="append a torch.profiler top-kernel table per side")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    print(f"bench: {torch.cuda.get_device_name()} | torch {torch.__version__} | "
+          f"{args.layers} layers, {args.batch} x {args.seq}, bf16, AdamW", flush=True)
+    variants = [v for v in args.variants.split(",") if v]
+    recs = []
+    for name in [m for m in args.models.split(",") if m]:
+        cfg = bench_config(name, args.layers, args.batch, args.seq)
+        for v in variants:
+            spec = parse_variant(v)
+            recs.append(measure(name, v, cfg, lambda: pithtrain_step(cfg, spec, device), args.warmup,
+                                args.steps, args.profile))
+        if not args.no_hf:
+            recs.append(measure(name, "transformers", cfg, lambda: hf_step(cfg, device), args.warmup,
+                                args.steps, args.profile))
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "records": recs}, f, indent=1)
+    print(table(recs), flush=True)
+    return 0 if all(r.get("ok") for r in recs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Activation checkpointing and torch.compile for the decoder layers, applied in place.
+
+Order (see parallelize's contract in DESIGN/STYLE): expert parallel -> context parallel ->
+`apply_activation_checkpoint` -> `apply_compile` -> FSDP. Both walk `model.layers` and the plain
+attributes every family has (`self_attn`, `input_layernorm`, `post_attention_layernorm`, `mlp`,
+and inside a MoE block `route`, `experts`, `dispatcher`, optional `shared_experts`).
+
+What is compiled (fullgraph=True: a graph break is an error, not a silent slow path):
+  every child of a layer that holds no experts (attention with its projections, RoPE and q/k
+  norms; the norms; dense MLP layers), and inside a MoE block the router (`route`) and any other
+  expert-free child (shared experts). Dispatch, the grouped expert GEMMs and combine stay eager:
+  their shapes depend on the routing (per-expert row counts), and they already run as a few large
+  kernels (grouped GEMM, Triton permute/SwiGLU) that a compiler would not improve.
+
+Activation checkpointing (`train.activation_checkpoint`):
+  "full"       recompute each whole decoder layer in backward (least memory, ~1/3 more compute);
+  "selective"  recompute only each layer's `mlp` block: the routed-expert activations are top_k
+               copies of the tokens, the largest share of a MoE layer's saved memory, and their
+               recompute is one grouped-GEMM forward; attention's saved tensors are kept.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pithtrain import kernels
+from pithtrain.models.common import GroupedExperts
+
+
+def _has_experts(m: nn.Module) -> bool:
+    return any(isinstance(x, GroupedExperts) for x in m.modules())
+
+
+def _checkpointed(forward, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
+    if mode == "none":
+        return
+    for layer in model.layers:
+        target = layer if mode == "full" else layer.mlp
+        target.forward = functools.partial(_checkpointed, target.forward)
+
+
+def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
+    """torch.compile(fullgraph=True) on the non-MoE parts of every layer (module identity and
+    parameter names unchanged: nn.Module.compile)."""
+    dyn = torch._dynamo.config
+    # Each layer instance is one more guarded entry of the same code; allow one per layer and mode.
+    limit = 4 * len(model.layers) + 8
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(dyn, name):
+            setattr(dyn, name, max(getattr(dyn, name), limit if name != "accumulated_recompile_limit"
+                                   else 8 * limit))
+    for layer in model.layers:
+        for child in layer.children():
+            if not _has_experts(child):
+                child.compile(fullgraph=True, backend=backend)
+                continue
+            if hasattr(child, "route"):
+                child.route = torch.compile(child.route, fullgraph=True, backend=backend)
+            for sub in child.children():
+                if not _has_experts(sub) and not isinstance(sub, nn.Linear):  # e.g. shared experts
+                    sub.compile(fullgraph=True, backend=backend)
+    cfg = model.cfg
+    flex = any(cfg.attention_shapes(i)[0] is not None for i in range(cfg.num_layers)) or any(
+        "sinks" in n for n, _ in model.named_parameters())
+    if kernels.USE["flex"] and flex:
+        model.register_forward_pre_hook(_prepare_flex_masks)
+
+
+def _prepare_flex_masks(model, args):
+    """FlexAttention block masks are built here, in eager code, so compiled attention only reads
+    them from the cache (kernels/flex.py)."""
+    from pithtrain.kernels.flex import prepare_masks
+
+    ids = args[0]
+    if ids.is_cuda:
+        cfg = model.cfg
+        prepare_masks(ids.shape[1], [cfg.attention_shapes(i)[0] for i in range(cfg.num_layers)],
+                      ids.device)

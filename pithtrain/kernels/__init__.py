@@ -1,0 +1,54 @@
+"""Fused operators for the hot path, each with a plain-PyTorch reference it is tested against.
+
+| operator | fused version | reference (always available) |
+| --- | --- | --- |
+| SwiGLU / GPT-OSS clamped SwiGLU | `swiglu.py` (Triton, fwd + bwd) | `models.common.swiglu` |
+| token permute / weighted unpermute | `permute.py` (Triton gathers, no atomics) | `LocalDispatcher` index/index_add |
+| LM head + cross-entropy | `linear_ce.py` (PyTorch, grads made in forward) | `common.cross_entropy_sum` checkpointed |
+| attention with sinks / sliding window | `flex.py` (FlexAttention, block-sparse) | `common.eager_attention` |
+| plain causal attention | cuDNN / flash SDPA, chosen in `common.attention` | SDPA's own choice |
+
+The choice is explicit and global for the process: `configure(mode, device)` sets `USE` from the
+recipe's `train.kernels` ("auto": every fused operator whose requirements are met; "torch": none)
+and what is installed, and `describe()` is the line the trainer and the bench print at start-up.
+Model code asks `USE[name]` at call time and only for CUDA tensors; nothing is registered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional (CPU machines, CI); every Triton operator has a PyTorch fallback.
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+try:
+    from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+
+    HAVE_FLEX = True
+except ImportError:
+    HAVE_FLEX = False
+
+# What the hot path uses now. Everything off until `configure` runs (CPU tests, imports).
+USE = {"swiglu": False, "permute": False, "linear_ce": False, "flex": False, "cudnn_sdpa": False}
+
+
+def configure(mode: str = "auto", device: torch.device | str = "cuda") -> dict:
+    """Pick the operators for this process: mode "auto" (fastest available) or "torch" (references)."""
+    cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
+    auto = mode == "auto"
+    USE.update(swiglu=auto and cuda and HAVE_TRITON, permute=auto and cuda and HAVE_TRITON,
+               linear_ce=auto, flex=auto and cuda and HAVE_FLEX,
+               cudnn_sdpa=auto and cuda and torch.backends.cudnn.is_available())
+    return dict(USE)
+
+
+def describe() -> str:
+    why = "" if HAVE_TRITON else " (triton not installed)"
+    on = [k for k, v in USE.items() if v]
+    off = [k for k, v in USE.items() if not v]
+    return (f"kernels: fused {', '.join(on) or 'none'}; PyTorch reference for "
+            f"{', '.join(off) or 'none'}{why}")

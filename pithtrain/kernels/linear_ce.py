@@ -1,0 +1,59 @@
+"""LM head + cross-entropy with the gradients made during the forward pass (PyTorch, any device).
+
+Reference: `common.cross_entropy_sum`'s checkpointed path, which computes each chunk's logits twice
+(forward, then again in backward) -- 2 of the LM head's 6 FLOPs/param/token extra, a large term for
+vocabularies of 150-200K. Here each chunk of `chunk` rows is done once: logits (fp32), loss, the
+softmax-minus-one-hot gradient, then dh = dlogits @ W and dW += dlogits^T @ h right away. Backward
+only scales the two saved gradients by the incoming scalar, which is exact because the output is
+the summed loss (a scalar used linearly). Peak extra memory: one chunk of logits in fp32 and bf16
+plus dW. Under autocast the matmuls run in the autocast dtype, as the reference's would.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_TD, weight_VD, labels_T, chunk: int):
+        dt = torch.get_autocast_dtype(h_TD.device.type) if torch.is_autocast_enabled(h_TD.device.type) \
+            else h_TD.dtype
+        with torch.autocast(h_TD.device.type, enabled=False):
+            h, w = h_TD.to(dt), weight_VD.to(dt)
+            T = h.shape[0]
+            dh = torch.empty_like(h)
+            dw = torch.zeros(weight_VD.shape, dtype=weight_VD.dtype, device=h.device)
+            total = torch.zeros((), dtype=torch.float32, device=h.device)
+            for s in range(0, T, chunk):
+                hc, lc = h[s:s + chunk], labels_T[s:s + chunk]
+                logits = (hc @ w.t()).float()  # (c, V)
+                lse = torch.logsumexp(logits, dim=-1)
+                valid = lc != -100
+                tgt = lc.clamp(min=0)
+                picked = logits.gather(1, tgt[:, None]).squeeze(1)
+                total += torch.where(valid, lse - picked, 0.0).sum()
+                # d(sum CE)/d logits = softmax - onehot on valid rows, 0 on ignored rows
+                probs = logits.sub_(lse[:, None]).exp_()
+                probs.scatter_add_(1, tgt[:, None], torch.full_like(picked, -1.0)[:, None])
+                probs.mul_(valid[:, None])
+                g = probs.to(dt)
+                del logits, probs
+                dh[s:s + chunk] = g @ w
+                if dw.dtype == dt:
+                    dw.addmm_(g.t(), hc)
+                else:
+                    dw += (g.t() @ hc).to(dw.dtype)
+        ctx.save_for_backward(dh, dw)
+        ctx.h_dtype = h_TD.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        dh, dw = ctx.saved_tensors
+        return (dh * grad_out.to(dh.dtype)).to(ctx.h_dtype), dw * grad_out.to(dw.dtype), None, None
+
+
+def linear_cross_entropy_sum(h_TD, weight_VD, labels_T, chunk: int = 4096):
+    """Sum of token cross-entropies of (h @ W^T) against labels (-100 ignored)."""
+    return _LinearCrossEntropy.apply(h_TD, weight_VD, labels_T, chunk)
