@@ -106,10 +106,8 @@ def lookup(versions: dict, key: str) -> dict[str, object]:
 
 
 def _leaf_strings(node) -> set[str]:
-    if isinstance(node, dict):
-        return set().union(set(), *(_leaf_strings(v) for v in node.values()))
-    if isinstance(node, list):
-        return set().union(set(), *(_leaf_strings(v) for v in node))
+    if isinstance(node, (dict, list)):
+        return set().union(*map(_leaf_strings, node.values() if isinstance(node, dict) else node))
     return {str(node)} if node is not None else set()
 
 
@@ -207,7 +205,7 @@ def report(name: str, **kw) -> bool:
     """Print the prerequisite table for skill `name`; True when every required item is present."""
     rows = check(name, **kw)
     for item, ok, detail in rows:
-        print(f"  {'ok  ' if ok else 'MISS'} {item:<34} {detail}")
+        print(f"  {'ok  ' if ok else 'MISS'} {item:<52} {detail}")
     ok = all(r[1] for r in rows)
     print(f"skill {name}: prerequisites {'PASS' if ok else 'FAIL'}")
     return ok

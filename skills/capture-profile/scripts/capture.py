@@ -222,6 +222,12 @@ def main(argv=None) -> int:
     print(f"busy time              {busy / 1e3:10.3f} ms")
     print(f"communication          {comm / 1e3:10.3f} ms  ({100 * share:.1f}% of busy)")
     print(f"exposed communication  {exposed / 1e3:10.3f} ms  ({100 * exposed_share:.1f}% of busy)")
+    by_name = {}
+    for name, _, t0, t1 in events:
+        if COMM.search(name):
+            by_name[name] = by_name.get(name, 0.0) + t1 - t0
+    for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:5]:
+        print(f"  collective {t / 1e3:10.3f} ms  {name[:90]}")
     problems = []
     if not Path(trace).is_file() or Path(trace).stat().st_size == 0 or not events:
         problems.append("no trace events were recorded")
