@@ -172,7 +172,9 @@ def measure(name, side, cfg, make, warmup, steps, profile=None) -> dict:
     rec = {"model": name, "side": side, "batch": cfg.train.micro_batch_size, "seq": cfg.train.seq_len}
     try:
         model, step = make()
-        first = float(step())  # loss of a random model, ~ln(V)
+        t0 = time.perf_counter()
+        first = float(step())  # loss of a random model, ~ln(V); compilation happens here
+        rec["first_step_s"] = time.perf_counter() - t0
         times, warm_s = time_steps(step, warmup - 1, steps)
         if profile:
             profile_steps(step, profile, f"{name} {side}")

@@ -4,7 +4,8 @@
 | --- | --- | --- |
 | SwiGLU / GPT-OSS clamped SwiGLU | `swiglu.py` (Triton, fwd + bwd) | `models.common.swiglu` |
 | token permute / weighted unpermute | `permute.py` (Triton gathers, no atomics) | `LocalDispatcher` index/index_add |
-| LM head + cross-entropy | `linear_ce.py` (PyTorch, grads made in forward) | `common.cross_entropy_sum` checkpointed |
+| per-expert bias (GPT-OSS) | `expert_bias.py` (Triton add, segment-sum backward) | `h + b[expert_X]` |
+| LM head + cross-entropy | `linear_ce.py` (grads made in forward; `ce.py` Triton rows) | `common.cross_entropy_sum` checkpointed |
 | attention with sinks / sliding window | `flex.py` (FlexAttention, block-sparse) | `common.eager_attention` |
 | plain causal attention | cuDNN / flash SDPA, chosen in `common.attention` | SDPA's own choice |
 
@@ -33,15 +34,16 @@ except ImportError:
     HAVE_FLEX = False
 
 # What the hot path uses now. Everything off until `configure` runs (CPU tests, imports).
-USE = {"swiglu": False, "permute": False, "linear_ce": False, "flex": False, "cudnn_sdpa": False}
+USE = {"swiglu": False, "permute": False, "expert_bias": False, "linear_ce": False, "flex": False,
+       "cudnn_sdpa": False}
 
 
 def configure(mode: str = "auto", device: torch.device | str = "cuda") -> dict:
     """Pick the operators for this process: mode "auto" (fastest available) or "torch" (references)."""
     cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
     auto = mode == "auto"
-    USE.update(swiglu=auto and cuda and HAVE_TRITON, permute=auto and cuda and HAVE_TRITON,
-               linear_ce=auto, flex=auto and cuda and HAVE_FLEX,
+    triton_ok = auto and cuda and HAVE_TRITON
+    USE.update(swiglu=triton_ok, permute=triton_ok, expert_bias=triton_ok, linear_ce=auto, flex=auto and cuda and HAVE_FLEX,
                cudnn_sdpa=auto and cuda and torch.backends.cudnn.is_available())
     return dict(USE)
 

@@ -7,11 +7,20 @@ softmax-minus-one-hot gradient, then dh = dlogits @ W and dW += dlogits^T @ h ri
 only scales the two saved gradients by the incoming scalar, which is exact because the output is
 the summed loss (a scalar used linearly). Peak extra memory: one chunk of logits in fp32 and bf16
 plus dW. Under autocast the matmuls run in the autocast dtype, as the reference's would.
+On CUDA with Triton the loss and the logit gradient come from kernels/ce.py (two streaming passes
+over the bf16 logits, gradient written in place); elsewhere from the PyTorch code below.
 """
 
 from __future__ import annotations
 
 import torch
+
+try:
+    from pithtrain.kernels.ce import ce_rows_inplace
+
+    _HAVE_TRITON = True
+except ImportError:  # no Triton: the PyTorch path below
+    _HAVE_TRITON = False
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -25,25 +34,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dh = torch.empty_like(h)
             dw = torch.zeros(weight_VD.shape, dtype=weight_VD.dtype, device=h.device)
             total = torch.zeros((), dtype=torch.float32, device=h.device)
+            triton_ce = h.is_cuda and _HAVE_TRITON
             for s in range(0, T, chunk):
                 hc, lc = h[s:s + chunk], labels_T[s:s + chunk]
-                logits = (hc @ w.t()).float()  # (c, V)
-                lse = torch.logsumexp(logits, dim=-1)
-                valid = lc != -100
-                tgt = lc.clamp(min=0)
-                picked = logits.gather(1, tgt[:, None]).squeeze(1)
-                total += torch.where(valid, lse - picked, 0.0).sum()
-                # d(sum CE)/d logits = softmax - onehot on valid rows, 0 on ignored rows
-                probs = logits.sub_(lse[:, None]).exp_()
-                probs.scatter_add_(1, tgt[:, None], torch.full_like(picked, -1.0)[:, None])
-                probs.mul_(valid[:, None])
-                g = probs.to(dt)
-                del logits, probs
+                if triton_ce:  # loss and softmax - onehot in two streaming passes, in place
+                    g = hc @ w.t()  # (c, V) in the compute dtype
+                    total += ce_rows_inplace(g, lc).sum()
+                else:
+                    g, loss = _ce_grad_torch(hc @ w.t(), lc)
+                    total += loss
+                    g = g.to(dt)
                 dh[s:s + chunk] = g @ w
                 if dw.dtype == dt:
                     dw.addmm_(g.t(), hc)
                 else:
                     dw += (g.t() @ hc).to(dw.dtype)
+                del g
         ctx.save_for_backward(dh, dw)
         ctx.h_dtype = h_TD.dtype
         return total
@@ -52,6 +58,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         dh, dw = ctx.saved_tensors
         return (dh * grad_out.to(dh.dtype)).to(ctx.h_dtype), dw * grad_out.to(dw.dtype), None, None
+
+
+def _ce_grad_torch(logits, labels):
+    """(softmax - onehot on valid rows, fp32; summed loss) -- the PyTorch path (CPU, no Triton)."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    valid = labels != -100
+    tgt = labels.clamp(min=0)
+    picked = logits.gather(1, tgt[:, None]).squeeze(1)
+    loss = torch.where(valid, lse - picked, 0.0).sum()
+    probs = logits.sub_(lse[:, None]).exp_()
+    probs.scatter_add_(1, tgt[:, None], torch.full_like(picked, -1.0)[:, None])
+    return probs.mul_(valid[:, None]), loss
 
 
 def linear_cross_entropy_sum(h_TD, weight_VD, labels_T, chunk: int = 4096):

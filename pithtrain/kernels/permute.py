@@ -22,12 +22,13 @@ import triton.language as tl
 
 
 @triton.jit
-def _gather_sum(src_ptr, idx_ptr, w_ptr, out_ptr, D, A, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+def _gather_sum(src_ptr, idx_ptr, w_ptr, out_ptr, D, A: tl.constexpr, HAS_W: tl.constexpr,
+                BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for a in range(A):
+    for a in tl.static_range(A):
         i = tl.load(idx_ptr + t * A + a).to(tl.int64)
         row = tl.load(src_ptr + i * D + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_W:
@@ -37,12 +38,12 @@ def _gather_sum(src_ptr, idx_ptr, w_ptr, out_ptr, D, A, HAS_W: tl.constexpr, BLO
 
 
 @triton.jit
-def _gather_dot(g_ptr, src_ptr, idx_ptr, out_ptr, D, A, BLOCK: tl.constexpr):
+def _gather_dot(g_ptr, src_ptr, idx_ptr, out_ptr, D, A: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     g = tl.load(g_ptr + t * D + cols, mask=mask, other=0.0).to(tl.float32)
-    for a in range(A):
+    for a in tl.static_range(A):
         i = tl.load(idx_ptr + t * A + a).to(tl.int64)
         row = tl.load(src_ptr + i * D + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * A + a, tl.sum(g * row, axis=0).to(out_ptr.dtype.element_ty))

@@ -241,11 +241,20 @@ class GroupedExperts(nn.Module):
         if self.b13_EF2 is not None:
             expert_X = torch.repeat_interleave(torch.arange(len(counts_E), device=x_XD.device),
                                                counts_E, output_size=x_XD.shape[0])
-            h_XF2 = h_XF2 + _local(self.b13_EF2).to(x_XD.dtype)[expert_X]
+            h_XF2 = _add_expert_bias(h_XF2, _local(self.b13_EF2).to(x_XD.dtype), expert_X, offs_E)
         y_XD = mm(swiglu(h_XF2, self.alpha, self.limit), w2, offs_E)
         if self.b2_ED is not None:
-            y_XD = y_XD + _local(self.b2_ED).to(x_XD.dtype)[expert_X]
+            y_XD = _add_expert_bias(y_XD, _local(self.b2_ED).to(x_XD.dtype), expert_X, offs_E)
         return y_XD
+
+
+def _add_expert_bias(h_XN, b_EN, expert_X, offs_E):
+    """h + b[expert of row]. CUDA with kernels.USE["expert_bias"]: Triton add and a segment-sum
+    backward (kernels/expert_bias.py) instead of index backward's sort + accumulate."""
+    if kernels.USE["expert_bias"] and h_XN.is_cuda:
+        from pithtrain.kernels.expert_bias import expert_bias_add
+        return expert_bias_add(h_XN, b_EN, expert_X, offs_E)
+    return h_XN + b_EN[expert_X]
 
 
 def _local(w):
