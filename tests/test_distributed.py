@@ -276,3 +276,21 @@ def test_torchrun_ep3_fails_on_every_rank_before_any_collective(tmp_path):
     assert p.returncode != 0
     msg = "parallel.ep: 3 does not divide model.num_experts (8)"
     assert (p.stdout + p.stderr).count(msg) == 2, p.stdout + p.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the torchrun path on one GPU (world size 1: no process group, the single-device model)
+
+
+@pytest.mark.gpu
+def test_torchrun_one_gpu_world_size_1(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+           "--master-port", str(free_port()), "-m", "pithtrain.train", "train.device=cuda",
+           "train.steps=5", "train.seq_len=64", "train.micro_batch_size=4", "log.every=1",
+           "checkpoint.final=false", f"log.run_dir={tmp_path}"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "device cuda:0" in p.stdout and p.stdout.rstrip().count("| world 1") == 1
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == 5 and all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in recs)

@@ -92,6 +92,9 @@ class ParallelDims:
         if self.cp > 1 and t.seq_len % (2 * self.cp):
             # Load balancing cuts the sequence into 2*cp chunks (rank i holds i and 2cp-1-i).
             fail("train.seq_len", f"{t.seq_len} must be divisible by 2*cp = {2 * self.cp}")
+        if self.cp > 1 and t.compile:
+            fail("train.compile", "compiled attention (fullgraph) cannot hold context parallel's "
+                                  "K/V all-gather; set train.compile=false or parallel.cp=1")
         if self.pp > 1 and m.num_layers < self.pp:
             fail("parallel.pp", f"{self.pp} stages but model.num_layers is {m.num_layers}")
         # Heads need not divide by cp: K/V are all-gathered whole (context_parallel.py).

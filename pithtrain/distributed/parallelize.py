@@ -32,7 +32,6 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from pithtrain.compile import apply_activation_checkpoint, apply_compile
-from pithtrain.config import ConfigError
 from pithtrain.distributed.context_parallel import ContextParallelAttention, ContextParallelLoadBalanceLoss
 from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
 from pithtrain.distributed.parallel_dims import ParallelDims
@@ -56,9 +55,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def parallelize(model: nn.Module, dims: ParallelDims, train_cfg, device: torch.device) -> nn.Module:
     """Apply EP -> CP -> activation checkpointing -> compile -> FSDP to `model` in place."""
-    if train_cfg.compile and dims.cp_enabled:
-        raise ConfigError("train.compile: compiled attention cannot hold context parallel's "
-                          "K/V all-gather (fullgraph); set train.compile=false or parallel.cp=1")
     if dims.fsdp_enabled:
         for m in moe_blocks(model):
             shard_experts(m.experts, dims)
