@@ -9,6 +9,8 @@ transformers on the identical configuration, in one process, one table.
 
 A variant is '+'-joined words: `ref` (PyTorch reference operators, kernels=torch) or `fused`
 (kernels=auto); `compile` (train.compile); `ac-full` / `ac-sel` (activation checkpointing);
+`adamclip` (an experiment, not train.py's step: the clip factor is handed to fused AdamW as its
+`grad_scale`, which divides the gradients inside the optimizer kernel, saving the clip's own pass);
 `fp32` (fp32 master weights and AdamW state under bf16 autocast, as train.py; default bf16
 parameters and AdamW state, as the peers run); `no-NAME` turns one fused operator off
 (names: pithtrain.kernels.USE). The step timed is train.py's: forward (summed loss), backward of
@@ -58,8 +60,10 @@ def parse_variant(v: str) -> dict:
     words = v.split("+")
     out = {"kernels": "torch" if "ref" in words else "auto", "compile": "compile" in words,
            "ac": "full" if "ac-full" in words else "selective" if "ac-sel" in words else "none",
-           "fp32": "fp32" in words, "off": [w[3:] for w in words if w.startswith("no-")]}
-    unknown = [w for w in words if w not in ("ref", "fused", "compile", "ac-full", "ac-sel", "fp32")
+           "fp32": "fp32" in words, "adamclip": "adamclip" in words,
+           "off": [w[3:] for w in words if w.startswith("no-")]}
+    unknown = [w for w in words if w not in ("ref", "fused", "compile", "ac-full", "ac-sel", "fp32",
+                                             "adamclip")
                and not w.startswith("no-")]
     if unknown or any(o not in kernels.USE for o in out["off"]):
         raise SystemExit(f"bench: unknown variant words in {v!r}: {unknown or out['off']}")
@@ -126,7 +130,11 @@ def pithtrain_step(cfg, variant: dict, device):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(x, labels_BS=y)
         (loss / denom).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if variant["adamclip"]:  # grads / max(norm / max_norm, 1) inside the fused AdamW kernel
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            opt.grad_scale = norm.float().clamp(min=1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach() / denom

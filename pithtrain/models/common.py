@@ -115,17 +115,15 @@ def attention(q_BHSd, k_BKSd, v_BKSe, *, scale: float, window: int | None = None
     """Causal attention with optional sliding window (keys within the last `window` positions,
     Hugging Face's convention) and learned sinks (an extra logit per head that takes softmax mass).
     GQA: K may divide H. The plain case uses SDPA: with kernels.USE["cudnn_sdpa"] cuDNN's fused
-    kernel first (GQA heads expanded, which it needs), else SDPA's own order (flash first).
+    kernel first (it takes GQA as is, and d_qk != d_v as in DeepSeek's MLA, where SDPA's own order
+    falls back to the slower memory-efficient kernel), else SDPA's own order.
     Windows / sinks on GPU go to FlexAttention (kernels/flex.py); on CPU to the eager reference."""
     if window is None and sinks_H is None:
         gqa = k_BKSd.shape[1] != q_BHSd.shape[1]
         if kernels.USE["cudnn_sdpa"] and q_BHSd.is_cuda:
-            if gqa:
-                r = q_BHSd.shape[1] // k_BKSd.shape[1]
-                k_BKSd, v_BKSe = k_BKSd.repeat_interleave(r, 1), v_BKSe.repeat_interleave(r, 1)
             with torch.nn.attention.sdpa_kernel(_SDPA_CUDNN_FIRST, set_priority=True):
                 return F.scaled_dot_product_attention(q_BHSd, k_BKSd, v_BKSe, is_causal=True,
-                                                      scale=scale)
+                                                      scale=scale, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q_BHSd, k_BKSd, v_BKSe, is_causal=True, scale=scale,
                                               enable_gqa=gqa)
     if kernels.USE["flex"] and q_BHSd.is_cuda:
