@@ -53,22 +53,22 @@ def split_batch(x_BS, y_BS, dims):
 
 
 class _GatherSequence(torch.autograd.Function):
-    """(B, K, S/cp, d) local -> (cp, B, K, S/cp, d) from every rank. Backward: sum the gradient
-    over ranks (all-reduce; a reduce-scatter would move half the bytes, but gloo has no
-    uneven-free variant we can rely on) and keep this rank's slice."""
+    """(B, K, S/cp, d) local -> (cp, B, K, S/cp, d) from every rank (all-gather). Backward: every
+    rank holds gradients for all ranks' K/V; a reduce-scatter sums them and hands each rank its
+    own slice."""
 
     @staticmethod
-    def forward(ctx, x, group, rank: int, size: int):
-        ctx.group, ctx.rank = group, rank
-        parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.stack(parts)
+    def forward(ctx, x, group, size: int):
+        ctx.group = group
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # rank-major along dim 0
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out.view(size, *x.shape)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.rank], None, None, None
+        out = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_tensor(out, grad.contiguous().flatten(0, 1), group=ctx.group)
+        return out, None, None
 
 
 class ContextParallelAttention:
@@ -80,7 +80,7 @@ class ContextParallelAttention:
     def gather(self, x_BKsd):
         """Local (B, K, S/cp, d) -> the whole sequence (B, K, S, d) in position order."""
         cp = self.cp
-        parts = _GatherSequence.apply(x_BKsd, self.group, self.cp_rank, cp)  # (cp, B, K, S/cp, d)
+        parts = _GatherSequence.apply(x_BKsd, self.group, cp)  # (cp, B, K, S/cp, d)
         chunks = [None] * (2 * cp)
         for r in range(cp):
             a, b = chunk_ids(r, cp)
