@@ -6,4 +6,6 @@
     expert_parallel.py   the all-to-all dispatcher (deduplicated), a drop-in for LocalDispatcher
     context_parallel.py  load-balanced sequence chunks and attention across them
     reductions.py        global loss sum, gradient norm/clipping over DTensors, expert load
+    pipeline.py          pipeline stages, 1F1B / DualPipeV schedules and their executor
+    overlap.py           a layer as phases; the overlapped forward-backward step
 """
