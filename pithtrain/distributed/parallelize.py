@@ -112,7 +112,9 @@ def materialize(model: nn.Module, full_model: nn.Module, device: torch.device):
     single-device model (train.py builds it on CPU under the run's seed, so every rank makes the
     same RNG draws as one process would, and parity with one process is exact). Each rank keeps
     its slice of every parameter. Costs one full fp32 copy in host memory per rank while it
-    runs; for models that do not fit, start from a checkpoint (train.init_from)."""
+    runs; for models that do not fit, start from a checkpoint (train.init_from). The draws come
+    from the CPU generator: a multi-GPU run starts where a one-process CPU run does, not where a
+    one-GPU run (whose init draws on the GPU) does."""
     model.to_empty(device=device)
     full_params = dict(full_model.named_parameters())
     for name, p in model.named_parameters():
