@@ -39,6 +39,10 @@ FORBIDDEN_CALLS = {"globals", "eval", "exec", "import_module", "__import__", "ge
                    "get_world_size", "init_process_group", "new_group", "init_device_mesh", "DeviceMesh"}
 
 
+# ---------------------------------------------------------------------------------------------
+# Static rules
+
+
 def dotted(node) -> str:
     if isinstance(node, ast.Call):
         return dotted(node.func)
@@ -96,6 +100,10 @@ def override_problems(family: str, sets: list[str], families: dict) -> list[str]
         elif name not in tests:
             out.append(f"config-field: no test under tests/ names {name!r}: add a test for the variant")
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
 
 
 def main(argv=None) -> int:

@@ -34,6 +34,10 @@ TINY = ["train.micro_batch_size=4", "train.seq_len=64", "train.warmup_steps=2", 
         "data.max_bytes=300000"]
 
 
+# ---------------------------------------------------------------------------------------------
+# Measure
+
+
 def commit() -> str:
     r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "pithtrain"], cwd=ROOT,
@@ -66,6 +70,10 @@ def measure(recipe: str | None, overrides: list[str], steps: int, warmup: int) -
         "mem_gb": max((r.get("mem_gb") or 0.0) for r in recs) if recs else None,
         "finite": all(math.isfinite(h["loss"]) for h in hist),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
 
 
 def main(argv=None) -> int:

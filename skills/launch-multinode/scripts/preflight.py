@@ -31,6 +31,10 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 
+# ---------------------------------------------------------------------------------------------
+# Launcher (this node)
+
+
 def launch(nproc: int, timeout: int) -> int:
     """Run this script under torchrun on this node; the exit status is the job's."""
     from pithtrain import appliance as ap
@@ -54,6 +58,10 @@ def launch(nproc: int, timeout: int) -> int:
         print(f"launcher exited {r.returncode}\nFAIL")
         return 1
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker (one rank)
 
 
 def worker(timeout: int) -> int:
@@ -128,6 +136,10 @@ def worker(timeout: int) -> int:
         print(f"  problem: {p}")
     print("FAIL" if all_problems else "PASS", flush=True)
     return 1 if all_problems else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
 
 
 def main(argv=None) -> int:

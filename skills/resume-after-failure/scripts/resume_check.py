@@ -35,6 +35,10 @@ TINY = ["train.micro_batch_size=4", "train.seq_len=64", "train.warmup_steps=2", 
 CRASH_STEP, RESUME_STEP = 8, 4
 
 
+# ---------------------------------------------------------------------------------------------
+# Inspect a run dir
+
+
 def inspect(run_dir: Path) -> int:
     from pithtrain.checkpoint.dcp import CheckpointError, checkpoints_dir, find_resumable, step_dirs, verify
 
@@ -58,6 +62,10 @@ def inspect(run_dir: Path) -> int:
     print(f"an automatic restart resumes from {found} (step {trainer['step']}, "
           f"saved {trainer.get('saved_at', '?')}, world size {trainer.get('world_size', '?')})\nPASS")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The crash drill
 
 
 def run(run_dir: Path, nproc: int, crash: int | None = None) -> subprocess.CompletedProcess:
@@ -130,6 +138,10 @@ def drill(nproc: int) -> int:
         print(f"problem: {p}")
     print("FAIL" if problems else "PASS")
     return 1 if problems else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
 
 
 def main(argv=None) -> int:
