@@ -48,9 +48,9 @@ DEFAULT_VARIANTS = "fused+compile"
 # Setup
 
 
-def bench_config(name: str, layers: int, batch: int, seq: int):
+def bench_config(name: str, layers: int, batch: int, seq: int, grad_accum: int = 1):
     cfg = load_config(name, [f"model.num_layers={layers}", f"train.micro_batch_size={batch}",
-                             f"train.seq_len={seq}"])
+                             f"train.seq_len={seq}", f"train.grad_accum={grad_accum}"])
     if hasattr(cfg.model, "max_position_embeddings"):
         cfg.model.max_position_embeddings = max(cfg.model.max_position_embeddings, seq)
     return cfg
@@ -123,13 +123,15 @@ def pithtrain_step(cfg, variant: dict, device):
         apply_compile(model)
     opt = build_optimizer(model, cfg, device)
     x, y = random_batch(cfg, device)
-    denom = y.numel()
+    accum = cfg.train.grad_accum
+    denom = y.numel() * accum
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(x, labels_BS=y)
-        (loss / denom).backward()
+        for _ in range(accum):  # micro-batches of one optimizer step
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x, labels_BS=y)
+            (loss / denom).backward()
         if variant["adamclip"]:  # grads / max(norm / max_norm, 1) inside the fused AdamW kernel
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
             opt.grad_scale = norm.float().clamp(min=1.0)
@@ -137,7 +139,7 @@ def pithtrain_step(cfg, variant: dict, device):
             torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach() / denom
+        return loss.detach() / y.numel()
 
     return model, step
 
@@ -160,9 +162,12 @@ def hf_step(cfg, device):
     x, _ = random_batch(cfg, device)
     params = [p for p in model.parameters() if p.requires_grad]
 
+    accum = cfg.train.grad_accum
+
     def step():
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
+        for _ in range(accum):
+            loss = model(input_ids=x, labels=x).loss
+            (loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -177,7 +182,8 @@ def hf_step(cfg, device):
 
 def measure(name, side, cfg, make, warmup, steps, profile=None) -> dict:
     free()
-    rec = {"model": name, "side": side, "batch": cfg.train.micro_batch_size, "seq": cfg.train.seq_len}
+    rec = {"model": name, "side": side, "batch": cfg.train.micro_batch_size, "seq": cfg.train.seq_len,
+           "grad_accum": cfg.train.grad_accum}
     try:
         model, step = make()
         t0 = time.perf_counter()
@@ -186,7 +192,7 @@ def measure(name, side, cfg, make, warmup, steps, profile=None) -> dict:
         times, warm_s = time_steps(step, warmup - 1, steps)
         if profile:
             profile_steps(step, profile, f"{name} {side}")
-        tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+        tokens = cfg.train.micro_batch_size * cfg.train.seq_len * cfg.train.grad_accum
         med = statistics.median(times)
         tps = tokens / (med / 1e3)
         fpt = flops_per_token(cfg.model, cfg.train.seq_len)
@@ -245,6 +251,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per optimizer step (the protocol's figure is 1)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--json", default="bench.json", help="where to write all records")
@@ -255,11 +263,12 @@ def main(argv=None) -> int:
         return 2
     device = torch.device("cuda")
     print(f"bench: {torch.cuda.get_device_name()} | torch {torch.__version__} | "
-          f"{args.layers} layers, {args.batch} x {args.seq}, bf16, AdamW", flush=True)
+          f"{args.layers} layers, {args.batch} x {args.seq} x {args.grad_accum} micro-batches per "
+          "step, bf16, AdamW", flush=True)
     variants = [v for v in args.variants.split(",") if v]
     recs = []
     for name in [m for m in args.models.split(",") if m]:
-        cfg = bench_config(name, args.layers, args.batch, args.seq)
+        cfg = bench_config(name, args.layers, args.batch, args.seq, args.grad_accum)
         for v in variants:
             spec = parse_variant(v)
             recs.append(measure(name, v, cfg, lambda: pithtrain_step(cfg, spec, device), args.warmup,

@@ -2,7 +2,8 @@
 # One device call (the lent H200): the bench for each "model=variants" argument and the GPU kernel
 # tests where the argument "tests" stands; full logs under $OUT, a short table last. Example:
 #   bash scripts/h200_perf.sh "qwen3-30b-a3b=ref,fused+compile" tests "gpt-oss-20b=fused+compile"
-# Env: PROFILE=1 appends torch.profiler tables to $OUT/profile.txt; BENCH_TIMEOUT, TEST_TIMEOUT (s).
+# Env: PROFILE=1 appends torch.profiler tables to $OUT/profile.txt; BENCH_TIMEOUT, TEST_TIMEOUT (s);
+# BENCH_ARGS: extra arguments for every bench run (e.g. "--grad-accum 4 --steps 8").
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/pithtrain-out}; mkdir -p "$OUT"
@@ -22,7 +23,7 @@ for spec in "$@"; do
   fi
   i=$((i + 1)); model=${spec%%=*}; variants=${spec#*=}
   timeout "${BENCH_TIMEOUT:-400}" python3 -m pithtrain.bench --models "$model" --variants "$variants" \
-    --json "$OUT/bench$i.json" "${prof[@]}" >> "$OUT/bench.txt" 2>&1
+    --json "$OUT/bench$i.json" "${prof[@]}" ${BENCH_ARGS:-} >> "$OUT/bench.txt" 2>&1
   echo "bench $model rc=$?"
 done
 grep -E "^bench: .*(tok/s|FAILED)|^\| " "$OUT/bench.txt" | tail -30
