@@ -158,9 +158,13 @@ def check(out_dir, name, world, M):
             got[n] = g
     assert sum(losses) == pytest.approx(ref_loss, rel=1e-6), (name, losses)
     assert got.keys() == ref.keys(), (name, set(ref) ^ set(got))
+    worst = 0.0
     for n in ref:
         assert got[n] is not None, (name, n)
         torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=f"{name}: {n}")
+        worst = max(worst, (got[n] - ref[n]).abs().max().item())
+    print(f"{name} on {world} ranks: loss {sum(losses):.8g} vs {ref_loss:.8g}, "
+          f"max |grad - ref| {worst:.1e}")
 
 
 def run_world(world, cases, tmp_path, ep_cases=(), train_cases=()):

@@ -11,6 +11,9 @@ def test_balanced_split_and_override():
     assert [len(s) for s in P.split_layers(6, 4)] == [1, 2, 2, 1]
     assert [len(s) for s in P.split_layers(6, 8)] == [0, 1, 1, 1, 1, 1, 1, 0]
     assert P.split_layers(4, 2, [1, 3]) == [[0], [1, 2, 3]]
+    # DualPipeV balances ranks (stages r and V-1-r), not stages: the V's turn is one rank
+    assert [len(s) for s in P.split_layers(6, 4, v_shape=True)] == [2, 2, 1, 1]  # 3 + 3 layers
+    assert [len(s) for s in P.split_layers(6, 8, v_shape=True)] == [1, 1, 1, 1, 0, 1, 1, 0]
     with pytest.raises(ValueError, match="pp_layers"):
         P.split_layers(4, 2, [1, 2])
 

@@ -9,7 +9,8 @@ Three parts, read top to bottom:
    rank 0 holds the first stage (embedding) and the last (norm + head + loss) and the last rank
    holds the turn of the V (its chunk 0 feeds its chunk 1 locally). `parallel.pp_layers` gives the
    layers per virtual stage; the balanced default gives every stage L // V layers and hands the
-   remainder to stages that hold neither the embedding nor the head.
+   remainder to stages that hold neither the embedding nor the head (DualPipeV: balanced per
+   rank, rank 0 last, then halved between the rank's two chunks).
 
 2. Schedules: `schedule_1f1b` and `schedule_dualpipev` return, for every rank, a plain list of `Op`s:
    F (forward of one chunk on one micro-batch), B (backward for the input only; the weight gradient
@@ -85,8 +86,19 @@ from pithtrain.models.common import cross_entropy_sum
 # Partitioning
 
 
-def split_layers(num_layers: int, num_stages: int, override: list | None = None) -> list[list[int]]:
-    """Layer ids per virtual stage. `override`: layers per stage (parallel.pp_layers)."""
+def split_layers(num_layers: int, num_stages: int, override: list | None = None,
+                 v_shape: bool = False) -> list[list[int]]:
+    """Layer ids per virtual stage. `override`: layers per stage (parallel.pp_layers).
+    v_shape (DualPipeV): balance per rank, not per stage (rank r holds stages r and V-1-r; the
+    V's turn puts the two middle stages on one rank), then split each rank's share between its
+    two chunks, the first chunk taking the odd layer."""
+    if override is None and v_shape:
+        pp = num_stages // 2
+        base, extra = divmod(num_layers, pp)
+        per_rank = [base + (1 if 0 < r <= extra else 0) for r in range(pp)]  # rank 0 holds both ends
+        override = [0] * num_stages
+        for r, n in enumerate(per_rank):
+            override[r], override[num_stages - 1 - r] = (n + 1) // 2, n // 2
     if override is not None:
         if len(override) != num_stages or sum(override) != num_layers or min(override) < 0:
             raise ValueError(f"parallel.pp_layers: needs {num_stages} non-negative counts summing to "
@@ -134,7 +146,7 @@ class Chunk:
 def rank_chunks(rank: int, pp: int, schedule: str, num_layers: int,
                 override: list | None = None) -> list[Chunk]:
     V = num_virtual_stages(pp, schedule)
-    layers = split_layers(num_layers, V, override)
+    layers = split_layers(num_layers, V, override, v_shape=schedule == "dualpipev")
     return [Chunk(v, layers[v], v == 0, v == V - 1) for v in rank_stages(rank, pp, schedule)]
 
 
