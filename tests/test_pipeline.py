@@ -68,15 +68,47 @@ def train_cfg(parallel: dict, run_dir: str):
         "log": dict(every=1, run_dir=run_dir)})
 
 
+def train_name(parallel):
+    return "-".join(f"{k}{v}" for k, v in sorted(parallel.items()))
+
+
 def _train(rank, world, parallel, out_dir):
     """train.py end to end (3 AdamW steps) under the pipeline."""
+    from torch.distributed.tensor import DTensor
+
     from pithtrain.train import train
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     keep = {}
-    name = parallel["pp_schedule"]
+    name = train_name(parallel)
     hist = train(train_cfg(parallel, os.path.join(out_dir, f"run-{name}")), keep=keep)
-    params = {n: p.detach() for n, p in keep["model"].named_parameters()}
+    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+              for n, p in keep["model"].named_parameters()}
     torch.save({"hist": hist, "params": params}, os.path.join(out_dir, f"train-{name}.{rank}.pt"))
+
+
+def check_train(tmp_path, world, parallel):
+    """3 AdamW steps through train.py equal one process running the same micro-batches
+    (grad_accum x batch ranks of them): losses, gradient norms, updated weights."""
+    from pithtrain.train import train
+    batch_ranks = parallel.get("fsdp", 1) * parallel.get("dp", 1)
+    cfg = train_cfg({}, str(tmp_path / f"ref{batch_ranks}"))
+    cfg.train.grad_accum *= batch_ranks
+    keep = {}
+    ref = train(cfg, keep=keep)
+    ref_params = {n: p.detach() for n, p in keep["model"].named_parameters()}
+    name = train_name(parallel)
+    got = [torch.load(tmp_path / f"train-{name}.{r}.pt") for r in range(world)]
+    for a, b in zip(got[0]["hist"], ref):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    params = {k: v for g in got for k, v in g["params"].items()}
+    assert params.keys() == ref_params.keys()
+    worst = 0.0
+    for n in params:
+        torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=2e-5, msg=n)
+        worst = max(worst, (params[n] - ref_params[n]).abs().max().item())
+    print(f"train.py {name}: losses {[h['loss'] for h in got[0]['hist']]} vs "
+          f"{[h['loss'] for h in ref]}, max |param - ref| after 3 AdamW steps {worst:.1e}")
 
 
 def _worker(rank, world, port, cases, out_dir, ep_cases=(), train_cases=()):
@@ -180,25 +212,15 @@ def test_pp2_1f1b_and_dualpipev_match_one_process(tmp_path):
     train_cases = [dict(pp=2, pp_schedule="dualpipev")]
     run_world(2, [("1f1b", "1f1b", 4, None), ("dualpipev", "dualpipev", 4, None),
                   ("dualpipev_layers", "dualpipev", 5, [0, 3, 1, 2])], tmp_path, train_cases=train_cases)
-    # train.py: 3 AdamW steps with pp=2 DualPipeV equal one process (losses, grad norms, weights)
-    from pithtrain.train import train
-    keep = {}
-    ref = train(train_cfg({}, str(tmp_path / "ref")), keep=keep)
-    ref_params = {n: p.detach() for n, p in keep["model"].named_parameters()}
-    got = [torch.load(tmp_path / f"train-dualpipev.{r}.pt") for r in range(2)]
-    for a, b in zip(got[0]["hist"], ref):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
-    params = {**got[0]["params"], **got[1]["params"]}
-    assert params.keys() == ref_params.keys()
-    for n in params:
-        torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=2e-5, msg=n)
-    timeline = tmp_path / "run-dualpipev" / "pipeline_timeline"
-    assert {"rank0.json", "rank1.json"} <= {p.name for p in timeline.iterdir()}
+    check_train(tmp_path, 2, train_cases[0])
+    run_dir = tmp_path / f"run-{train_name(train_cases[0])}"
+    assert {"rank0.json", "rank1.json"} <= {p.name for p in (run_dir / "pipeline_timeline").iterdir()}
     from pithtrain import pipeline_viz
-    assert pipeline_viz.main([str(tmp_path / "run-dualpipev")]) == 0
+    assert pipeline_viz.main([str(run_dir)]) == 0
 
 
 def test_pp4_1f1b_and_dualpipev_and_pp2_fsdp2_ep2_match_one_process(tmp_path):
+    train_cases = [dict(pp=2, fsdp=2, ep=2, pp_schedule="dualpipev")]
     run_world(4, [("1f1b", "1f1b", 6, None), ("dualpipev", "dualpipev", 8, None)], tmp_path,
-              ep_cases=[("ep_1f1b", "1f1b", 2), ("ep_dualpipev", "dualpipev", 4)])
+              ep_cases=[("ep_1f1b", "1f1b", 2), ("ep_dualpipev", "dualpipev", 4)], train_cases=train_cases)
+    check_train(tmp_path, 4, train_cases[0])
