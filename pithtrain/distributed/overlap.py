@@ -10,7 +10,10 @@ A Qwen3-MoE layer has five:
     post      compute  h1 + moe output
 
 With the expert-parallel dispatcher (one call: all-to-all, experts, all-to-all back) dispatch +
-experts + combine are one communication phase "moe". Any other layer (dense MLP, other families,
+experts + combine are one communication phase "moe" (its experts then run on the communication
+stream too; splitting that dispatcher into dispatch / combine methods would let them move back).
+Today expert parallel always comes with FSDP (ep borrows fsdp ranks), which runs layers whole, so
+the five-phase split runs with the local dispatcher. Any other layer (dense MLP, other families,
 or any layer under FSDP: split_layers=False) is one compute phase calling `layer(h, rope)`, which is
 always correct and only gives up overlap inside that layer. The phase code restates
 qwen3_moe.DecoderLayer.forward / MoE.forward (same calls, in the same order; the load-balancing
@@ -31,7 +34,8 @@ compute stream, so the all-to-all of one micro-batch runs under the other's matm
 a chain: before a phase starts, its stream waits on the event recorded after that side's previous
 phase (events are transitive, so every earlier output of the same side is ready). Tensors the
 backward side frees mid-step are held until the end, where the two streams wait on each other, so
-no memory made on one stream is reused while the other may still read it. On CPU (or `streams=None`) the identical interleaving runs in order on one thread.
+no memory made on one stream is reused while the other may still read it. On CPU (or
+`streams=None`) the identical interleaving runs in order on one thread.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ Three parts, read top to bottom:
    `format_schedule` prints them; `simulate` replays the compute ops with unit costs and reports
    each rank's idle time, which the tests compare with the formulas below.
 
-   Bubble: idle time of the busiest rank between the start of the step and the end of the last
-   rank's work. F, B, W are the costs of one stage's forward, input-backward and weight-backward on
+   Bubble: the largest idle time of any rank between the start of the step and the end of the
+   last rank's work. F, B, W are the costs of one stage's forward, input-backward and weight-backward on
    one micro-batch (a full backward is B + W), p = pp ranks, M micro-batches:
 
      1F1B       (p - 1) (F + B + W)                the PipeDream-flush bubble, on every rank
@@ -29,8 +29,8 @@ Three parts, read top to bottom:
                                                    with its B the full backward and PP/2 = p ranks;
                                                    F, B, W per chunk (half a rank's layers), F&B one
                                                    overlapped forward+backward pair: F + B + W when
-                                                   nothing overlaps, down to max(F, B + W) when
-                                                   communication and compute hide each other fully
+                                                   nothing overlaps, less the communication time
+                                                   that overlap hides under the other's compute
 
    `simulate` reaches both exactly when a chunk's forward and input-backward cost the same and
    W <= B (the usual assumption: each costs one pass of the matmuls); tests/test_pipeline_schedule.py
@@ -253,7 +253,7 @@ def schedule_dualpipev(pp: int, M: int) -> list[list[Op]]:
       7  (p-r-1) x W B0(zb)
       8  (r+1)   x W                      drain the deferred weight gradients (FIFO)
     B(zb) is an input-only backward whose W comes later; BW is a full backward.
-    Bubble (p - 1)(F&B + (B + W) - 3W) on the busiest rank (see the module docstring)."""
+    Bubble (p - 1)(F&B + (B + W) - 3W), the most any rank idles (see the module docstring)."""
     if M < 2 * pp:
         raise ValueError(f"dualpipev needs at least 2 * pp = {2 * pp} micro-batches, got {M}")
     out = []
