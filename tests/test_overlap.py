@@ -125,3 +125,30 @@ def test_two_stream_overlapped_step_equals_sequential_on_gpu():
     for n in ref:
         torch.testing.assert_close(two[n], seq[n], rtol=1e-5, atol=1e-6, msg=n)
         torch.testing.assert_close(two[n], ref[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+class CallOnlyDispatcher:
+    """A dispatcher with one call (like the expert-parallel one): the layer gets a single "moe"
+    communication phase instead of dispatch / experts / combine."""
+
+    def __init__(self):
+        from pithtrain.models.common import LocalDispatcher
+        self.inner = LocalDispatcher()
+
+    def __call__(self, x_TD, idx_TA, w_TA, experts):
+        return self.inner(x_TD, idx_TA, w_TA, experts)
+
+
+def test_one_call_dispatcher_phase_matches_the_model():
+    model = build()
+    for layer in model.layers:
+        if hasattr(layer.mlp, "dispatcher"):
+            layer.mlp.dispatcher = CallOnlyDispatcher()
+    ref_losses, ref = reference(model, [batch(0), batch(1)])
+    losses, got, order = overlapped_step(model, None)
+    names = {n for pair in order for n in pair if n}
+    assert "moe0" in names and "dispatch0" not in names
+    for a, b in zip(losses, ref_losses):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=n)
