@@ -125,12 +125,13 @@ def resolve(path: str | Path) -> Path:
 # Manifest: per-file size + sha256, written at commit, checked on load
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, sync: bool = False) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(8 << 20):
             h.update(chunk)
-        os.fsync(f.fileno())  # the commit's durability: every byte on disk before the rename
+        if sync:  # at commit: every byte on disk before the rename makes the checkpoint visible
+            os.fsync(f.fileno())
     return h.hexdigest()
 
 
@@ -156,7 +157,7 @@ def _write_durable(path: Path, text: str):
 def write_manifest(ckpt: Path, step: int):
     files = sorted(p for p in ckpt.iterdir() if p.is_file() and p.name != MANIFEST)
     manifest = {"format": FORMAT, "step": step,
-                "files": {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}}
+                "files": {p.name: {"size": p.stat().st_size, "sha256": _sha256(p, sync=True)} for p in files}}
     _write_durable(ckpt / MANIFEST, json.dumps(manifest, indent=1))
 
 
@@ -479,6 +480,7 @@ class Checkpointer:
                 self.say(f"set aside {p.name} -> {dest.name} (newer than the resume point, step {step})")
         for tmp in self.root.glob(".tmp-step_*") if self.root.is_dir() else []:
             shutil.rmtree(tmp, ignore_errors=True)
+            self.say(f"removed {tmp.name} (a save that did not finish)")
 
     def load(self, ckpt: Path) -> int:
         """Load a verified checkpoint into model, optimizer, scheduler and RNG; returns its step.
@@ -507,14 +509,16 @@ class Checkpointer:
         return int(trainer["step"])
 
     def _param_groups(self, saved: list[dict]) -> list[dict]:
-        """The saved hyper-parameters, with JSON lists turned back into tuples where the live
-        optimizer has tuples (AdamW's betas)."""
+        """The saved hyper-parameters (rank 0's, the same on every rank) over this rank's own
+        parameter names (a pipeline stage holds only its layers); JSON lists become tuples again
+        where the live optimizer has tuples (AdamW's betas)."""
         live = get_state_dict(self.model, self.optimizer)[1]["param_groups"]
         if len(live) != len(saved):
             raise CheckpointError(f"optimizer has {len(live)} parameter groups, checkpoint {len(saved)}")
         out = []
         for cur, old in zip(live, saved):
-            out.append({k: tuple(v) if isinstance(cur.get(k), tuple) else v for k, v in old.items()})
+            group = {k: tuple(v) if isinstance(cur.get(k), tuple) else v for k, v in old.items()}
+            out.append({**group, "params": cur["params"]})
         return out
 
     def _compare_recipe(self, ckpt: Path):
