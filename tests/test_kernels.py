@@ -99,3 +99,19 @@ def test_every_family_compiles_without_graph_breaks(family):
     for n in grads:
         torch.testing.assert_close(grads[n], ref_grads[n], msg=n)
     torch._dynamo.reset()
+
+
+def test_bench_variant_words_and_table():
+    from pithtrain.bench import parse_variant, table
+
+    v = parse_variant("fused+compile+ac-sel+no-permute")
+    assert v == {"kernels": "auto", "compile": True, "ac": "selective", "fp32": False,
+                 "adamclip": False, "off": ["permute"]}
+    assert parse_variant("ref")["kernels"] == "torch"
+    with pytest.raises(SystemExit):
+        parse_variant("fused+turbo")
+    recs = [{"model": "m", "side": "fused", "ok": True, "tokens_per_s": 2e3, "mfu": 0.3, "peak_gb": 1.0,
+             "step_ms": 5.0},
+            {"model": "m", "side": "transformers", "ok": True, "tokens_per_s": 1e3, "mfu": 0.15,
+             "peak_gb": 2.0, "step_ms": 10.0}]
+    assert "| m | fused | 2.0K | 30.0% | 1.0 | 5.0 | 2.00x |" in table(recs)
