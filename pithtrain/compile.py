@@ -68,19 +68,18 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
                 if not _has_experts(sub) and not isinstance(sub, nn.Linear):  # e.g. shared experts
                     sub.compile(fullgraph=True, backend=backend)
     cfg = model.cfg
-    flex = any(cfg.attention_shapes(i)[0] is not None for i in range(cfg.num_layers)) or any(
-        "sinks" in n for n, _ in model.named_parameters())
+    windows = [cfg.attention_shapes(i)[0] for i in range(cfg.num_layers)]
+    flex = any(w is not None for w in windows) or any("sinks" in n for n, _ in model.named_parameters())
     if kernels.USE["flex"] and flex:
-        model.register_forward_pre_hook(_prepare_flex_masks)
+        hook = functools.partial(_prepare_flex_masks, windows)
+        for layer in model.layers:  # layers run eagerly also inside pipeline stages
+            layer.register_forward_pre_hook(hook)
 
 
-def _prepare_flex_masks(model, args):
-    """FlexAttention block masks are built here, in eager code, so compiled attention only reads
-    them from the cache (kernels/flex.py)."""
+def _prepare_flex_masks(windows, layer, args):
+    """FlexAttention block masks are built here, in eager code before each layer, so compiled
+    attention only reads them from the cache (kernels/flex.py); after the first step a dict hit."""
     from pithtrain.kernels.flex import prepare_masks
 
-    ids = args[0]
-    if ids.is_cuda:
-        cfg = model.cfg
-        prepare_masks(ids.shape[1], [cfg.attention_shapes(i)[0] for i in range(cfg.num_layers)],
-                      ids.device)
+    x_BSD = args[0]
+    prepare_masks(x_BSD.shape[1], windows, x_BSD.device)

@@ -115,3 +115,23 @@ def test_bench_variant_words_and_table():
             {"model": "m", "side": "transformers", "ok": True, "tokens_per_s": 1e3, "mfu": 0.15,
              "peak_gb": 2.0, "step_ms": 10.0}]
     assert "| m | fused | 2.0K | 30.0% | 1.0 | 5.0 | 2.00x |" in table(recs)
+
+
+def test_compile_prepares_flex_masks_before_each_layer_eagerly():
+    """With FlexAttention on, block masks are made by an eager pre-hook, never while tracing."""
+    from pithtrain.kernels import flex
+
+    if "gpt_oss" not in FAMILIES:
+        pytest.skip("gpt_oss not in this build")
+    cfg_cls, model_cls = FAMILIES["gpt_oss"][0], FAMILIES["gpt_oss"][1]
+    cfg = cfg_cls(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=8, intermediate_size=32, num_experts=4, top_k=2, sliding_window=4)
+    model = model_cls(cfg)
+    model.init_weights()
+    kernels.USE["flex"] = True  # attention itself stays on the CPU reference (not CUDA)
+    flex._MASKS.clear()
+    torch._dynamo.reset()
+    apply_compile(model, backend="eager")
+    model(torch.randint(0, 64, (2, 12)), labels_BS=torch.randint(0, 64, (2, 12)))
+    assert {(12, 4, "cpu"), (12, None, "cpu")} <= set(flex._MASKS)
+    torch._dynamo.reset()
