@@ -267,15 +267,22 @@ def test_torchrun_two_processes_trains_and_only_rank0_logs(tmp_path):
 
 
 def test_torchrun_ep3_fails_on_every_rank_before_any_collective(tmp_path):
-    """Under torchrun each rank prints the error and exits 2 before init_process_group."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), "-m", "pithtrain.train",
-           "parallel.fsdp=2", "parallel.ep=3", "train.device=cpu", f"log.run_dir={tmp_path}"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
-    assert p.returncode != 0
+    """Each rank, started with torchrun's environment, prints the error and exits 2 before
+    init_process_group. The ranks are plain processes here: torchrun itself stops the other
+    workers as soon as one exits, which would make "every rank printed it" a race."""
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        cmd = [sys.executable, "-m", "pithtrain.train", "parallel.fsdp=2", "parallel.ep=3",
+               "train.device=cpu", f"log.run_dir={tmp_path}"]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     msg = "parallel.ep: 3 does not divide model.num_experts (8)"
-    assert (p.stdout + p.stderr).count(msg) == 2, p.stdout + p.stderr
+    for p in procs:  # a rank that reached a collective would wait for its peer and time out here
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 2, out + err
+        assert msg in err, out + err
 
 
 # ---------------------------------------------------------------------------------------------
