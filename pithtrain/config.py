@@ -102,6 +102,7 @@ class ParallelConfig:
     pp_schedule: Literal["1f1b", "dualpipev"] = "1f1b"
     pp_microbatches: int = 0  # 0: use train.grad_accum
     pp_layers: list | None = None  # layers per stage (virtual stage for dualpipev); None: balanced
+    pp_overlap: bool = True  # CUDA: F&B pairs put communication phases on their own stream
 
     def validate(self, err):
         for k in ("pp", "dp", "fsdp", "cp", "ep"):

@@ -46,12 +46,13 @@ def flops_per_token(model_cfg, seq_len: int) -> float:
 def param_counts(model: torch.nn.Module, model_cfg) -> tuple[int, int]:
     """(total, active per token) parameters, embeddings and norms included, as model cards count
     them: active = total - the routed experts a token does not visit. A family whose card leaves
-    the embedding lookup out of "active" (GPT-OSS) says so with `active_counts_embedding = False`."""
+    the embedding lookup out of "active" (GPT-OSS) says so with `active_counts_embedding = False`.
+    Pass the whole model (a meta-device build is enough): a pipeline stage holds only its part."""
     total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     mm_total, mm_active = matmul_params(model_cfg)
     active = total - (mm_total - mm_active)
     if not getattr(model_cfg, "active_counts_embedding", True):
-        active -= model.embed_tokens.weight.numel()
+        active -= model_cfg.vocab_size * model_cfg.hidden_size
     return total, active
 
 

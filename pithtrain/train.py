@@ -133,7 +133,7 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
     batches = build_batches(cfg.data, t.seq_len, global_batch, t.seed)
     fpt = flops_per_token(cfg.model, t.seq_len)
     peak = peak_tflops(device, cfg.log.peak_tflops)
-    total, active = param_counts(model, cfg.model)
+    total, active = param_counts(build_model(cfg.model, init=False), cfg.model)  # meta: whole model
     if dims.rank == 0:
         print(f"pithtrain: {cfg.model.family} {total / 1e6:.2f}M params ({active / 1e6:.2f}M active) | "
               f"device {device} {str(dtype).removeprefix('torch.')} | recipe {cfg.source} | "

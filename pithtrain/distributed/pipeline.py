@@ -642,7 +642,7 @@ def make_runner(model, chunks, cfg, dims, device, autocast=None) -> "PipelineRun
     per_stage = dims.world_size // p.pp  # ranks are (pp, ...) row-major: stage s = one block
     group_f, group_b = new_pp_groups([[s * per_stage + j for s in range(p.pp)] for j in range(per_stage)])
     ops = build_schedule(p.pp_schedule, p.pp, t.grad_accum)[dims.pp_rank]
-    streams = overlap.Streams(device) if device.type == "cuda" else None
+    streams = overlap.Streams(device) if device.type == "cuda" and p.pp_overlap else None
     return PipelineRunner(model, chunks, ops, dims.pp_rank, p.pp, p.pp_schedule, t.grad_accum,
                           group_f, group_b, (t.micro_batch_size, t.seq_len, cfg.model.hidden_size),
                           device, streams, autocast)

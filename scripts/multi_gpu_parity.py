@@ -1,0 +1,135 @@
+"""Every parallel layout on N GPUs against one GPU, on a small DeepSeek-V2-shaped model (issue 10).
+
+    python scripts/multi_gpu_parity.py --out runs/parity                # 2 GPUs, NCCL, bf16
+    python scripts/multi_gpu_parity.py --device cpu --steps 4 --out /tmp/p   # gloo smoke check
+
+Each layout trains `--steps` steps through torchrun on the same global batch as the one-process
+baseline; the table compares the per-step losses. The bf16 band is measured, not assumed: a second
+one-process run splits the same global batch into twice as many micro-batches (the same function,
+summed in another order), and its largest loss deviation from the baseline is the noise floor of
+bf16 reduction order on this machine. A layout passes within max(3 x that floor, 0.5%). The
+load-balancing loss is off (its parity across layouts is proven in float32 by the CPU tests).
+The last rows time DualPipeV (pp=2) with the two-stream overlap on and off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+MODEL = ["model.num_layers=4", "model.hidden_size=512", "model.num_heads=8", "model.kv_lora_rank=128",
+         "model.qk_nope_head_dim=64", "model.qk_rope_head_dim=32", "model.v_head_dim=64",
+         "model.intermediate_size=1024", "model.moe_intermediate_size=256", "model.num_experts=16",
+         "model.top_k=4", "model.n_shared_experts=1", "model.vocab_size=264",
+         "model.aux_loss_coeff=0", "train.compile=false", "train.warmup_steps=5", "train.lr=1e-3"]
+
+# name -> (overrides, micro_batch_size); every layout sees 4 micro-batches per step and the same
+# global batch (fsdp/ep ranks take half the rows of each micro-batch each; cp and pp ranks share).
+LAYOUTS = {
+    "fsdp=2": (["parallel.fsdp=2"], 0.5),
+    "ep=2 (fsdp=2)": (["parallel.fsdp=2", "parallel.ep=2"], 0.5),
+    "cp=2": (["parallel.cp=2"], 1),
+    "pp=2 1f1b": (["parallel.pp=2", "parallel.pp_schedule=1f1b"], 1),
+    "pp=2 dualpipev": (["parallel.pp=2", "parallel.pp_schedule=dualpipev"], 1),
+    "pp=2 dualpipev, no overlap": (["parallel.pp=2", "parallel.pp_schedule=dualpipev",
+                                    "parallel.pp_overlap=false"], 1),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(name, overrides, nproc, args, log):
+    run_dir = Path(args.runs or Path(args.out) / "runs") / name.replace(" ", "_").replace("=", "").replace(",", "").replace("(", "").replace(")", "")
+    common = [f"train.device={args.device}", f"train.steps={args.steps}", f"train.seq_len={args.seq_len}",
+              "train.grad_accum=4", "log.every=1", "checkpoint.final=false", f"log.run_dir={run_dir}"]
+    if args.device == "cpu":
+        common.append("train.dtype=float32")
+    train = ["-m", "pithtrain.train", "deepseek-v2-lite", *MODEL, *common, *overrides, "--no-resume"]
+    if nproc == 1:
+        cmd = [sys.executable, *train]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(free_port()), *train]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0",
+           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    log.write(f"=== {name}: {' '.join(cmd)}\n{p.stdout}\n{p.stderr}\n")
+    log.flush()
+    if p.returncode != 0:
+        return None
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return recs
+
+
+def max_rel(a, b):
+    return max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(a, b))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="directory for run dirs, log.txt and parity.json")
+    ap.add_argument("--runs", default=None, help="where the run directories go (default: OUT/runs)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--micro-batch", type=int, default=4, help="one-process micro-batch size")
+    args = ap.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    log = open(Path(args.out) / "log.txt", "w")
+    mb = args.micro_batch
+    base = run("baseline 1 process", [f"train.micro_batch_size={mb}"], 1, args, log)
+    if base is None:
+        print(f"baseline failed; see {args.out}/log.txt")
+        return 1
+    split = run("baseline split micro-batches", [f"train.micro_batch_size={mb // 2}", "train.grad_accum=8"],
+                1, args, log)
+    noise = max_rel(split, base) if split else float("nan")
+    band = max(3 * noise, 5e-3)
+    rows, ok = [], True
+    for name, (overrides, scale) in LAYOUTS.items():
+        recs = run(name, overrides + [f"train.micro_batch_size={int(mb * scale)}"], args.nproc, args, log)
+        if recs is None:
+            rows.append({"layout": name, "status": "FAILED (see log.txt)"})
+            ok = False
+            continue
+        d = max_rel(recs, base)
+        tps = statistics.median(r["tokens_per_s"] for r in recs[len(recs) // 4:])
+        mem = max(r["mem_gb"] or 0 for r in recs)
+        passed = d <= band
+        ok &= passed
+        rows.append({"layout": name, "max_rel_loss_diff": d, "tokens_per_s": tps, "peak_mem_gb": mem,
+                     "status": "PASS" if passed else "FAIL",
+                     "losses": [r["loss"] for r in recs]})
+    result = {"steps": args.steps, "device": args.device, "nproc": args.nproc, "noise_floor": noise,
+              "band": band, "baseline_losses": [r["loss"] for r in base],
+              "baseline_tokens_per_s": statistics.median(r["tokens_per_s"] for r in base[len(base) // 4:]),
+              "layouts": rows}
+    (Path(args.out) / "parity.json").write_text(json.dumps(result, indent=1))
+    print(f"baseline: 1 process, {result['baseline_tokens_per_s']:.0f} tok/s; losses "
+          f"{base[0]['loss']:.4f} -> {base[-1]['loss']:.4f}; bf16 reduction-order floor {noise:.2e}, "
+          f"band {band:.2e}")
+    print(f"| layout | max rel. loss diff over {args.steps} steps | tokens/s | peak mem GB | verdict |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        if "max_rel_loss_diff" in r:
+            print(f"| {r['layout']} | {r['max_rel_loss_diff']:.2e} | {r['tokens_per_s']:.0f} | "
+                  f"{r['peak_mem_gb']:.1f} | {r['status']} |")
+        else:
+            print(f"| {r['layout']} | - | - | - | {r['status']} |")
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
