@@ -48,7 +48,7 @@ def test_too_little_data_is_an_error():
 
 @pytest.fixture
 def tokenizer_dir(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))

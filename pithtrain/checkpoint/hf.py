@@ -98,6 +98,8 @@ def load_hf(path: str | Path, device: str | torch.device = "cpu", dtype: torch.d
         return handles[f].get_tensor(key)
 
     for key in sorted(key_file, key=lambda k: (str(key_file[k]), k)):
+        if key == "lm_head.weight" and cfg.tie_word_embeddings:  # the embedding, written once
+            continue
         try:
             slices = fam.hf_to_native(cfg, key, get)
         except KeyError:

@@ -9,6 +9,7 @@ K kv heads, E experts, F expert hidden width, A top-k slots, V vocabulary, X dis
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -361,6 +362,56 @@ def native_name(hub: str) -> str:
     if not hub.startswith("model."):
         raise KeyError(hub)
     return hub[len("model."):]
+
+
+_PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def per_expert_to_stacked(hf_key: str, get, hidden: int):
+    """Hub per-expert weights (out, in) (Qwen3, DeepSeek) as slices of the stacked (E, in, out)
+    tensors: gate -> w13[e, :, :F], up -> w13[e, :, F:], down -> w2[e]. None for other keys."""
+    m = _PER_EXPERT.fullmatch(hf_key)
+    if m is None:
+        return None
+    layer, e, which = int(m[1]), int(m[2]), m[3]
+    base = f"layers.{layer}.mlp.experts."
+    w = get(hf_key).t()
+    if which == "down":
+        return [(base + "w2_EFD", (e,), w)]
+    cols = slice(0, hidden) if which == "gate" else slice(hidden, 2 * hidden)
+    return [(base + "w13_EDF2", (e, slice(None), cols), w)]
+
+
+def stacked_to_per_expert(name: str, t: torch.Tensor, hidden: int):
+    """The inverse of per_expert_to_stacked for one native tensor; None for non-expert names."""
+    if name.endswith("experts.w13_EDF2"):
+        prefix = hub_name(name[: -len("w13_EDF2")])
+        return [(f"{prefix}{e}.{w}_proj.weight", t[e, :, cols].t())
+                for e in range(t.shape[0]) for w, cols in (("gate", slice(0, hidden)), ("up", slice(hidden, None)))]
+    if name.endswith("experts.w2_EFD"):
+        prefix = hub_name(name[: -len("w2_EFD")])
+        return [(f"{prefix}{e}.down_proj.weight", t[e].t()) for e in range(t.shape[0])]
+    return None
+
+
+@torch.no_grad()
+def init_normal(model: nn.Module, std: float):
+    """The initialisation the three families publish (Hugging Face's `_init_weights`): normal(0,
+    std) for linear weights, embeddings and stacked experts, zero biases, ones for norms, RoPE
+    tables recomputed. A family's `init_weights` adds its own extras after this."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            init_linear(m, std)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=std)
+        elif isinstance(m, (RMSNorm, Rotary)):
+            m.reset_parameters()
+        elif isinstance(m, GroupedExperts):
+            nn.init.normal_(m.w13_EDF2, std=std)
+            nn.init.normal_(m.w2_EFD, std=std)
+            for b in (m.b13_EF2, m.b2_ED):
+                if b is not None:
+                    nn.init.zeros_(b)
 
 
 def init_linear(module: nn.Linear, std: float):

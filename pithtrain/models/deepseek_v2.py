@@ -18,7 +18,6 @@ R rope head dim, d = N + R query/key head dim, e value head dim, G expert groups
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -28,7 +27,8 @@ from torch import nn
 
 from pithtrain.models.common import (AuxLoss, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
                                      SwiGLUMLP, apply_rope, attention, cross_entropy_sum, hub_name,
-                                     init_linear, load_balance_loss, native_name)
+                                     init_normal, load_balance_loss, native_name,
+                                     per_expert_to_stacked, stacked_to_per_expert)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,21 +342,10 @@ class DeepseekV2ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    @torch.no_grad()
     def init_weights(self):
-        """DeepSeek's / Hugging Face's scheme: normal(0, initializer_range) for linears (zero
-        biases), embeddings, router and experts; ones for norms."""
-        std = self.cfg.init_std
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                init_linear(m, std)
-            elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, std=std)
-            elif isinstance(m, (RMSNorm, Rotary)):
-                m.reset_parameters()
-            elif isinstance(m, GroupedExperts):
-                nn.init.normal_(m.w13_EDF2, std=std)
-                nn.init.normal_(m.w2_EFD, std=std)
+        """DeepSeek's / Hugging Face's scheme (common.init_normal): normal(0, initializer_range)
+        for linears (zero biases), embeddings, router and experts; ones for norms."""
+        init_normal(self, self.cfg.init_std)
 
     def forward(self, input_ids_BS, positions_BS=None, labels_BS=None):
         if positions_BS is None:
@@ -374,37 +363,15 @@ class DeepseekV2ForCausalLM(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # Hugging Face hub tensors <-> native parameters (pithtrain.checkpoint.hf streams through these)
 
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-
-
 def hf_to_native(cfg: DeepseekV2Config, hf_key: str, get) -> list[tuple[str, tuple, torch.Tensor]]:
-    """(native name, index into it, value) for one hub tensor. Per-expert hub weights (out, in)
-    fill slices of the stacked (E, in, out) tensors: gate -> w13[e, :, :F], up -> w13[e, :, F:],
-    down -> w2[e]. Every other name is the hub name without "model."."""
+    """(native name, index into it, value) for one hub tensor: per-expert weights fill slices of
+    the stacked experts; every other name is the hub name without "model."."""
     if hf_key.endswith("rotary_emb.inv_freq"):  # old remote-code checkpoints store the rope table
         return []
-    if hf_key == "lm_head.weight" and cfg.tie_word_embeddings:
-        return []
-    m = _EXPERT.fullmatch(hf_key)
-    if m is None:
-        return [(native_name(hf_key), (), get(hf_key))]
-    layer, e, which = int(m[1]), int(m[2]), m[3]
-    F_ = cfg.moe_intermediate_size
-    w = get(hf_key).t()
-    base = f"layers.{layer}.mlp.experts."
-    if which == "down":
-        return [(base + "w2_EFD", (e,), w)]
-    cols = slice(0, F_) if which == "gate" else slice(F_, 2 * F_)
-    return [(base + "w13_EDF2", (e, slice(None), cols), w)]
+    experts = per_expert_to_stacked(hf_key, get, cfg.moe_intermediate_size)
+    return experts if experts is not None else [(native_name(hf_key), (), get(hf_key))]
 
 
 def native_to_hf(cfg: DeepseekV2Config, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    if name.endswith("experts.w13_EDF2"):
-        prefix = hub_name(name[: -len("w13_EDF2")])
-        F_ = cfg.moe_intermediate_size
-        return [(f"{prefix}{e}.{w}_proj.weight", t[e, :, cols].t())
-                for e in range(t.shape[0]) for w, cols in (("gate", slice(0, F_)), ("up", slice(F_, None)))]
-    if name.endswith("experts.w2_EFD"):
-        prefix = hub_name(name[: -len("w2_EFD")])
-        return [(f"{prefix}{e}.down_proj.weight", t[e].t()) for e in range(t.shape[0])]
-    return [(hub_name(name), t)]
+    experts = stacked_to_per_expert(name, t, cfg.moe_intermediate_size)
+    return experts if experts is not None else [(hub_name(name), t)]

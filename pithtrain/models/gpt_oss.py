@@ -22,7 +22,7 @@ from torch import nn
 
 from pithtrain.models.common import (AuxLoss, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
                                      apply_rope, attention, cross_entropy_sum, hub_name,
-                                     init_linear, load_balance_loss, native_name)
+                                     init_normal, load_balance_loss, native_name)
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -303,22 +303,11 @@ class GptOssForCausalLM(nn.Module):
         embeddings, experts, sinks and the router (weight and bias); zeros for the other biases;
         ones for norms."""
         std = self.cfg.init_std
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                init_linear(m, std)
-            elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, std=std)
-            elif isinstance(m, (RMSNorm, Rotary)):
-                m.reset_parameters()
-            elif isinstance(m, GroupedExperts):
-                nn.init.normal_(m.w13_EDF2, std=std)
-                nn.init.zeros_(m.b13_EF2)
-                nn.init.normal_(m.w2_EFD, std=std)
-                nn.init.zeros_(m.b2_ED)
-            elif isinstance(m, Attention):
+        init_normal(self, std)
+        for m in self.modules():  # after init_normal zeroed every Linear bias
+            if isinstance(m, Attention):
                 nn.init.normal_(m.sinks_H, std=std)
-        for m in self.modules():  # after the generic Linear pass above
-            if isinstance(m, MoE):
+            elif isinstance(m, MoE):
                 nn.init.normal_(m.router.bias, std=std)
 
     def forward(self, input_ids_BS, positions_BS=None, labels_BS=None):
