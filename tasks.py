@@ -222,12 +222,14 @@ def validate(c, recipe="", model="", set=None, gpu="", runtime="", nproc="", ste
 
 @task(help={"gpu": H_GPU, "runtime": H_RUNTIME,
             "args": "arguments passed to python -m pithtrain.bench, quoted as one string",
+            "fp8": "also time the default variant with FP8 expert GEMMs (ratio to bf16 in the table)",
             "dry_run": H_DRY})
-def bench(c, gpu="", runtime="", args="", dry_run=False):
+def bench(c, gpu="", runtime="", args="", fp8=False, dry_run=False):
     """The single-GPU benchmark suite (shared/BENCH.md): PithTrain vs transformers, one run."""
     gpu_ = _gpu(gpu)
     rt = _runtime(runtime, gpu_, dry_run)
-    _emit(c, _python(rt, gpu_, ["-m", "pithtrain.bench", *shlex.split(args)]), dry_run)
+    extra = ["--fp8"] if fp8 else []
+    _emit(c, _python(rt, gpu_, ["-m", "pithtrain.bench", *shlex.split(args), *extra]), dry_run)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ A variant is '+'-joined words: `ref` (PyTorch reference operators, kernels=torch
 `adamclip` (an experiment, not train.py's step: the clip factor is handed to fused AdamW as its
 `grad_scale`, which divides the gradients inside the optimizer kernel, saving the clip's own pass);
 `fp32` (fp32 master weights and AdamW state under bf16 autocast, as train.py; default bf16
-parameters and AdamW state, as the peers run); `no-NAME` turns one fused operator off
+parameters and AdamW state, as the peers run); `fp8` (train.fp8: blockwise FP8 expert GEMMs,
+pithtrain/fp8.py; `--fp8` adds `<first variant>+fp8` after each variant list, so bf16 and FP8
+are timed in the same run); `no-NAME` turns one fused operator off
 (names: pithtrain.kernels.USE). The step timed is train.py's: forward (summed loss), backward of
 loss / tokens, clip to 1.0, fused AdamW, zero_grad; the peer's is the same around its forward.
 Timing: CUDA events around each step after warm-up; the median of the timed steps.
@@ -31,7 +33,7 @@ import traceback
 
 import torch
 
-from pithtrain import kernels
+from pithtrain import fp8, kernels
 from pithtrain.compile import apply_activation_checkpoint, apply_compile
 from pithtrain.config import load_config
 from pithtrain.metrics import flops_per_token
@@ -60,10 +62,10 @@ def parse_variant(v: str) -> dict:
     words = v.split("+")
     out = {"kernels": "torch" if "ref" in words else "auto", "compile": "compile" in words,
            "ac": "full" if "ac-full" in words else "selective" if "ac-sel" in words else "none",
-           "fp32": "fp32" in words, "adamclip": "adamclip" in words,
+           "fp32": "fp32" in words, "adamclip": "adamclip" in words, "fp8": "fp8" in words,
            "off": [w[3:] for w in words if w.startswith("no-")]}
     unknown = [w for w in words if w not in ("ref", "fused", "compile", "ac-full", "ac-sel", "fp32",
-                                             "adamclip")
+                                             "adamclip", "fp8")
                and not w.startswith("no-")]
     if unknown or any(o not in kernels.USE for o in out["off"]):
         raise SystemExit(f"bench: unknown variant words in {v!r}: {unknown or out['off']}")
@@ -107,7 +109,7 @@ def time_steps(step, warmup: int, steps: int) -> tuple[list[float], float]:
 
 
 def pithtrain_step(cfg, variant: dict, device):
-    kernels.configure(variant["kernels"], device)
+    kernels.configure(variant["kernels"], device, fp8=variant["fp8"])
     for name in variant["off"]:
         kernels.USE[name] = False
     print("bench:   " + kernels.describe(), flush=True)
@@ -138,6 +140,7 @@ def pithtrain_step(cfg, variant: dict, device):
         else:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        fp8.CACHE.next_step()
         opt.zero_grad(set_to_none=True)
         return loss.detach() / y.numel()
 
@@ -189,7 +192,9 @@ def measure(name, side, cfg, make, warmup, steps, profile=None) -> dict:
         t0 = time.perf_counter()
         first = float(step())  # loss of a random model, ~ln(V); compilation happens here
         rec["first_step_s"] = time.perf_counter() - t0
+        q0 = fp8.CACHE.quantised
         times, warm_s = time_steps(step, warmup - 1, steps)
+        rec["fp8_quantised_per_step"] = (fp8.CACHE.quantised - q0) / (warmup - 1 + steps)
         if profile:
             profile_steps(step, profile, f"{name} {side}")
         tokens = cfg.train.micro_batch_size * cfg.train.seq_len * cfg.train.grad_accum
@@ -201,7 +206,8 @@ def measure(name, side, cfg, make, warmup, steps, profile=None) -> dict:
                    peak_gb=torch.cuda.max_memory_allocated() / 1e9, flops_per_token=fpt)
         print(f"bench: {name:18s} {side:32s} {tps / 1e3:7.1f}K tok/s  {100 * rec['mfu']:5.1f}% MFU  "
               f"{rec['peak_gb']:6.1f} GB  step {med:7.1f} ms (min {min(times):.1f}, max {max(times):.1f})"
-              f"  loss0 {first:.3f}", flush=True)
+              f"  loss0 {first:.3f}" + (f"  FP8 weight quantisations/step {rec['fp8_quantised_per_step']:g}"
+                                        if rec["fp8_quantised_per_step"] else ""), flush=True)
         del model, step
     except Exception as e:  # one failing side must not lose the others' numbers
         traceback.print_exc()
@@ -228,17 +234,20 @@ def profile_steps(step, path, title, n=3):
 
 
 def table(recs: list[dict]) -> str:
-    lines = ["| model (4 layers) | side | tokens/s | MFU | peak GB | step ms | vs transformers |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| model (4 layers) | side | tokens/s | MFU | peak GB | step ms | vs transformers | fp8 vs bf16 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     hf = {r["model"]: r for r in recs if r["side"] == "transformers" and r.get("ok")}
+    ok = {(r["model"], r["side"]): r for r in recs if r.get("ok")}
     for r in recs:
         if not r.get("ok"):
-            lines.append(f"| {r['model']} | {r['side']} | failed: {r.get('error', '')[:60]} | | | | |")
+            lines.append(f"| {r['model']} | {r['side']} | failed: {r.get('error', '')[:60]} | | | | | |")
             continue
         peer = hf.get(r["model"])
         ratio = f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else "-"
+        bf16 = ok.get((r["model"], r["side"].replace("+fp8", ""))) if "+fp8" in r["side"] else None
+        vs_bf16 = f"{r['tokens_per_s'] / bf16['tokens_per_s']:.2f}x" if bf16 else "-"
         lines.append(f"| {r['model']} | {r['side']} | {r['tokens_per_s'] / 1e3:.1f}K | "
-                     f"{100 * r['mfu']:.1f}% | {r['peak_gb']:.1f} | {r['step_ms']:.1f} | {ratio} |")
+                     f"{100 * r['mfu']:.1f}% | {r['peak_gb']:.1f} | {r['step_ms']:.1f} | {ratio} | {vs_bf16} |")
     return "\n".join(lines)
 
 
@@ -248,6 +257,7 @@ def main(argv=None) -> int:
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated recipe names")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated variants (see above)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    p.add_argument("--fp8", action="store_true", help="also time the first variant with FP8 expert GEMMs")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
@@ -266,6 +276,8 @@ def main(argv=None) -> int:
           f"{args.layers} layers, {args.batch} x {args.seq} x {args.grad_accum} micro-batches per "
           "step, bf16, AdamW", flush=True)
     variants = [v for v in args.variants.split(",") if v]
+    if args.fp8:  # the same step with FP8 expert GEMMs, timed in this run next to its bf16 twin
+        variants.append(variants[0] + "+fp8")
     recs = []
     for name in [m for m in args.models.split(",") if m]:
         cfg = bench_config(name, args.layers, args.batch, args.seq, args.grad_accum)

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from pithtrain import kernels
+from pithtrain import fp8, kernels
 from pithtrain.checkpoint.dcp import CheckpointError, Checkpointer
 from pithtrain.config import Config, ConfigError, load_config
 from pithtrain.data import build_batches, rows
@@ -57,11 +57,18 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
 
 def check_runnable(cfg: Config, device: torch.device):
     """Refuse settings this machine cannot honour, before anything is built."""
-    if cfg.train.fp8 and device.type != "cuda":
+    if not cfg.train.fp8:
+        return
+    if device.type != "cuda":
         raise ConfigError(f"{cfg.source}: train.fp8: FP8 training needs a Hopper or Blackwell GPU; "
                           "this run is on CPU (set train.fp8=false)")
-    if cfg.train.fp8:
-        raise ConfigError(f"{cfg.source}: train.fp8: FP8 training is not implemented yet (issue #9)")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        raise ConfigError(f"{cfg.source}: train.fp8: FP8 GEMMs need compute capability 8.9 or newer; "
+                          f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]} (set train.fp8=false)")
+    if not kernels.HAVE_TRITON or cfg.train.kernels != "auto":
+        raise ConfigError(f"{cfg.source}: train.fp8: the FP8 GEMMs are Triton kernels; they need triton "
+                          "installed and train.kernels=auto")
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
@@ -116,7 +123,7 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
     else:  # several processes: build on meta, parallelize, then materialise (below)
         model = build_model(cfg.model, device, init=not dims.distributed)
     model.train()
-    kernels.configure(t.kernels, device)
+    kernels.configure(t.kernels, device, fp8=t.fp8)
     if dims.rank == 0:
         print(kernels.describe(), flush=True)
     chunks = pipeline.prepare(model, cfg, dims) if dims.pp_enabled else None  # keep this stage's part
@@ -167,6 +174,7 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
         loss_sum, n_tokens = all_sum([loss_sum, n_tokens], dims)
         grad_norm = clip_grad_norm_(model.parameters(), t.grad_clip, dims)  # global over shards
         optimizer.step()
+        fp8.CACHE.next_step()  # the weights changed: FP8 copies are made again on first use
         optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()

@@ -106,15 +106,20 @@ def test_bench_variant_words_and_table():
 
     v = parse_variant("fused+compile+ac-sel+no-permute")
     assert v == {"kernels": "auto", "compile": True, "ac": "selective", "fp32": False,
-                 "adamclip": False, "off": ["permute"]}
+                 "adamclip": False, "fp8": False, "off": ["permute"]}
     assert parse_variant("ref")["kernels"] == "torch"
+    assert parse_variant("fused+compile+fp8")["fp8"]
     with pytest.raises(SystemExit):
         parse_variant("fused+turbo")
     recs = [{"model": "m", "side": "fused", "ok": True, "tokens_per_s": 2e3, "mfu": 0.3, "peak_gb": 1.0,
              "step_ms": 5.0},
             {"model": "m", "side": "transformers", "ok": True, "tokens_per_s": 1e3, "mfu": 0.15,
-             "peak_gb": 2.0, "step_ms": 10.0}]
-    assert "| m | fused | 2.0K | 30.0% | 1.0 | 5.0 | 2.00x |" in table(recs)
+             "peak_gb": 2.0, "step_ms": 10.0},
+            {"model": "m", "side": "fused+fp8", "ok": True, "tokens_per_s": 3e3, "mfu": 0.45, "peak_gb": 1.0,
+             "step_ms": 3.3}]
+    out = table(recs)
+    assert "| m | fused | 2.0K | 30.0% | 1.0 | 5.0 | 2.00x | - |" in out
+    assert "| m | fused+fp8 | 3.0K | 45.0% | 1.0 | 3.3 | 3.00x | 1.50x |" in out  # FP8 against its bf16 twin
 
 
 def test_compile_prepares_flex_masks_before_each_layer_eagerly():

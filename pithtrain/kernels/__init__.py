@@ -8,6 +8,7 @@
 | LM head + cross-entropy | `linear_ce.py` (grads made in forward; `ce.py` Triton rows) | `common.cross_entropy_sum` checkpointed |
 | attention with sinks / sliding window | `flex.py` (FlexAttention, block-sparse) | `common.eager_attention` |
 | plain causal attention | cuDNN / flash SDPA, chosen in `common.attention` | SDPA's own choice |
+| blockwise FP8 expert GEMMs (`train.fp8`) | `fp8.py` (Triton quantisation + scaled grouped GEMMs) | `pithtrain.fp8` (dequantise + fp32 matmul) |
 
 The choice is explicit and global for the process: `configure(mode, device)` sets `USE` from the
 recipe's `train.kernels` ("auto": every fused operator whose requirements are met; "torch": none)
@@ -35,16 +36,18 @@ except ImportError:
 
 # What the hot path uses now. Everything off until `configure` runs (CPU tests, imports).
 USE = {"swiglu": False, "permute": False, "expert_bias": False, "linear_ce": False, "flex": False,
-       "cudnn_sdpa": False}
+       "cudnn_sdpa": False, "fp8": False}
 
 
-def configure(mode: str = "auto", device: torch.device | str = "cuda") -> dict:
-    """Pick the operators for this process: mode "auto" (fastest available) or "torch" (references)."""
+def configure(mode: str = "auto", device: torch.device | str = "cuda", fp8: bool = False) -> dict:
+    """Pick the operators for this process: mode "auto" (fastest available) or "torch" (references).
+    `fp8` (train.fp8) routes the routed experts' GEMMs through pithtrain.fp8; the trainer has
+    already refused it where it cannot run (train.check_runnable)."""
     cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
     auto = mode == "auto"
     triton_ok = auto and cuda and HAVE_TRITON
     USE.update(swiglu=triton_ok, permute=triton_ok, expert_bias=triton_ok, linear_ce=auto, flex=auto and cuda and HAVE_FLEX,
-               cudnn_sdpa=auto and cuda and torch.backends.cudnn.is_available())
+               cudnn_sdpa=auto and cuda and torch.backends.cudnn.is_available(), fp8=fp8)
     return dict(USE)
 
 

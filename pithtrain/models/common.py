@@ -8,6 +8,7 @@ K kv heads, E experts, F expert hidden width, A top-k slots, V vocabulary, X dis
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain import kernels  # which fused operators this process uses (kernels.USE)
+from pithtrain import fp8, kernels  # which fused operators this process uses (kernels.USE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,15 +234,20 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_XD, counts_E):
         """x: rows sorted by expert, counts_E[e] rows for expert e (experts local to this rank)."""
-        mm = grouped_mm_loop if self.use_loop else grouped_mm
         offs_E = torch.cumsum(counts_E, 0)
-        w13, w2 = _local(self.w13_EDF2).to(x_XD.dtype), _local(self.w2_EFD).to(x_XD.dtype)
-        h_XF2 = mm(x_XD, w13, offs_E)
+        if kernels.USE["fp8"]:  # blockwise FP8 GEMMs; the weights' FP8 copies are cached per step
+            w13, w2 = _local(self.w13_EDF2), _local(self.w2_EFD)
+            mm13 = functools.partial(fp8.grouped_mm, owner=self.w13_EDF2)
+            mm2 = functools.partial(fp8.grouped_mm, owner=self.w2_EFD)
+        else:
+            w13, w2 = _local(self.w13_EDF2).to(x_XD.dtype), _local(self.w2_EFD).to(x_XD.dtype)
+            mm13 = mm2 = grouped_mm_loop if self.use_loop else grouped_mm
+        h_XF2 = mm13(x_XD, w13, offs_E)
         if self.b13_EF2 is not None:
             expert_X = torch.repeat_interleave(torch.arange(len(counts_E), device=x_XD.device),
                                                counts_E, output_size=x_XD.shape[0])
             h_XF2 = _add_expert_bias(h_XF2, _local(self.b13_EF2).to(x_XD.dtype), expert_X, offs_E)
-        y_XD = mm(swiglu(h_XF2, self.alpha, self.limit), w2, offs_E)
+        y_XD = mm2(swiglu(h_XF2, self.alpha, self.limit), w2, offs_E)
         if self.b2_ED is not None:
             y_XD = _add_expert_bias(y_XD, _local(self.b2_ED).to(x_XD.dtype), expert_X, offs_E)
         return y_XD

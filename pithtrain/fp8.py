@@ -1,0 +1,197 @@
+"""Blockwise FP8 training GEMMs (e4m3, DeepSeek-V3's scaling) and the per-step FP8 weight cache.
+
+`train.fp8: true` (CUDA, compute capability >= 8.9, Triton, train.kernels=auto) routes the routed
+experts' grouped GEMMs (common.GroupedExperts) through `grouped_mm` below. Master weights,
+gradients and AdamW state keep their dtype: only GEMM operands are FP8, each GEMM accumulates in
+fp32 and writes bf16 (fp32 for weight gradients of fp32 weights). The router, embeddings, norms,
+attention and the dense projections stay bf16 (as DeepSeek-V3 keeps the first four); on the lent
+H200 the Triton blockwise GEMM is slower than bf16 cuBLAS at the attention projections' sizes
+(docs/perf-notes.md), and they run inside torch.compile'd regions.
+
+  forward      y  = x w          x: 1x128 tiles,  w: 128x128 blocks (from the weight cache)
+  data grad    dx = dy w^T       dy: 1x128 tiles, w^T: the same blocks, transposed copy cached
+  weight grad  dw = x^T dy       x, dy: 128x1 tiles (along the tokens), quantised in backward
+
+Operators: Triton (`pithtrain/kernels/fp8.py`) for CUDA tensors; the functions below are the same
+maths in plain PyTorch (dequantise, fp32 matmul): the tests' reference, and what CPU tensors run,
+so the autograd and cache logic is tested in CI. Recipes with train.fp8 on a CPU are refused
+(train.check_runnable). DeepGEMM and Blackwell's MXFP8 are not wired: the Triton kernels are the
+one GPU path (DeepGEMM cannot be installed on the lent machine, and no B200 is lent).
+
+Weight cache: `CACHE.weights(param, w)` quantises a weight at most once per optimizer step
+(`CACHE.next_step()`, called by the trainer after `optimizer.step()`) and re-quantises if the
+tensor changed in place since (its version counter), so a stale copy is never used.
+`CACHE.quantised` counts quantisations (the bench shows one per weight per step).
+"""
+
+from __future__ import annotations
+
+import weakref
+from types import SimpleNamespace
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+BLOCK = 128
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference operators (PyTorch): the same signatures as pithtrain.kernels.fp8.
+
+
+def _pad_to(x: torch.Tensor, dim: int) -> torch.Tensor:
+    extra = -x.shape[dim] % BLOCK
+    if extra == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, extra]
+    return torch.nn.functional.pad(x, pad)
+
+
+def _to_fp8(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    return (x * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) -> (q (M, K) e4m3, s (cdiv(K, 128), M) fp32): value = q * s, 1 x 128 tiles along K."""
+    M, K = x.shape
+    xp = _pad_to(x.float(), 1).reshape(M, -1, BLOCK)
+    amax = xp.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    q = _to_fp8(xp, amax).view(M, -1)[:, :K]
+    return q.contiguous(), (amax.squeeze(-1) / FP8_MAX).t().contiguous()
+
+
+def quant_cols_t(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) -> (q = x^T (K, M) e4m3, s (cdiv(M, 128), K) fp32): 128 x 1 tiles along M."""
+    return quant_rows(x.t())
+
+
+def quant_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(G, R, C) -> (q (G, R, C), q^T (G, C, R) e4m3, s (G, cdiv(R, 128), cdiv(C, 128)) fp32)."""
+    G, R, C = w.shape
+    wp = _pad_to(_pad_to(w.float(), 1), 2)
+    blocks = wp.view(G, wp.shape[1] // BLOCK, BLOCK, wp.shape[2] // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=(2, 4), keepdim=True).clamp_min(1e-30)
+    q = _to_fp8(blocks, amax).view(G, wp.shape[1], wp.shape[2])[:, :R, :C]
+    return q.contiguous(), q.transpose(1, 2).contiguous(), (amax[:, :, 0, :, 0] / FP8_MAX).contiguous()
+
+
+def dequant_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Inverse of quant_rows in fp32: (M, K) values."""
+    return q.float() * s.t().repeat_interleave(BLOCK, 1)[:, :q.shape[1]]
+
+
+def dequant_blocks(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Inverse of quant_blocks' first output in fp32: (G, R, C) values; s may be a transposed view."""
+    R, C = q.shape[1:]
+    return q.float() * s.repeat_interleave(BLOCK, 1)[:, :R].repeat_interleave(BLOCK, 2)[:, :, :C]
+
+
+def mgrouped_mm(a, a_s, b, b_s, offs, out_dtype=torch.bfloat16):
+    """out[rows of g] = deq(a)[rows of g] @ deq(b[g])^T; b (G, N, K) with b_s indexed (g, k block,
+    n block) -- pithtrain.kernels.fp8.mgrouped_mm's contract, in fp32."""
+    A = dequant_rows(a, a_s)
+    B = dequant_blocks(b, b_s.transpose(1, 2))  # (G, N, K)
+    out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        out[start:end] = (A[start:end] @ B[g].t()).to(out_dtype)
+        start = end
+    return out
+
+
+def kgrouped_mm(a, a_s, b, b_s, offs, out):
+    """out[g] = deq(a)[:, rows of g] @ deq(b)[:, rows of g]^T; a (P, M), b (Q, M), 1x128 along M."""
+    A, B = dequant_rows(a, a_s), dequant_rows(b, b_s)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        out[g] = (A[:, start:end] @ B[:, start:end].t()).to(out.dtype)
+        start = end
+    return out
+
+
+REFERENCE = SimpleNamespace(quant_rows=quant_rows, quant_cols_t=quant_cols_t, quant_blocks=quant_blocks,
+                            mgrouped_mm=mgrouped_mm, kgrouped_mm=kgrouped_mm)
+
+
+def _ops(t: torch.Tensor):
+    """The Triton kernels for CUDA tensors, the PyTorch reference above for anything else."""
+    if t.is_cuda:
+        from pithtrain.kernels import fp8 as triton_fp8
+        return triton_fp8
+    return REFERENCE
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight cache
+
+
+class WeightCache:
+    """FP8 copies (q, q^T, block scales) of weights, made once per optimizer step."""
+
+    def __init__(self):
+        self.step = 0
+        self.quantised = 0
+        self._entries: dict[int, tuple] = {}
+
+    def next_step(self) -> None:
+        """The optimizer has changed the weights: every cached copy is stale."""
+        self.step += 1
+        self._entries.clear()
+
+    def weights(self, owner: torch.Tensor, w_GRC: torch.Tensor):
+        """(q, q^T, s) of w_GRC, a (G, R, C) view of the parameter `owner` (the cache key)."""
+        e = self._entries.get(id(owner))
+        if e is not None and e[0]() is owner and e[1] == self.step and e[2] == owner._version:
+            return e[3]
+        with torch.no_grad():
+            value = _ops(w_GRC).quant_blocks(w_GRC.detach())
+        self._entries[id(owner)] = (weakref.ref(owner), self.step, owner._version, value)
+        self.quantised += 1
+        return value
+
+
+CACHE = WeightCache()
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd
+
+
+class _FP8GroupedMM(torch.autograd.Function):
+    """y[rows of g] = x[rows of g] @ w[g] for w (G, K, N); the weight's FP8 copies come in."""
+
+    @staticmethod
+    def forward(ctx, x_MK, w_GKN, offs_G, wq_GKN, wqt_GNK, ws_GKN, out_dtype):
+        ops = _ops(x_MK)
+        xq, xs = ops.quant_rows(x_MK)
+        y = ops.mgrouped_mm(xq, xs, wqt_GNK, ws_GKN, offs_G, out_dtype=out_dtype)
+        ctx.save_for_backward(x_MK, offs_G, wq_GKN, ws_GKN)
+        ctx.w_layout = (w_GKN.shape, w_GKN.stride(), w_GKN.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy_MN):
+        x_MK, offs_G, wq_GKN, ws_GKN = ctx.saved_tensors
+        ops = _ops(dy_MN)
+        dy_MN = dy_MN.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dyq, dys = ops.quant_rows(dy_MN)
+            dx = ops.mgrouped_mm(dyq, dys, wq_GKN, ws_GKN.transpose(1, 2), offs_G, out_dtype=x_MK.dtype)
+        if ctx.needs_input_grad[1]:
+            xq_t, xs_t = ops.quant_cols_t(x_MK)
+            dyq_t, dys_t = ops.quant_cols_t(dy_MN)
+            shape, stride, dtype = ctx.w_layout  # the gradient in the weight's own layout
+            dw = ops.kgrouped_mm(xq_t, xs_t, dyq_t, dys_t, offs_G,
+                                 torch.empty_strided(shape, stride, dtype=dtype, device=dy_MN.device))
+        return dx, dw, None, None, None, None, None
+
+
+def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor, owner=None) -> torch.Tensor:
+    """FP8 version of F.grouped_mm(x, w, offs) for rows sorted by group (offs: cumulative ends,
+    offs[-1] = rows). `owner`: the parameter w_GKN was taken from (the cache key; default w_GKN)."""
+    wq, wqt, ws = CACHE.weights(w_GKN if owner is None else owner, w_GKN)
+    dev = x_MK.device.type
+    out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_MK.dtype
+    return _FP8GroupedMM.apply(x_MK, w_GKN, offs_G.to(torch.int32), wq, wqt, ws, out_dtype)
