@@ -129,7 +129,7 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
     chunks = pipeline.prepare(model, cfg, dims) if dims.pp_enabled else None  # keep this stage's part
     parallelize(model, dims, t, device)  # EP -> CP -> activation checkpointing -> compile -> FSDP
     if any(p.is_meta for p in model.parameters()):  # the same RNG draws as one process
-        materialize(model, build_model(cfg.model, "cpu"), device)
+        materialize(model, build_model(cfg.model, init=False), device, t.seed)
     optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     ckpt = Checkpointer(cfg, model, optimizer, scheduler, device)

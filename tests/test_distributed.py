@@ -301,3 +301,36 @@ def test_torchrun_one_gpu_world_size_1(tmp_path):
     assert "device cuda:0" in p.stdout and p.stdout.rstrip().count("| world 1") == 1
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(recs) == 5 and all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in recs)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_materialize_holds_one_block_at_a_time_and_matches_init_weights(family):
+    """materialize (what every rank of a multi-process run calls) allocates one block of the whole
+    model at a time on the host, and gives exactly the weights one process's init_weights gives
+    under the same seed -- GPT-OSS included, whose init_block adds sinks and router biases."""
+    from pithtrain.distributed.parallelize import materialize
+    from pithtrain.models import FAMILIES, build_model
+    from pithtrain.models.common import model_blocks
+
+    width = {"intermediate_size": 32, "sliding_window": 4} if family == "gpt_oss" else {"moe_intermediate_size": 32}
+    cfg = FAMILIES[family].config(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                                  head_dim=8, num_experts=4, top_k=2, **width)
+    meta, model = build_model(cfg, init=False), build_model(cfg, init=False)
+    init_block, seen = meta.init_block, []
+
+    def spy(block):
+        live = sum(p.numel() for p in meta.parameters() if not p.is_meta)
+        seen.append((live, sum(p.numel() for p in block.parameters())))
+        init_block(block)
+
+    meta.init_block = spy
+    materialize(model, meta, torch.device("cpu"), seed=5)
+    assert len(seen) == len(list(model_blocks(model))) > 4
+    assert all(live == held for live, held in seen), seen  # nothing but the block in hand
+    torch.manual_seed(5)
+    ref = build_model(cfg, "cpu")
+    got = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        assert torch.equal(got[name], p), name
+    assert any(p.std() > 0 for n, p in ref.named_parameters() if "sinks" in n or "router.bias" in n) \
+        or family != "gpt_oss"

@@ -162,7 +162,7 @@ def _pp_fsdp_ep(rank, world, name, schedule, M, out_dir):
     pipeline.prune_model(model, chunks)
     parallelize(model, dims, cfg.train, torch.device("cpu"))
     pipeline.register_fsdp_methods(model)
-    materialize(model, build(), torch.device("cpu"))
+    materialize(model, build_model(cfg.model, "cpu", init=False), torch.device("cpu"), 0)  # build()'s seed
     ops = pipeline.build_schedule(schedule, 2, M)[pp_rank]
     runner = pipeline.PipelineRunner(model, chunks, ops, pp_rank, 2, schedule, M, group_f, group_b,
                                      (MBS, SEQ, CFG["hidden_size"]), torch.device("cpu"))

@@ -2,7 +2,7 @@
 
     model = build_model(cfg.model, device, init=False)   # meta: no memory
     parallelize(model, dims, cfg.train, device)           # in place, the fixed order below
-    materialize(model, cfg, device)                       # to_empty + the single-process init
+    materialize(model, build_model(cfg.model, init=False), device, cfg.train.seed)  # block by block
 
 Order (each step relies on the previous ones):
   1. expert parallel   routed-expert weights become DTensors sharded by expert (dim 0) over the
@@ -35,7 +35,8 @@ from pithtrain.compile import apply_activation_checkpoint, apply_compile
 from pithtrain.distributed.context_parallel import ContextParallelAttention, ContextParallelLoadBalanceLoss
 from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
 from pithtrain.distributed.parallel_dims import ParallelDims
-from pithtrain.models.common import GroupedExperts, Rotary, attention, load_balance_loss
+from pithtrain.models.common import (GroupedExperts, Rotary, attention, init_block_seeded, load_balance_loss,
+                                     model_blocks)
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
@@ -107,27 +108,36 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims):
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, full_model: nn.Module, device: torch.device):
-    """Allocate this rank's pieces (to_empty) and fill them from `full_model`, an initialised
-    single-device model (train.py builds it on CPU under the run's seed, so every rank makes the
-    same RNG draws as one process would, and parity with one process is exact). Each rank keeps
-    its slice of every parameter. Costs one full fp32 copy in host memory per rank while it
-    runs; for models that do not fit, start from a checkpoint (train.init_from). The draws come
-    from the CPU generator: a multi-GPU run starts where a one-process CPU run does, not where a
-    one-GPU run (whose init draws on the GPU) does."""
+def materialize(model: nn.Module, meta_model: nn.Module, device: torch.device, seed: int):
+    """Allocate this rank's pieces (to_empty) and initialise them as one process would.
+
+    `meta_model` is the whole model on the meta device (no memory). Block by block
+    (common.model_blocks: embedding, each layer, final norm, head) for the blocks this rank holds,
+    its meta twin is allocated on the CPU in fp32, initialised by the family's `init_block` under
+    the block's own seed (common.init_block_seeded: what `init_weights` does in one process), and
+    each parameter's slice for this rank is copied in; the twin is freed before the next block.
+    Host memory: one block at a time (a DeepSeek-V2-Lite MoE layer is ~2.3 GB in fp32), not the
+    whole model per rank. The draws come from the CPU generator: a multi-GPU run starts where a
+    one-process CPU run does, not where a one-GPU run (whose init draws on the GPU) does."""
     model.to_empty(device=device)
-    full_params = dict(full_model.named_parameters())
-    for name, p in model.named_parameters():
-        src = full_params[name]
-        if isinstance(p, DTensor):
-            src = distribute_tensor(src.detach(), p.device_mesh, p.placements, src_data_rank=None)
-            src, p = src.to_local(), p.to_local()
-        assert p.shape == src.shape, (name, p.shape, src.shape)
-        p.copy_(src)
-    full_buffers = dict(full_model.named_buffers())
-    for name, b in model.named_buffers():
-        b.copy_(full_buffers[name])
-    full_modules = dict(full_model.named_modules())
-    for name, m in model.named_modules():
-        if isinstance(m, Rotary):
-            m.mscale = full_modules[name].mscale  # a float set by reset_parameters, not a buffer
+    twins = dict(model_blocks(meta_model))
+    for name, block in model_blocks(model):
+        twin = twins[name]
+        twin.to_empty(device="cpu")
+        init_block_seeded(twin, name, meta_model.init_block, seed)
+        src_params = dict(twin.named_parameters())
+        for pname, p in block.named_parameters():
+            src = src_params[pname]
+            if isinstance(p, DTensor):
+                src = distribute_tensor(src.detach(), p.device_mesh, p.placements, src_data_rank=None)
+                src, p = src.to_local(), p.to_local()
+            assert p.shape == src.shape, (f"{name}.{pname}", p.shape, src.shape)
+            p.copy_(src)
+        src_buffers = dict(twin.named_buffers())
+        for bname, buf in block.named_buffers():
+            buf.copy_(src_buffers[bname])
+        src_modules = dict(twin.named_modules())
+        for mname, m in block.named_modules():
+            if isinstance(m, Rotary):
+                m.mscale = src_modules[mname].mscale  # a float set by reset_parameters, not a buffer
+        twin.to_empty(device="meta")  # free the block before the next

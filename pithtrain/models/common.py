@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -400,11 +401,42 @@ def stacked_to_per_expert(name: str, t: torch.Tensor, hidden: int):
     return None
 
 
+def model_blocks(model: nn.Module):
+    """(name, block) for the pieces a model is initialised by: each child, and each layer of a
+    ModuleList / ModuleDict child (`layers`, or the ModuleDict a pipeline stage keeps), named as in
+    named_parameters. Children a pipeline stage dropped (None) are skipped."""
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            for sub, layer in child.named_children():
+                yield f"{name}.{sub}", layer
+        elif child is not None:
+            yield name, child
+
+
+def init_block_seeded(block: nn.Module, name: str, init_block, seed: int):
+    """Run `init_block(block)` with the default generators seeded by (seed, block name), leaving
+    the global RNG state as it was."""
+    cuda = sorted({t.device.index or 0 for t in block.parameters() if t.is_cuda})
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2 ** 63)
+        init_block(block)
+
+
+def init_by_block(model: nn.Module, init_block, seed: int | None = None):
+    """Initialise `model` block by block (model_blocks), each from its own seeded generator; seed
+    defaults to torch.initial_seed(), the run's torch.manual_seed. A block initialised alone gets
+    the same values, so a pipeline stage or a sharded rank builds only the blocks it holds, one at
+    a time (distributed.parallelize.materialize), and still starts where one process does."""
+    seed = torch.initial_seed() if seed is None else seed
+    for name, block in model_blocks(model):
+        init_block_seeded(block, name, init_block, seed)
+
+
 @torch.no_grad()
 def init_normal(model: nn.Module, std: float):
     """The initialisation the three families publish (Hugging Face's `_init_weights`): normal(0,
     std) for linear weights, embeddings and stacked experts, zero biases, ones for norms, RoPE
-    tables recomputed. A family's `init_weights` adds its own extras after this."""
+    tables recomputed. A family's `init_block` adds its own extras after this."""
     for m in model.modules():
         if isinstance(m, nn.Linear):
             init_linear(m, std)

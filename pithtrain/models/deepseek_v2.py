@@ -27,7 +27,7 @@ from torch import nn
 
 from pithtrain.models.common import (AuxLoss, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
                                      SwiGLUMLP, apply_rope, attention, cross_entropy_sum, hub_name,
-                                     init_normal, load_balance_loss, native_name,
+                                     init_by_block, init_normal, load_balance_loss, native_name,
                                      per_expert_to_stacked, stacked_to_per_expert)
 
 
@@ -343,9 +343,12 @@ class DeepseekV2ForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def init_weights(self):
+        init_by_block(self, self.init_block)
+
+    def init_block(self, block):
         """DeepSeek's / Hugging Face's scheme (common.init_normal): normal(0, initializer_range)
         for linears (zero biases), embeddings, router and experts; ones for norms."""
-        init_normal(self, self.cfg.init_std)
+        init_normal(block, self.cfg.init_std)
 
     def forward(self, input_ids_BS, positions_BS=None, labels_BS=None):
         if positions_BS is None:

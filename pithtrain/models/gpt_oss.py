@@ -22,7 +22,7 @@ from torch import nn
 
 from pithtrain.models.common import (AuxLoss, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
                                      apply_rope, attention, cross_entropy_sum, hub_name,
-                                     init_normal, load_balance_loss, native_name)
+                                     init_by_block, init_normal, load_balance_loss, native_name)
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -299,12 +299,16 @@ class GptOssForCausalLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
+        init_by_block(self, self.init_block)
+
+    @torch.no_grad()
+    def init_block(self, block):
         """Hugging Face's GPT-OSS scheme: normal(0, initializer_range) for linear weights,
         embeddings, experts, sinks and the router (weight and bias); zeros for the other biases;
         ones for norms."""
         std = self.cfg.init_std
-        init_normal(self, std)
-        for m in self.modules():  # after init_normal zeroed every Linear bias
+        init_normal(block, std)
+        for m in block.modules():  # after init_normal zeroed every Linear bias
             if isinstance(m, Attention):
                 nn.init.normal_(m.sinks_H, std=std)
             elif isinstance(m, MoE):
