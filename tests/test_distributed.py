@@ -227,6 +227,56 @@ def test_dispatch_deduplication_sends_fewer_rows_same_result(tmp_path):
     assert dedup_remote < naive_remote, out
 
 
+def _fp8_ep_worker(rank: int, world: int, port: int, tmp: str):
+    """FP8 expert GEMMs (PyTorch reference operators on CPU) behind the all-to-all dispatcher."""
+    from pithtrain import fp8, kernels
+    from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
+    from pithtrain.models.common import GroupedExperts, LocalDispatcher
+    dist = _init(rank, world, port)
+    kernels.USE["fp8"] = True
+    E, D, F, T, A = 8, 160, 136, 24, 2  # widths past one 128 block: partial blocks on both sides
+    El = E // world
+    torch.manual_seed(0)
+    full = GroupedExperts(E, D, F)
+    torch.nn.init.normal_(full.w13_EDF2, std=0.1)
+    torch.nn.init.normal_(full.w2_EFD, std=0.1)
+    x, g = torch.randn(world * T, D), torch.randn(world * T, D)
+    idx = torch.stack([torch.randperm(E)[:A] for _ in range(world * T)])
+    w = torch.rand(world * T, A)
+    xr = x.clone().requires_grad_()
+    y_ref = LocalDispatcher()(xr, idx, w, full)
+    (y_ref * g).sum().backward()
+    local = GroupedExperts(El, D, F)
+    with torch.no_grad():
+        local.w13_EDF2.copy_(full.w13_EDF2[rank * El:(rank + 1) * El])
+        local.w2_EFD.copy_(full.w2_EFD[rank * El:(rank + 1) * El])
+    mine = slice(rank * T, (rank + 1) * T)
+    xl = x[mine].clone().requires_grad_()
+    y = ExpertParallelDispatcher(dist.group.WORLD, rank, world, E)(xl, idx[mine], w[mine], local)
+    (y * g[mine]).sum().backward()
+    # Forward and data grad quantise per row (1 x 128 along the width) and per 128 x 128 block of
+    # one expert's weight: the same FP8 operands on any rank, so equal up to summation order.
+    torch.testing.assert_close(y, y_ref[mine].detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xl.grad, xr.grad[mine], rtol=1e-5, atol=1e-5)
+    # The weight grad's 128 x 1 tiles run along the rows an expert group sees, which differ between
+    # one process (all experts' rows) and a rank (its experts' rows): FP8 noise, within 2^-4.
+    out = {"quantised": fp8.CACHE.quantised}  # FP8 really ran: 2 weights of `full`, 2 of `local`
+    for name in ("w13_EDF2", "w2_EFD"):
+        a, b = getattr(local, name).grad, getattr(full, name).grad[rank * El:(rank + 1) * El]
+        out[name] = ((a - b).norm() / b.norm()).item()
+    with open(os.path.join(tmp, f"fp8-ep-{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def test_fp8_expert_gemms_behind_the_expert_parallel_all_to_all(tmp_path):
+    mp.spawn(_fp8_ep_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        rel = json.loads((tmp_path / f"fp8-ep-{rank}.json").read_text())
+        assert rel.pop("quantised") == 4
+        assert all(v < 2 ** -4 for v in rel.values()), rel
+
+
 # ---------------------------------------------------------------------------------------------
 # Impossible layouts fail before any collective, with a clear message on every rank
 
