@@ -189,9 +189,14 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
             dt = log.tick()
             tps = tokens_since / dt
             tokens_since = 0
+            mem = memory_gb(device)
+            extra = {}
+            if dims.distributed and mem is not None:  # every rank's peak (pipeline stages differ)
+                extra["mem_gb_ranks"] = all_sum([mem if r == dims.rank else 0.0 for r in range(dims.world_size)],
+                                                dims)
             log.write({**rec, "tokens_per_s": tps,
                        "mfu": tps * fpt / (peak * 1e12) if peak else None,
-                       "mem_gb": memory_gb(device), "imbalance": expert_imbalance(model, dims)})
+                       "mem_gb": mem, "imbalance": expert_imbalance(model, dims), **extra})
         ckpt.after_step(step + 1)  # saves when due (checkpoint.every, final)
     ckpt.close()  # an asynchronous save still in flight is finished and committed
     if keep is not None:

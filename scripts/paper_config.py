@@ -1,0 +1,111 @@
+"""The PithTrain paper's 8-GPU configuration (issue 11): full DeepSeek-V2-Lite (27 layers), PP=4 x
+EP=2 (FSDP=2, from which EP borrows its ranks), sequence 2048, global batch 1024, bf16.
+
+    python scripts/paper_config.py --out runs/paper            # 8 GPUs, NCCL: the three runs below
+    python scripts/paper_config.py --smoke --out /tmp/paper    # 8 gloo processes on CPU, tiny widths
+
+Runs (torchrun, NVLink multicast off in every process):
+  1. DualPipeV, `--steps` (25) steps: median tokens/s of the last 10, per GPU, MFU, peak memory per rank;
+  2. 1F1B, the same;
+  3. DualPipeV, `--loss-steps` (64) steps: the loss must fall and stay finite (0 skips it).
+Global batch = micro-batch x grad_accum x batch ranks (fsdp = 2): 4 x 128 x 2 = 1024 sequences.
+Writes OUT/log.txt (every command and its output), OUT/paper.json, and prints a table last.
+Published reference: torchtitan's DeepSeek "16B" (the same shape), ~11.6K tokens/s/GPU on 8 x H100.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+LAYOUT = ["parallel.pp=4", "parallel.fsdp=2", "parallel.ep=2", "train.seq_len=2048",
+          "train.micro_batch_size=4", "train.grad_accum=128", "train.dtype=bfloat16", "train.lr=3e-4",
+          "train.warmup_steps=10", "log.every=1", "checkpoint.final=false"]
+# --smoke: the same layout and schedules with tiny widths (8 layers: 2 per stage), on CPU.
+SMOKE = ["model.num_layers=8", "model.hidden_size=64", "model.num_heads=2", "model.kv_lora_rank=32",
+         "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8", "model.v_head_dim=16",
+         "model.intermediate_size=128", "model.moe_intermediate_size=32", "model.num_experts=8",
+         "model.top_k=2", "model.vocab_size=264", "train.seq_len=64", "train.micro_batch_size=1",
+         "train.grad_accum=8", "train.dtype=float32", "train.device=cpu", "train.compile=false"]
+
+
+def torchrun(name: str, overrides: list[str], steps: int, args, log) -> list[dict] | None:
+    run_dir = Path(args.out) / "runs" / name
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "--master-port", str(port),
+           "-m", "pithtrain.train", "deepseek-v2-lite", *LAYOUT, *(SMOKE if args.smoke else []), *overrides,
+           f"train.steps={steps}", f"log.run_dir={run_dir}", "--no-resume"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0",
+           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    print(f"paper_config: {name}: {steps} steps ...", flush=True)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    log.write(f"=== {name}: {' '.join(cmd)}\n{p.stdout}\n{p.stderr}\n")
+    log.flush()
+    metrics = run_dir / "metrics.jsonl"
+    if p.returncode != 0 or not metrics.exists():
+        print(f"paper_config: {name} FAILED (exit {p.returncode}); see {args.out}/log.txt", flush=True)
+        return None
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def summary(name: str, recs: list[dict]) -> dict:
+    last = recs[-10:]
+    tps = statistics.median(r["tokens_per_s"] for r in last)
+    mfu = [r["mfu"] for r in last if r.get("mfu") is not None]
+    return {"run": name, "steps": len(recs), "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / 8,
+            "mfu": statistics.median(mfu) if mfu else None,
+            "peak_mem_gb_per_rank": recs[-1].get("mem_gb_ranks"),
+            "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"],
+            "finite": all(math.isfinite(r["loss"]) for r in recs)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=25, help="steps of each timed run (median of the last 10)")
+    ap.add_argument("--loss-steps", type=int, default=64, help="steps of the loss run (0: skip it)")
+    ap.add_argument("--smoke", action="store_true", help="tiny widths, 8 gloo processes on CPU")
+    args = ap.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    log = open(Path(args.out) / "log.txt", "w")
+    runs = [("dualpipev", ["parallel.pp_schedule=dualpipev"], args.steps),
+            ("1f1b", ["parallel.pp_schedule=1f1b"], args.steps)]
+    if args.loss_steps:
+        runs.append(("dualpipev-loss", ["parallel.pp_schedule=dualpipev"], args.loss_steps))
+    rows, ok = [], True
+    for name, overrides, steps in runs:
+        recs = torchrun(name, overrides, steps, args, log)
+        if recs is None:
+            rows.append({"run": name, "failed": True})
+            ok = False
+            continue
+        rows.append(summary(name, recs))
+    loss_run = next((r for r in rows if r["run"] == "dualpipev-loss" and not r.get("failed")), None)
+    if loss_run:  # the loss must fall and stay finite
+        ok &= loss_run["finite"] and loss_run["loss_last"] < loss_run["loss_first"]
+    (Path(args.out) / "paper.json").write_text(json.dumps({"smoke": args.smoke, "runs": rows}, indent=1))
+    print("| run | steps | tokens/s | tokens/s/GPU | MFU | peak GB per rank | loss first -> last |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if r.get("failed"):
+            print(f"| {r['run']} | FAILED (log.txt) | | | | | |")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        mem = ", ".join(f"{m:.1f}" for m in r["peak_mem_gb_per_rank"] or [])
+        print(f"| {r['run']} | {r['steps']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {mfu} | "
+              f"{mem} | {r['loss_first']:.3f} -> {r['loss_last']:.3f}{'' if r['finite'] else ' (non-finite)'} |")
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
