@@ -69,6 +69,8 @@ def parse_variant(v: str) -> dict:
                and not w.startswith("no-")]
     if unknown or any(o not in kernels.USE for o in out["off"]):
         raise SystemExit(f"bench: unknown variant words in {v!r}: {unknown or out['off']}")
+    if out["fp8"] and out["kernels"] == "torch":
+        raise SystemExit(f"bench: {v!r}: fp8 runs Triton GEMMs, it does not go with ref (train.fp8 needs kernels=auto)")
     return out
 
 

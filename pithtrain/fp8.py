@@ -9,7 +9,8 @@ H200 the Triton blockwise GEMM is slower than bf16 cuBLAS at the attention proje
 (docs/perf-notes.md), and they run inside torch.compile'd regions.
 
   forward      y  = x w          x: 1x128 tiles,  w: 128x128 blocks (from the weight cache)
-  data grad    dx = dy w^T       dy: 1x128 tiles, w^T: the same blocks, transposed copy cached
+  data grad    dx = dy w^T       dy: 1x128 tiles, w: the same blocks (both layouts are cached:
+                                 each GEMM reads its weight K-contiguous)
   weight grad  dw = x^T dy       x, dy: 128x1 tiles (along the tokens), quantised in backward
 
 Operators: Triton (`pithtrain/kernels/fp8.py`) for CUDA tensors; the functions below are the same
@@ -19,9 +20,11 @@ so the autograd and cache logic is tested in CI. Recipes with train.fp8 on a CPU
 one GPU path (DeepGEMM cannot be installed on the lent machine, and no B200 is lent).
 
 Weight cache: `CACHE.weights(param, w)` quantises a weight at most once per optimizer step
-(`CACHE.next_step()`, called by the trainer after `optimizer.step()`) and re-quantises if the
-tensor changed in place since (its version counter), so a stale copy is never used.
-`CACHE.quantised` counts quantisations (the bench shows one per weight per step).
+(`CACHE.next_step()`, called by the trainer after `optimizer.step()`, drops every copy) and also
+re-quantises when the tensor was written in place since or moved (version counters, storage
+pointer). `CACHE.quantised` counts quantisations (the bench shows one per weight per step).
+Under FSDP the cache holds the unsharded FP8 copies (q and q^T, 2 bytes per element) of every
+expert weight for the whole step: memory the sharding otherwise saves (FSDP + FP8 is untested).
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ BLOCK = 128
 
 
 # ---------------------------------------------------------------------------------------------
-# Reference operators (PyTorch): the same signatures as pithtrain.kernels.fp8.
+# Reference operators (PyTorch): the same contracts as pithtrain.kernels.fp8, except that the
+# Triton quant_cols_t pads the token dimension to a multiple of 128 with zeros (its kgrouped_mm
+# relies on that); the reference GEMMs accept either.
 
 
 def _pad_to(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -55,9 +60,10 @@ def _to_fp8(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) -> (q (M, K) e4m3, s (cdiv(K, 128), M) fp32): value = q * s, 1 x 128 tiles along K."""
     M, K = x.shape
-    xp = _pad_to(x.float(), 1).reshape(M, -1, BLOCK)
+    xp = _pad_to(x.float(), 1)
+    xp = xp.reshape(M, xp.shape[1] // BLOCK, BLOCK)
     amax = xp.abs().amax(-1, keepdim=True).clamp_min(1e-30)
-    q = _to_fp8(xp, amax).view(M, -1)[:, :K]
+    q = _to_fp8(xp, amax).view(M, xp.shape[1] * BLOCK)[:, :K]
     return q.contiguous(), (amax.squeeze(-1) / FP8_MAX).t().contiguous()
 
 
@@ -141,12 +147,15 @@ class WeightCache:
 
     def weights(self, owner: torch.Tensor, w_GRC: torch.Tensor):
         """(q, q^T, s) of w_GRC, a (G, R, C) view of the parameter `owner` (the cache key)."""
+        # Fresh: same parameter, same step, no in-place write since through either tensor (a
+        # DTensor's to_local() view has its own version counter), the same storage.
+        stamp = (self.step, owner._version, w_GRC._version, w_GRC.data_ptr())
         e = self._entries.get(id(owner))
-        if e is not None and e[0]() is owner and e[1] == self.step and e[2] == owner._version:
-            return e[3]
+        if e is not None and e[0]() is owner and e[1] == stamp:
+            return e[2]
         with torch.no_grad():
             value = _ops(w_GRC).quant_blocks(w_GRC.detach())
-        self._entries[id(owner)] = (weakref.ref(owner), self.step, owner._version, value)
+        self._entries[id(owner)] = (weakref.ref(owner), stamp, value)
         self.quantised += 1
         return value
 

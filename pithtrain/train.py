@@ -64,7 +64,7 @@ def check_runnable(cfg: Config, device: torch.device):
                           "this run is on CPU (set train.fp8=false)")
     cap = torch.cuda.get_device_capability(device)
     if cap < (8, 9):
-        raise ConfigError(f"{cfg.source}: train.fp8: FP8 GEMMs need compute capability 8.9 or newer; "
+        raise ConfigError(f"{cfg.source}: train.fp8: FP8 GEMMs need FP8 tensor cores (compute capability 8.9+); "
                           f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]} (set train.fp8=false)")
     if not kernels.HAVE_TRITON or cfg.train.kernels != "auto":
         raise ConfigError(f"{cfg.source}: train.fp8: the FP8 GEMMs are Triton kernels; they need triton "

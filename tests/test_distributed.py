@@ -30,11 +30,13 @@ parameters by ~lr.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -234,7 +236,7 @@ def _fp8_ep_worker(rank: int, world: int, port: int, tmp: str):
     from pithtrain.models.common import GroupedExperts, LocalDispatcher
     dist = _init(rank, world, port)
     kernels.USE["fp8"] = True
-    E, D, F, T, A = 8, 160, 136, 24, 2  # widths past one 128 block: partial blocks on both sides
+    E, D, F, T, A = 8, 160, 136, 160, 2  # widths past one 128 block; 640 rows: several token tiles
     El = E // world
     torch.manual_seed(0)
     full = GroupedExperts(E, D, F)
@@ -296,6 +298,10 @@ def test_impossible_layouts_rejected_by_arithmetic():
         ParallelDims.from_config(cfg, world_size=3, rank=0)
     cfg = make_cfg("qwen3_moe", dict(fsdp=1, dp=2, ep=2), 1, "/tmp/unused")
     with pytest.raises(ConfigError, match=r"ep: 2 must divide fsdp\*cp = 1"):
+        ParallelDims.from_config(cfg, world_size=2, rank=0)
+    cfg = make_cfg("qwen3_moe", dict(fsdp=2), 1, "/tmp/unused")
+    cfg.model.tie_word_embeddings = True
+    with pytest.raises(ConfigError, match=r"model.tie_word_embeddings: a tied LM head is supported in one process"):
         ParallelDims.from_config(cfg, world_size=2, rank=0)
     assert not dist.is_initialized()  # the checks are arithmetic: no process group was needed
 
@@ -366,17 +372,20 @@ def test_materialize_holds_one_block_at_a_time_and_matches_init_weights(family):
     cfg = FAMILIES[family].config(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
                                   head_dim=8, num_experts=4, top_k=2, **width)
     meta, model = build_model(cfg, init=False), build_model(cfg, init=False)
-    init_block, seen = meta.init_block, []
+    init_block, seen, previous = meta.init_block, [], []
 
     def spy(block):
+        gc.collect()
+        freed = all(r() is None for r in previous)  # the last block's CPU tensors are gone
         live = sum(p.numel() for p in meta.parameters() if not p.is_meta)
-        seen.append((live, sum(p.numel() for p in block.parameters())))
+        seen.append((live, sum(p.numel() for p in block.parameters()), freed))
         init_block(block)
+        previous[:] = [weakref.ref(p) for p in block.parameters()]
 
     meta.init_block = spy
     materialize(model, meta, torch.device("cpu"), seed=5)
     assert len(seen) == len(list(model_blocks(model))) > 4
-    assert all(live == held for live, held in seen), seen  # nothing but the block in hand
+    assert all(live == held and freed for live, held, freed in seen), seen  # only the block in hand
     torch.manual_seed(5)
     ref = build_model(cfg, "cpu")
     got = dict(model.named_parameters())

@@ -4,7 +4,8 @@ per-step weight cache, the model hook, and the trainer's refusal on CPU.
 
 Error bound of e4m3 with scale s = amax / 448: a scaled value v = x / s rounds to 3 mantissa bits,
 |v - q| <= 2^-4 |v| for normals (|v| >= 2^-6) and <= 2^-10 for subnormals, so
-|x - q s| <= 2^-4 |x| + 2^-10 s. The Triton kernels give bit-identical q and s (tests/test_fp8_gpu.py)."""
+|x - q s| <= 2^-4 |x| + 2^-10 s. The Triton kernels give the same scales and codes up to one
+e4m3 step (tests/test_fp8_gpu.py)."""
 
 import pytest
 import torch
@@ -97,6 +98,15 @@ def test_grouped_mm_close_to_full_precision():
     assert rel(y, y2) < 2 ** -4 and rel(xr.grad, x2.grad) < 2 ** -4 and rel(wr.grad, w2.grad) < 2 ** -4
 
 
+def test_no_rows():
+    x, w, offs = _grouped_case(counts=(0, 0))
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8.grouped_mm(xr, wr, offs)
+    assert y.shape == (0, 136)
+    y.sum().backward()
+    assert (wr.grad == 0).all() and xr.grad.shape == (0, 200)
+
+
 def test_weight_cache_quantises_once_per_step_and_never_serves_stale_copies():
     cache = fp8.WeightCache()
     w = torch.nn.Parameter(torch.randn(2, 128, 128))
@@ -111,6 +121,14 @@ def test_weight_cache_quantises_once_per_step_and_never_serves_stale_copies():
     cache.next_step()
     cache.weights(w, w)
     assert cache.quantised == 3
+    local = w.detach().clone()  # its own storage and version counter, as a DTensor's to_local()
+    cache.weights(w, local)
+    assert cache.quantised == 4  # another tensor than the cached one
+    cache.weights(w, local)
+    with torch.no_grad():
+        local.add_(1)  # written through the local tensor only: the owner's version does not move
+    cache.weights(w, local)
+    assert cache.quantised == 5
 
 
 @pytest.fixture

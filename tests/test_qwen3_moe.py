@@ -164,3 +164,29 @@ def test_init_from_missing_directory_is_a_config_error(tmp_path):
 
     with pytest.raises(ConfigError, match="train.init_from: directory .* does not exist"):
         load_config(None, [f"train.init_from={tmp_path / 'nope'}"])
+
+
+def test_tied_lm_head_stays_tied_through_build_and_import(tmp_path):
+    """tie_word_embeddings: the head is the embedding after build_model and after load_hf (moving a
+    meta-built model to a device gives each module its own tensor unless re-tied), and a tied
+    transformers checkpoint imports with transformers' logits."""
+    from pithtrain.models import build_model
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    ref = transformers.Qwen3MoeForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "norm" not in n:
+                p.normal_(0, 0.1)
+    ref.save_pretrained(tmp_path / "hf")
+    ours = load_hf(tmp_path / "hf", aux_loss_coeff=0.0).eval()
+    assert ours.lm_head.weight is ours.embed_tokens.weight
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), ref(ids).logits, rtol=1e-5, atol=1e-5)
+    built = build_model(ours.cfg, "cpu")
+    assert built.lm_head.weight is built.embed_tokens.weight

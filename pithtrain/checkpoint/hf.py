@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pithtrain.models import FAMILIES, build_model
+from pithtrain.models import FAMILIES, build_model, to_empty
 from pithtrain.models.common import Rotary
 
 SHARD_BYTES = 4 << 30  # export shard size
@@ -78,8 +78,7 @@ def load_hf(path: str | Path, device: str | torch.device = "cpu", dtype: torch.d
     for k, v in config_overrides.items():
         setattr(cfg, k, v)
     fam = FAMILIES[family]
-    model = build_model(cfg, init=False)
-    model.to_empty(device=device)
+    model = to_empty(build_model(cfg, init=False), device)
     model.to(dtype)
     for m in model.modules():  # buffers that are not in checkpoints
         if isinstance(m, Rotary):

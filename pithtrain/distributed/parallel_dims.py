@@ -95,6 +95,9 @@ class ParallelDims:
         if self.cp > 1 and t.compile:
             fail("train.compile", "compiled attention (fullgraph) cannot hold context parallel's "
                                   "K/V all-gather; set train.compile=false or parallel.cp=1")
+        if self.world_size > 1 and getattr(m, "tie_word_embeddings", False):
+            fail("model.tie_word_embeddings", "a tied LM head is supported in one process only (each "
+                                              "rank's initialisation and sharding would untie it)")
         if self.pp > 1 and m.num_layers < self.pp:
             fail("parallel.pp", f"{self.pp} stages but model.num_layers is {m.num_layers}")
         # Heads need not divide by cp: K/V are all-gathered whole (context_parallel.py).

@@ -1,6 +1,6 @@
 """Blockwise FP8 (e4m3) in Triton: quantisation and scaled GEMMs, forward and backward shapes.
 
-Reference: `pithtrain.fp8` (the same functions in plain PyTorch; tests/test_kernels_gpu.py compares).
+Reference: `pithtrain.fp8` (the same functions in plain PyTorch; tests/test_fp8_gpu.py compares).
 
 Scaling (DeepSeek-V3's recipe): activations per 1 x 128 tile along the contraction dimension,
 weights per 128 x 128 block, one fp32 scale each, value = q * scale, scale = amax / 448.

@@ -39,6 +39,15 @@ def build_model(model_cfg, device: torch.device | str = "cpu", init: bool = True
     with torch.device("meta"):
         model = cls(model_cfg)
     if init:
-        model.to_empty(device=device)
+        to_empty(model, device)
         model.init_weights()
+    return model
+
+
+def to_empty(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """model.to_empty(device), keeping a tied LM head tied: to_empty gives every module its own
+    new tensor, so the head and the embedding would silently train apart."""
+    model.to_empty(device=device)
+    if getattr(model.cfg, "tie_word_embeddings", False):
+        model.lm_head.weight = model.embed_tokens.weight
     return model

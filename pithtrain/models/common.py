@@ -414,11 +414,14 @@ def model_blocks(model: nn.Module):
 
 
 def init_block_seeded(block: nn.Module, name: str, init_block, seed: int):
-    """Run `init_block(block)` with the default generators seeded by (seed, block name), leaving
-    the global RNG state as it was."""
+    """Run `init_block(block)` with the CPU generator, and the generators of the GPUs the block is
+    on, seeded by (seed, block name); every generator's state is as it was afterwards."""
     cuda = sorted({t.device.index or 0 for t in block.parameters() if t.is_cuda})
-    with torch.random.fork_rng(devices=cuda):
-        torch.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2 ** 63)
+    block_seed = (seed * 1_000_003 + zlib.crc32(name.encode())) % 2 ** 63
+    with torch.random.fork_rng(devices=cuda):  # only the generators seeded below, restored after
+        torch.default_generator.manual_seed(block_seed)
+        for d in cuda:
+            torch.cuda.default_generators[d].manual_seed(block_seed)
         init_block(block)
 
 
