@@ -136,20 +136,18 @@ class WeightCache:
     """FP8 copies (q, q^T, block scales) of weights, made once per optimizer step."""
 
     def __init__(self):
-        self.step = 0
         self.quantised = 0
         self._entries: dict[int, tuple] = {}
 
     def next_step(self) -> None:
         """The optimizer has changed the weights: every cached copy is stale."""
-        self.step += 1
         self._entries.clear()
 
     def weights(self, owner: torch.Tensor, w_GRC: torch.Tensor):
         """(q, q^T, s) of w_GRC, a (G, R, C) view of the parameter `owner` (the cache key)."""
-        # Fresh: same parameter, same step, no in-place write since through either tensor (a
-        # DTensor's to_local() view has its own version counter), the same storage.
-        stamp = (self.step, owner._version, w_GRC._version, w_GRC.data_ptr())
+        # Fresh (next_step has not dropped it): the same parameter, no in-place write since through
+        # either tensor (a DTensor's to_local() view has its own version counter), the same storage.
+        stamp = (owner._version, w_GRC._version, w_GRC.data_ptr())
         e = self._entries.get(id(owner))
         if e is not None and e[0]() is owner and e[1] == stamp:
             return e[2]

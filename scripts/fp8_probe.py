@@ -16,21 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from pithtrain import fp8
+from pithtrain.bench import time_steps
 from pithtrain.kernels import fp8 as tk
 
 
 def timeit(fn, n=20, warm=5):
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median milliseconds of `n` runs after `warm` (CUDA events: the bench's own timer)."""
+    return statistics.median(time_steps(fn, warm, n)[0])
 
 
 def rel(a, b):

@@ -17,15 +17,10 @@ from pithtrain import fp8
 from pithtrain.config import load_config
 
 tk = pytest.importorskip("pithtrain.kernels.fp8")  # Triton: absent on CPU machines (CI)
+from test_kernels_gpu import rel  # noqa: E402  (||a - b|| / ||b||, a finite)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def test_triton_quantisation_matches_the_reference():
