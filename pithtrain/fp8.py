@@ -3,15 +3,17 @@
 `train.fp8: true` (CUDA, compute capability >= 8.9, Triton, train.kernels=auto) routes the routed
 experts' grouped GEMMs (common.GroupedExperts) through `grouped_mm` below. Master weights,
 gradients and AdamW state keep their dtype: only GEMM operands are FP8, each GEMM accumulates in
-fp32 and writes bf16 (fp32 for weight gradients of fp32 weights). The router, embeddings, norms,
-attention and the dense projections stay bf16 (as DeepSeek-V3 keeps the first four); on the lent
-H200 the Triton blockwise GEMM is slower than bf16 cuBLAS at the attention projections' sizes
-(docs/perf-notes.md), and they run inside torch.compile'd regions.
+fp32 and writes bf16. The router, embeddings, norms, attention, the dense projections and the LM
+head stay bf16 (DeepSeek-V3 keeps the first four and the head); on the lent H200 the dense FP8
+GEMMs measured are no faster at the attention projections' sizes (docs/perf-notes.md).
 
   forward      y  = x w          x: 1x128 tiles,  w: 128x128 blocks (from the weight cache)
   data grad    dx = dy w^T       dy: 1x128 tiles, w: the same blocks (both layouts are cached:
-                                 each GEMM reads its weight K-contiguous)
-  weight grad  dw = x^T dy       x, dy: 128x1 tiles (along the tokens), quantised in backward
+                                 the GEMM reads its weight K-contiguous)
+  weight grad  dw = x^T dy       bf16, from the saved bf16 activations: at the routed experts'
+                                 shapes (a few hundred rows per expert per micro-batch) quantising
+                                 x and dy along the tokens cost more than an FP8 GEMM saves; the
+                                 FP8 version measured 2.6x slower than bf16 (docs/perf-notes.md)
 
 Operators: Triton (`pithtrain/kernels/fp8.py`) for CUDA tensors; the functions below are the same
 maths in plain PyTorch (dequantise, fp32 matmul): the tests' reference, and what CPU tensors run,
@@ -40,9 +42,8 @@ BLOCK = 128
 
 
 # ---------------------------------------------------------------------------------------------
-# Reference operators (PyTorch): the same contracts as pithtrain.kernels.fp8, except that the
-# Triton quant_cols_t pads the token dimension to a multiple of 128 with zeros (its kgrouped_mm
-# relies on that); the reference GEMMs accept either.
+# Reference operators (PyTorch): the same contracts as pithtrain.kernels.fp8 (whose FP8 tensors
+# are views of storage padded to 16-byte rows; these are contiguous).
 
 
 def _pad_to(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -65,11 +66,6 @@ def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = xp.abs().amax(-1, keepdim=True).clamp_min(1e-30)
     q = _to_fp8(xp, amax).view(M, xp.shape[1] * BLOCK)[:, :K]
     return q.contiguous(), (amax.squeeze(-1) / FP8_MAX).t().contiguous()
-
-
-def quant_cols_t(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) -> (q = x^T (K, M) e4m3, s (cdiv(M, 128), K) fp32): 128 x 1 tiles along M."""
-    return quant_rows(x.t())
 
 
 def quant_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -106,18 +102,7 @@ def mgrouped_mm(a, a_s, b, b_s, offs, out_dtype=torch.bfloat16):
     return out
 
 
-def kgrouped_mm(a, a_s, b, b_s, offs, out):
-    """out[g] = deq(a)[:, rows of g] @ deq(b)[:, rows of g]^T; a (P, M), b (Q, M), 1x128 along M."""
-    A, B = dequant_rows(a, a_s), dequant_rows(b, b_s)
-    start = 0
-    for g, end in enumerate(offs.tolist()):
-        out[g] = (A[:, start:end] @ B[:, start:end].t()).to(out.dtype)
-        start = end
-    return out
-
-
-REFERENCE = SimpleNamespace(quant_rows=quant_rows, quant_cols_t=quant_cols_t, quant_blocks=quant_blocks,
-                            mgrouped_mm=mgrouped_mm, kgrouped_mm=kgrouped_mm)
+REFERENCE = SimpleNamespace(quant_rows=quant_rows, quant_blocks=quant_blocks, mgrouped_mm=mgrouped_mm)
 
 
 def _ops(t: torch.Tensor):
@@ -174,7 +159,7 @@ class _FP8GroupedMM(torch.autograd.Function):
         xq, xs = ops.quant_rows(x_MK)
         y = ops.mgrouped_mm(xq, xs, wqt_GNK, ws_GKN, offs_G, out_dtype=out_dtype)
         ctx.save_for_backward(x_MK, offs_G, wq_GKN, ws_GKN)
-        ctx.w_layout = (w_GKN.shape, w_GKN.stride(), w_GKN.dtype)
+        ctx.w_dtype = w_GKN.dtype
         return y
 
     @staticmethod
@@ -187,12 +172,20 @@ class _FP8GroupedMM(torch.autograd.Function):
             dyq, dys = ops.quant_rows(dy_MN)
             dx = ops.mgrouped_mm(dyq, dys, wq_GKN, ws_GKN.transpose(1, 2), offs_G, out_dtype=x_MK.dtype)
         if ctx.needs_input_grad[1]:
-            xq_t, xs_t = ops.quant_cols_t(x_MK)
-            dyq_t, dys_t = ops.quant_cols_t(dy_MN)
-            shape, stride, dtype = ctx.w_layout  # the gradient in the weight's own layout
-            dw = ops.kgrouped_mm(xq_t, xs_t, dyq_t, dys_t, offs_G,
-                                 torch.empty_strided(shape, stride, dtype=dtype, device=dy_MN.device))
+            dw = _weight_grad(x_MK, dy_MN, offs_G, len(wq_GKN)).to(ctx.w_dtype)
         return dx, dw, None, None, None, None, None
+
+
+def _weight_grad(x_MK, dy_MN, offs_G, G):
+    """dw[g] = x[rows of g]^T dy[rows of g] in the activations' precision (bf16 on the GPU)."""
+    if x_MK.is_cuda and x_MK.dtype == dy_MN.dtype == torch.bfloat16 and len(x_MK):
+        return torch.nn.functional.grouped_mm(x_MK.t(), dy_MN, offs=offs_G)
+    dw = x_MK.new_zeros(G, x_MK.shape[1], dy_MN.shape[1])
+    start = 0
+    for g, end in enumerate(offs_G.tolist()):
+        dw[g] = x_MK[start:end].t() @ dy_MN[start:end].to(x_MK.dtype)
+        start = end
+    return dw
 
 
 def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor, owner=None) -> torch.Tensor:
