@@ -90,8 +90,10 @@ def quant_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     s = torch.empty(G, nrb, ncb, device=w.device, dtype=torch.float32)
     st = torch.empty(G, ncb, nrb, device=w.device, dtype=torch.float32)
     # q^T: the same kernel over the transposed view (each block holds the same elements, so the
-    # same scale and codes). A transposed store from one kernel left parts of q^T unwritten at
-    # (192, 384) on triton 3.6, and PyTorch's transposing copy cost ~13 ms per Qwen3-4L step.
+    # same scale and codes). One kernel writing both layouts would read w once (0.46 instead of
+    # 0.70 ms at Qwen3's w13), but on triton 3.6 it gave wrong codes at (192, 384), whether the
+    # tile was transposed in fp8 (parts of q^T unwritten) or in fp32 (q's rows constant);
+    # PyTorch's transposing copy cost ~13 ms per Qwen3-4L step.
     for src, dst, sc, (r, c, nr, nc) in ((w, q, s, (R, C, nrb, ncb)), (w.transpose(1, 2), qt, st, (C, R, ncb, nrb))):
         _quant_blocks_kernel[(nr, nc, G)](src, dst, sc, r, c, src.stride(0), src.stride(1), src.stride(2),
                                           dst.stride(0), dst.stride(1), nr, nc, B=BLOCK, num_warps=8)
