@@ -1,7 +1,7 @@
 """Blockwise FP8 (pithtrain/fp8.py) on CPU: the PyTorch reference operators, the autograd wiring
 (forward and data grad each equal to the matmul of the dequantised operands, the weight grad to
-the unquantised product), the
-per-step weight cache, the model hook, and the trainer's refusal on CPU.
+the unquantised product), the per-step weight cache, the model hook, and the trainer's refusal on
+CPU.
 
 Error bound of e4m3 with scale s = amax / 448: a scaled value v = x / s rounds to 3 mantissa bits,
 |v - q| <= 2^-4 |v| for normals (|v| >= 2^-6) and <= 2^-10 for subnormals, so

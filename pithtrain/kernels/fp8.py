@@ -56,8 +56,8 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, sx_m, sx_k, sq_m, BM: tl.const
 
 
 @triton.jit
-def _quant_blocks_kernel(w_ptr, q_ptr, s_ptr, R, C, sw_g, sw_r, sw_c, sq_g, sq_r, nrb, ncb, B: tl.constexpr):
-    """w (G, R, C) -> q (G, R, C) fp8 (unit last stride), s (G, nrb, ncb)."""
+def _quant_blocks_kernel(w_ptr, q_ptr, s_ptr, R, C, sw_g, sw_r, sw_c, sq_g, sq_r, ss_g, ss_r, ss_c, B: tl.constexpr):
+    """w (G, R, C) -> q (G, R, C) fp8 (unit last stride), s (G, cdiv(R, B), cdiv(C, B)) (any strides)."""
     g = tl.program_id(2).to(tl.int64)
     rb, cb = tl.program_id(0), tl.program_id(1)
     rr = rb * B + tl.arange(0, B)
@@ -67,7 +67,7 @@ def _quant_blocks_kernel(w_ptr, q_ptr, s_ptr, R, C, sw_g, sw_r, sw_c, sq_g, sq_r
     amax = tl.maximum(tl.max(tl.max(tl.abs(w), axis=1), axis=0), 1e-30)
     q = tl.clamp(w * (448.0 / amax), -448.0, 448.0).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + g * sq_g + rr[:, None] * sq_r + rc[None, :], q, mask=mask)
-    tl.store(s_ptr + (g * nrb + rb) * ncb + cb, amax / 448.0)
+    tl.store(s_ptr + g * ss_g + rb * ss_r + cb * ss_c, amax / 448.0)
 
 
 def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,15 +88,16 @@ def quant_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     q = _fp8_empty(G, R, C, device=w.device)
     qt = _fp8_empty(G, C, R, device=w.device)
     s = torch.empty(G, nrb, ncb, device=w.device, dtype=torch.float32)
-    st = torch.empty(G, ncb, nrb, device=w.device, dtype=torch.float32)
     # q^T: the same kernel over the transposed view (each block holds the same elements, so the
-    # same scale and codes). One kernel writing both layouts would read w once (0.46 instead of
-    # 0.70 ms at Qwen3's w13), but on triton 3.6 it gave wrong codes at (192, 384), whether the
-    # tile was transposed in fp8 (parts of q^T unwritten) or in fp32 (q's rows constant);
-    # PyTorch's transposing copy cost ~13 ms per Qwen3-4L step.
-    for src, dst, sc, (r, c, nr, nc) in ((w, q, s, (R, C, nrb, ncb)), (w.transpose(1, 2), qt, st, (C, R, ncb, nrb))):
-        _quant_blocks_kernel[(nr, nc, G)](src, dst, sc, r, c, src.stride(0), src.stride(1), src.stride(2),
-                                          dst.stride(0), dst.stride(1), nr, nc, B=BLOCK, num_warps=8)
+    # same codes, and the same scale, written again through s's transposed view). One kernel
+    # writing both layouts would read w once (0.46 instead of 0.70 ms at Qwen3's w13), but on
+    # triton 3.6 it gave wrong codes at (192, 384), whether the tile was transposed in fp8 (parts
+    # of q^T unwritten) or in fp32 (q's rows constant); PyTorch's transposing copy cost ~13 ms per
+    # Qwen3-4L step.
+    for src, dst, sc in ((w, q, s), (w.transpose(1, 2), qt, s.transpose(1, 2))):
+        _quant_blocks_kernel[(sc.shape[1], sc.shape[2], G)](
+            src, dst, sc, src.shape[1], src.shape[2], *src.stride(), dst.stride(0), dst.stride(1), *sc.stride(),
+            B=BLOCK, num_warps=8)
     return q, qt, s
 
 
@@ -121,8 +122,8 @@ def _mgrouped_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, offs_ptr, M, N, K, G
     """c[rows of g] = (a * as)[rows of g] @ (b[g] * bs[g])^T. a: descriptor over (M, K); b: over
     (G * N, K), group g's rows at g * N; as (cdiv(K, B), M); bs[g] indexed [k block, n block] with
     strides (sbs_k, sbs_n). Tiles are BM x B, K steps of B: one weight scale per K step of a tile."""
-    # Column tiles vary fastest, so a row tile of A stays in L2 across its N tiles (measured 1.2x
-    # over row tiles fastest at Qwen3's shapes: A is re-read from memory otherwise).
+    # Column tiles vary fastest, so a row tile of A stays in L2 across its N tiles (measured
+    # 1.1-1.2x over row tiles fastest at Qwen3's shapes: A is re-read from memory otherwise).
     pid = tl.program_id(0)
     n_n = tl.cdiv(N, B)
     pid_m, pid_n = pid // n_n, pid % n_n
