@@ -16,7 +16,7 @@ Today expert parallel always comes with FSDP (ep borrows fsdp ranks), which runs
 the five-phase split runs with the local dispatcher. Any other layer (dense MLP, other families,
 or any layer under FSDP: split_layers=False) is one compute phase calling `layer(h, rope)`, which is
 always correct and only gives up overlap inside that layer. The phase code restates
-qwen3_moe.DecoderLayer.forward / MoE.forward (same calls, in the same order; the load-balancing
+common.DecoderLayer.forward / qwen3_moe.MoE.forward (same calls, in the same order; the load-balancing
 gradient is attached to h1 instead of the MoE output, which is the same gradient because both feed
 the residual stream); tests/test_overlap.py checks it against the model's own forward and backward.
 
@@ -46,7 +46,7 @@ from typing import Callable
 import torch
 
 from pithtrain.models import qwen3_moe
-from pithtrain.models.common import AuxLoss, cross_entropy_sum, load_balance_loss
+from pithtrain.models.common import AuxLoss, DecoderLayer, cross_entropy_sum, route_tokens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,7 +93,7 @@ def chunk_phases(model, chunk, positions_BS, labels_BS=None, split_layers: bool 
 
 def _layer_phases(layer, i, h_in, rope, split):
     p = f"{i}."
-    if not (split and isinstance(layer, qwen3_moe.DecoderLayer) and isinstance(layer.mlp, qwen3_moe.MoE)):
+    if not (split and isinstance(layer, DecoderLayer) and isinstance(layer.mlp, qwen3_moe.MoE)):
         return [Phase(f"layer{i}", False, lambda **s: {p + "h": layer(s[h_in], rope)}, (h_in,),
                       list(layer.parameters()))], p + "h"
     moe = layer.mlp
@@ -103,10 +103,9 @@ def _layer_phases(layer, i, h_in, rope, split):
         h1 = h + layer.self_attn(layer.input_layernorm(h), rope)
         B, S, D = h1.shape
         x_TD = layer.post_attention_layernorm(h1).reshape(B * S, D)
-        probs_TE, w_TA, idx_TA = moe.route(x_TD)
-        moe.last_counts_E = torch.bincount(idx_TA.reshape(-1), minlength=moe.num_experts).detach()
-        if moe.training and moe.aux_loss_coeff > 0 and torch.is_grad_enabled():
-            h1 = AuxLoss.apply(h1, moe.aux_loss_coeff * load_balance_loss(probs_TE, idx_TA, moe.num_experts))
+        w_TA, idx_TA, aux = route_tokens(moe, x_TD)
+        if aux is not None:
+            h1 = AuxLoss.apply(h1, aux)
         return {p + "h1": h1, p + "x": x_TD, p + "w": w_TA, p + "idx": idx_TA}
 
     def dispatch(**s):

@@ -331,6 +331,62 @@ def load_balance_loss(probs_TE, idx_TA, num_experts):
 
 
 # ---------------------------------------------------------------------------------------------
+# What every family's MoE block, layer and model do the same way (each family file passes its own
+# attention, router and MLP; the names are Hugging Face's, so checkpoints map one to one)
+
+
+def route_tokens(moe, x_TD):
+    """`moe.route(x)` -> (router probabilities over all experts, top-k weights, top-k ids), plus
+    what every MoE does around it: keep the detached expert load (metrics), and when training with
+    aux_loss_coeff > 0 make the scaled load-balancing loss (else None) for `AuxLoss` to attach.
+    `moe.load_balance_loss` is the one context parallel swaps for whole-sequence statistics."""
+    probs_TE, w_TA, idx_TA = moe.route(x_TD)
+    moe.last_counts_E = torch.bincount(idx_TA.reshape(-1), minlength=moe.num_experts).detach()
+    aux = None
+    if moe.training and moe.aux_loss_coeff > 0 and torch.is_grad_enabled():
+        aux = moe.aux_loss_coeff * moe.load_balance_loss(probs_TE, idx_TA, moe.num_experts)
+    return w_TA, idx_TA, aux
+
+
+def routed_experts(moe, x_TD):
+    """Route, then dispatch -> grouped experts -> combine through `moe.dispatcher`; the
+    load-balancing gradient rides on the output."""
+    w_TA, idx_TA, aux = route_tokens(moe, x_TD)
+    y_TD = moe.dispatcher(x_TD, idx_TA, w_TA, moe.experts)
+    return y_TD if aux is None else AuxLoss.apply(y_TD, aux)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual layer: h + attn(norm(h)), then that + mlp(norm(that))."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, dim: int, eps: float):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(dim, eps)
+        self.post_attention_layernorm = RMSNorm(dim, eps)
+
+    def forward(self, x_BSD, rope):
+        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), rope)
+        return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
+
+
+def causal_lm_forward(model, input_ids_BS, positions_BS=None, labels_BS=None):
+    """embed -> layers -> norm -> logits (B, S, V), or the summed token loss when labels are given
+    (chunked, so full-vocabulary logits never exist at once). Positions default to 0..S-1."""
+    if positions_BS is None:
+        positions_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(input_ids_BS)
+    rope = model.rotary(positions_BS)
+    h_BSD = model.embed_tokens(input_ids_BS)
+    for layer in model.layers:
+        h_BSD = layer(h_BSD, rope)
+    h_BSD = model.norm(h_BSD)
+    if labels_BS is None:
+        return model.lm_head(h_BSD)
+    return cross_entropy_sum(h_BSD.flatten(0, 1), model.lm_head.weight, labels_BS.flatten())
+
+
+# ---------------------------------------------------------------------------------------------
 # Loss
 
 

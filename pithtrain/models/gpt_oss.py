@@ -1,9 +1,9 @@
 """GPT-OSS: GQA attention with learned sinks, alternating sliding-window / full layers, YaRN RoPE,
 biases everywhere, a biased top-k router (softmax over the top-k logits) and clamped-SwiGLU experts.
 
-Reads top to bottom: config, MXFP4 dequantisation, attention, MoE block, decoder layer, model, hub
-mapping. Matches Hugging Face's `GptOssForCausalLM` (tests/test_gpt_oss.py). Shape legend: see
-models/common.py; G MXFP4 blocks of 32 values per row.
+Reads top to bottom: config, MXFP4 dequantisation, attention, MoE block, model (each layer a
+common.DecoderLayer over these blocks), hub mapping. Matches Hugging Face's `GptOssForCausalLM`
+(tests/test_gpt_oss.py). Shape legend: see models/common.py; G MXFP4 blocks of 32 values per row.
 
 Layout difference from the hub: HF keeps the expert up-projection interleaved
 (gate_up_proj[..., 0::2] = gate, [..., 1::2] = up); we keep common.GroupedExperts' concatenated
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.models.common import (AuxLoss, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
-                                     apply_rope, attention, cross_entropy_sum, hub_name,
-                                     init_by_block, init_normal, load_balance_loss, native_name)
+from pithtrain.models.common import (DecoderLayer, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
+                                     apply_rope, attention, causal_lm_forward, hub_name, init_by_block,
+                                     init_normal, load_balance_loss, native_name, routed_experts)
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -246,37 +246,15 @@ class MoE(nn.Module):
         self.last_counts_E = None  # detached expert load of the last forward, for metrics
 
     def route(self, x_TD):
-        """Top-k on the logits, then softmax over the k chosen logits only (GPT-OSS, as HF)."""
+        """Top-k on the logits, then softmax over the k chosen logits only (GPT-OSS, as HF). The
+        probabilities returned first, for the load-balancing loss, are HF's: softmax over all experts."""
         logits_TE = self.router(x_TD)
         top_TA, idx_TA = torch.topk(logits_TE, self.top_k, dim=-1)
         w_TA = F.softmax(top_TA, dim=-1, dtype=torch.float32)
-        return logits_TE, w_TA.to(x_TD.dtype), idx_TA
+        return F.softmax(logits_TE, dim=-1, dtype=torch.float32), w_TA.to(x_TD.dtype), idx_TA
 
     def forward(self, x_BSD):
-        B, S, D = x_BSD.shape
-        x_TD = x_BSD.reshape(B * S, D)
-        logits_TE, w_TA, idx_TA = self.route(x_TD)
-        self.last_counts_E = torch.bincount(idx_TA.reshape(-1), minlength=self.num_experts).detach()
-        y_TD = self.dispatcher(x_TD, idx_TA, w_TA, self.experts)
-        if self.training and self.aux_loss_coeff > 0 and torch.is_grad_enabled():
-            # HF's load-balancing loss uses the softmax over all experts
-            probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float32)
-            aux = self.load_balance_loss(probs_TE, idx_TA, self.num_experts)
-            y_TD = AuxLoss.apply(y_TD, self.aux_loss_coeff * aux)
-        return y_TD.view(B, S, D)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: GptOssConfig, i: int):
-        super().__init__()
-        self.self_attn = Attention(cfg, i)
-        self.mlp = MoE(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x_BSD, rope):
-        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), rope)
-        return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
+        return routed_experts(self, x_BSD.flatten(0, 1)).view_as(x_BSD)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,7 +269,8 @@ class GptOssForCausalLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling())
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(Attention(cfg, i), MoE(cfg), cfg.hidden_size, cfg.rms_norm_eps)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -315,16 +294,7 @@ class GptOssForCausalLM(nn.Module):
                 nn.init.normal_(m.router.bias, std=std)
 
     def forward(self, input_ids_BS, positions_BS=None, labels_BS=None):
-        if positions_BS is None:
-            positions_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(input_ids_BS)
-        rope = self.rotary(positions_BS)
-        h_BSD = self.embed_tokens(input_ids_BS)
-        for layer in self.layers:
-            h_BSD = layer(h_BSD, rope)
-        h_BSD = self.norm(h_BSD)
-        if labels_BS is None:
-            return self.lm_head(h_BSD)
-        return cross_entropy_sum(h_BSD.flatten(0, 1), self.lm_head.weight, labels_BS.flatten())
+        return causal_lm_forward(self, input_ids_BS, positions_BS, labels_BS)
 
 
 # ---------------------------------------------------------------------------------------------

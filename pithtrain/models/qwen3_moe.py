@@ -1,7 +1,8 @@
 """Qwen3-MoE: GQA attention with per-head q/k RMSNorm, RoPE, softmax top-k router, SwiGLU experts.
 
-Reads top to bottom: config, attention, MoE block, decoder layer, model. Matches Hugging Face's
-`Qwen3MoeForCausalLM` (tests/test_models_parity.py). Shape legend: see models/common.py.
+Reads top to bottom: config, attention, MoE block, model (each layer a common.DecoderLayer over
+these blocks). Matches Hugging Face's `Qwen3MoeForCausalLM` (tests/test_qwen3_moe.py). Shape
+legend: see models/common.py.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.models.common import (AuxLoss, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
-                                     SwiGLUMLP, apply_rope, attention, cross_entropy_sum, hub_name,
+from pithtrain.models.common import (DecoderLayer, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
+                                     SwiGLUMLP, apply_rope, attention, causal_lm_forward, hub_name,
                                      init_by_block, init_normal, load_balance_loss, native_name,
-                                     per_expert_to_stacked, stacked_to_per_expert)
+                                     per_expert_to_stacked, routed_experts, stacked_to_per_expert)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,28 +178,7 @@ class MoE(nn.Module):
         return probs_TE, w_TA.to(x_TD.dtype), idx_TA
 
     def forward(self, x_BSD):
-        B, S, D = x_BSD.shape
-        x_TD = x_BSD.reshape(B * S, D)
-        probs_TE, w_TA, idx_TA = self.route(x_TD)
-        self.last_counts_E = torch.bincount(idx_TA.reshape(-1), minlength=self.num_experts).detach()
-        y_TD = self.dispatcher(x_TD, idx_TA, w_TA, self.experts)
-        if self.training and self.aux_loss_coeff > 0 and torch.is_grad_enabled():
-            aux = self.load_balance_loss(probs_TE, idx_TA, self.num_experts)
-            y_TD = AuxLoss.apply(y_TD, self.aux_loss_coeff * aux)
-        return y_TD.view(B, S, D)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig, i: int):
-        super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(i) else SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x_BSD, rope):
-        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), rope)
-        return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
+        return routed_experts(self, x_BSD.flatten(0, 1)).view_as(x_BSD)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +193,10 @@ class Qwen3MoeForCausalLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(Attention(cfg), MoE(cfg) if cfg.is_moe_layer(i) else
+                                                 SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size),
+                                                 cfg.hidden_size, cfg.rms_norm_eps)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -227,16 +210,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         init_normal(block, self.cfg.init_std)
 
     def forward(self, input_ids_BS, positions_BS=None, labels_BS=None):
-        if positions_BS is None:
-            positions_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(input_ids_BS)
-        rope = self.rotary(positions_BS)
-        h_BSD = self.embed_tokens(input_ids_BS)
-        for layer in self.layers:
-            h_BSD = layer(h_BSD, rope)
-        h_BSD = self.norm(h_BSD)
-        if labels_BS is None:
-            return self.lm_head(h_BSD)
-        return cross_entropy_sum(h_BSD.flatten(0, 1), self.lm_head.weight, labels_BS.flatten())
+        return causal_lm_forward(self, input_ids_BS, positions_BS, labels_BS)
 
 
 # ---------------------------------------------------------------------------------------------
