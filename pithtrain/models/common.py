@@ -135,9 +135,11 @@ def attention(q_BHSd, k_BKSd, v_BKSe, *, scale: float, window: int | None = None
     return eager_attention(q_BHSd, k_BKSd, v_BKSe, scale=scale, window=window, sinks_H=sinks_H)
 
 
+# The math kernel last: float32 GQA (parity tests, fp32 validation runs) has no fused kernel.
 _SDPA_CUDNN_FIRST = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
                      torch.nn.attention.SDPBackend.FLASH_ATTENTION,
-                     torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]
+                     torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
+                     torch.nn.attention.SDPBackend.MATH]
 
 
 def eager_attention(q_BHSd, k_BKSd, v_BKSe, *, scale, window=None, sinks_H=None, q_offset=0):
