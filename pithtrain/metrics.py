@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -70,14 +71,37 @@ def peak_tflops(device: torch.device, override: float = 0.0) -> float | None:
 
 class StepLog:
     """Prints `step  loss  lr  grad-norm  tok/s  MFU  mem  imbalance` and appends the same record
-    to <run_dir>/metrics.jsonl. Only rank 0 writes."""
+    to <run_dir>/metrics.jsonl. Only rank 0 writes. The file continues from the step the run
+    starts at: records of later steps (a run that went on past its last checkpoint, or one set
+    aside by --no-resume) move to metrics.abandoned.jsonl, so each step appears once."""
 
-    def __init__(self, run_dir: str | Path, enabled: bool = True):
+    def __init__(self, run_dir: str | Path, start_step: int = 0, enabled: bool = True):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self.t_last = time.perf_counter()
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._continue_from(start_step)
+
+    def _continue_from(self, start_step: int):
+        if not self.path.is_file():
+            return
+        keep, drop = [], []
+        for line in self.path.read_text().splitlines(keepends=True):
+            try:
+                ok = json.loads(line)["step"] <= start_step
+            except (ValueError, KeyError, TypeError):  # a line cut short by a crash
+                ok = False
+            (keep if ok else drop).append(line if line.endswith("\n") else line + "\n")
+        if not drop:
+            return
+        with self.path.with_name("metrics.abandoned.jsonl").open("a") as f:
+            f.writelines(drop)
+        tmp = self.path.with_name(".metrics.jsonl.tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, self.path)
+        print(f"pithtrain: {len(drop)} metrics record(s) after step {start_step} moved to "
+              "metrics.abandoned.jsonl (this run starts there)", flush=True)
 
     def tick(self) -> float:
         now = time.perf_counter()

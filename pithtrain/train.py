@@ -145,7 +145,7 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
         print(f"pithtrain: {cfg.model.family} {total / 1e6:.2f}M params ({active / 1e6:.2f}M active) | "
               f"device {device} {str(dtype).removeprefix('torch.')} | recipe {cfg.source} | "
               f"run dir {cfg.log.run_dir} | {dims.describe()}", flush=True)
-    log = StepLog(cfg.log.run_dir, enabled=dims.rank == 0)
+    log = StepLog(cfg.log.run_dir, start, enabled=dims.rank == 0)
     autocast = (torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32
                 else contextlib.nullcontext())
     runner = pipeline.make_runner(model, chunks, cfg, dims, device, autocast) if chunks else None
@@ -194,8 +194,8 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
             if dims.distributed and mem is not None:  # every rank's peak (pipeline stages differ)
                 extra["mem_gb_ranks"] = all_sum([mem if r == dims.rank else 0.0 for r in range(dims.world_size)],
                                                 dims)
-            log.write({**rec, "tokens_per_s": tps,
-                       "mfu": tps * fpt / (peak * 1e12) if peak else None,
+            log.write({**rec, "tokens_per_s": tps,  # all ranks together; MFU is per GPU
+                       "mfu": tps * fpt / (peak * 1e12 * dims.world_size) if peak else None,
                        "mem_gb": mem, "imbalance": expert_imbalance(model, dims), **extra})
         ckpt.after_step(step + 1)  # saves when due (checkpoint.every, final)
     ckpt.close()  # an asynchronous save still in flight is finished and committed

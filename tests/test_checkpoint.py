@@ -35,13 +35,12 @@ def cfg_for(run_dir, *extra):
 
 
 def losses(run_dir) -> dict[int, float]:
-    """step -> loss from metrics.jsonl (a resumed run appends; a re-done step must agree)."""
-    out = {}
-    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        assert out.setdefault(r["step"], r["loss"]) == r["loss"], f"step {r['step']} differs"
-        out[r["step"]] = r["loss"]
-    return out
+    """step -> loss from metrics.jsonl (a resumed run continues it from its resume point, so
+    each step appears once)."""
+    recs = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in recs]
+    assert steps == sorted(set(steps)), steps
+    return {r["step"]: r["loss"] for r in recs}
 
 
 def restored(ckpt, run_dir):
@@ -129,6 +128,24 @@ def test_resume_restores_rng_and_reports_nothing_left(ref, tmp_path, capsys):
     after_seed0 = torch.get_rng_state()
     restored(run / "checkpoints/step_20", run)
     assert not torch.equal(torch.get_rng_state(), after_seed0)
+
+
+def test_resume_takes_the_recipes_optimizer_settings(ref, tmp_path):
+    """A changed lr / weight decay / betas applies from the resumed step on (the recipe is the
+    whole truth of a run); moments and step counts come from the checkpoint."""
+    cfg = cfg_for(tmp_path, "train.lr=1e-4", "train.weight_decay=0.5", "train.beta2=0.99")
+    model = build_model(cfg.model, "cpu")
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    assert Checkpointer(cfg, model, opt, sched, torch.device("cpu")).load(ref / "checkpoints/step_15") == 15
+    want_lr = 1e-4 * lr_lambda(cfg)(15)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.5, 0.0]
+    assert [g["betas"] for g in opt.param_groups] == [(0.9, 0.99)] * 2
+    assert [g["initial_lr"] for g in opt.param_groups] == sched.base_lrs == [1e-4, 1e-4]
+    assert [g["lr"] for g in opt.param_groups] == sched.get_last_lr() == [want_lr, want_lr]
+    assert sched.last_epoch == 15
+    saved = restored(ref / "checkpoints/step_15", ref)[2]
+    assert_same(opt.state_dict()["state"], saved)  # moments and step counts as saved
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
@@ -258,6 +275,8 @@ def test_no_resume_starts_fresh(ref, tmp_path, capsys):
     assert (ck / ".abandoned-step_20").is_dir()  # set aside, not deleted, not resumable
     assert (ck / "latest").read_text().strip() == "step_2"
     assert resolve(run) == ck / "step_2"
+    assert list(losses(run)) == [1, 2]  # the old run's records are set aside too, not mixed in
+    assert len((run / "metrics.abandoned.jsonl").read_text().splitlines()) == 20
 
 
 def test_metadata_pickle_with_foreign_objects_is_refused(tmp_path):

@@ -42,7 +42,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from pithtrain.config import ConfigError, config_from_dict
+from pithtrain.config import ConfigError, config_from_dict, load_config
+from pithtrain.metrics import flops_per_token
 
 FAMILIES = {
     "qwen3_moe": dict(family="qwen3_moe", vocab_size=264, hidden_size=32, num_layers=2, num_heads=4,
@@ -313,12 +314,18 @@ def test_torchrun_two_processes_trains_and_only_rank0_logs(tmp_path):
            "parallel.fsdp=2", "parallel.ep=2", "train.device=cpu", "train.steps=2", "train.seq_len=16",
            "train.micro_batch_size=2", "model.hidden_size=32", "model.num_layers=1",
            "model.moe_intermediate_size=16", "data.max_bytes=20000", "log.every=1",
-           "checkpoint.final=false", f"log.run_dir={tmp_path}"]
+           "log.peak_tflops=1", "checkpoint.final=false", f"log.run_dir={tmp_path}"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.count("step      2 | loss") == 1, p.stdout
     assert "world 2 (fsdp=2 x ep=2)" in p.stdout
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == 2
+    # tokens/s counts both ranks; MFU is per GPU: against world_size x the per-GPU peak
+    cfg = load_config(None, cmd[cmd.index("pithtrain.train") + 1:])
+    fpt = flops_per_token(cfg.model, cfg.train.seq_len)
+    for r in recs:
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * fpt / (1e12 * 2), rel=1e-9)
 
 
 def test_torchrun_ep3_fails_on_every_rank_before_any_collective(tmp_path):

@@ -498,28 +498,33 @@ class Checkpointer:
         _check_index(ckpt, _flat_keys(tensors))
         with _quiet():
             dcp.load(tensors, storage_reader=SafeReader(ckpt), process_group=self.pg, no_dist=self.pg is None)
-        groups = self._param_groups(trainer["optimizer_param_groups"])
+        groups, schedule = self._recipe_hyperparameters(trainer)
         set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
                        optim_state_dict={"state": tensors["optim"], "param_groups": groups})
-        self.scheduler.load_state_dict(trainer["scheduler"])
+        self.scheduler.load_state_dict(schedule)
         if f"rank{self.rank}.cpu" in rng:
             torch.set_rng_state(rng[f"rank{self.rank}.cpu"])
         if f"rank{self.rank}.cuda" in rng:
             torch.cuda.set_rng_state(rng[f"rank{self.rank}.cuda"], self.device)
         return int(trainer["step"])
 
-    def _param_groups(self, saved: list[dict]) -> list[dict]:
-        """The saved hyper-parameters (rank 0's, the same on every rank) over this rank's own
-        parameter names (a pipeline stage holds only its layers); JSON lists become tuples again
-        where the live optimizer has tuples (AdamW's betas)."""
+    def _recipe_hyperparameters(self, trainer: dict) -> tuple[list[dict], dict]:
+        """Optimizer param groups and scheduler state to load: the saved step counts with the
+        recipe's hyper-parameters (the recipe is the whole truth of a run, so a changed lr, weight
+        decay, betas or eps applies from the resumed step on, as `_compare_recipe` says). Each
+        group's lr is where the recipe's schedule stands at the saved step, computed as LambdaLR
+        does, so an unchanged recipe resumes bit-identically. Groups are this rank's own
+        parameter names (a pipeline stage holds only its layers)."""
         live = get_state_dict(self.model, self.optimizer)[1]["param_groups"]
+        saved = trainer["optimizer_param_groups"]
         if len(live) != len(saved):
             raise CheckpointError(f"optimizer has {len(live)} parameter groups, checkpoint {len(saved)}")
-        out = []
-        for cur, old in zip(live, saved):
-            group = {k: tuple(v) if isinstance(cur.get(k), tuple) else v for k, v in old.items()}
-            out.append({**group, "params": cur["params"]})
-        return out
+        schedule = dict(trainer["scheduler"])
+        schedule["base_lrs"] = [g["initial_lr"] for g in live]
+        schedule["_last_lr"] = [base * fn(schedule["last_epoch"])
+                                for base, fn in zip(schedule["base_lrs"], self.scheduler.lr_lambdas)]
+        groups = [{**cur, "lr": lr} for cur, lr in zip(live, schedule["_last_lr"])]
+        return groups, schedule
 
     def _compare_recipe(self, ckpt: Path):
         """A different model cannot load; other recipe changes are allowed and printed."""
