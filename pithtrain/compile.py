@@ -1,9 +1,10 @@
 """Activation checkpointing and torch.compile for the decoder layers, applied in place.
 
 Order (see parallelize's contract in DESIGN/STYLE): expert parallel -> context parallel ->
-`apply_activation_checkpoint` -> `apply_compile` -> FSDP. Both walk `model.layers` and the plain
-attributes every family has (`self_attn`, `input_layernorm`, `post_attention_layernorm`, `mlp`,
-and inside a MoE block `route`, `experts`, `dispatcher`, optional `shared_experts`).
+`apply_activation_checkpoint` -> `apply_compile` -> FSDP. Both walk the decoder layers
+(`common.decoder_layers`: all of them, or a pipeline stage's) and the plain attributes every
+family has (`self_attn`, `input_layernorm`, `post_attention_layernorm`, `mlp`, and inside a MoE
+block `route`, `experts`, `dispatcher`, optional `shared_experts`).
 
 What is compiled (fullgraph=True: a graph break is an error, not a silent slow path):
   every child of a layer that holds no experts (attention with its projections, RoPE and q/k
@@ -28,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pithtrain import kernels
-from pithtrain.models.common import GroupedExperts
+from pithtrain.models.common import GroupedExperts, decoder_layers
 
 
 def _has_experts(m: nn.Module) -> bool:
@@ -42,7 +43,7 @@ def _checkpointed(forward, *args, **kwargs):
 def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
     if mode == "none":
         return
-    for layer in model.layers:
+    for layer in decoder_layers(model):
         target = layer if mode == "full" else layer.mlp
         target.forward = functools.partial(_checkpointed, target.forward)
 
@@ -52,12 +53,13 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     parameter names unchanged: nn.Module.compile)."""
     dyn = torch._dynamo.config
     # Each layer instance is one more guarded entry of the same code; allow one per layer and mode.
-    limit = 4 * len(model.layers) + 8
+    layers = decoder_layers(model)  # a pipeline stage holds some of them
+    limit = 4 * len(layers) + 8
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
         if hasattr(dyn, name):
             setattr(dyn, name, max(getattr(dyn, name), limit if name != "accumulated_recompile_limit"
                                    else 8 * limit))
-    for layer in model.layers:
+    for layer in layers:
         for child in layer.children():
             if not _has_experts(child):
                 child.compile(fullgraph=True, backend=backend)
@@ -72,7 +74,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     flex = any(w is not None for w in windows) or any("sinks" in n for n, _ in model.named_parameters())
     if kernels.USE["flex"] and flex:
         hook = functools.partial(_prepare_flex_masks, windows)
-        for layer in model.layers:  # layers run eagerly also inside pipeline stages
+        for layer in layers:  # layers run eagerly also inside pipeline stages
             layer.register_forward_pre_hook(hook)
 
 

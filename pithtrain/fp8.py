@@ -190,8 +190,9 @@ def _weight_grad(x_MK, dy_MN, offs_G, G):
 
 def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor, owner=None) -> torch.Tensor:
     """FP8 version of F.grouped_mm(x, w, offs) for rows sorted by group (offs: cumulative ends,
-    offs[-1] = rows). `owner`: the parameter w_GKN was taken from (the cache key; default w_GKN)."""
+    offs[-1] = rows). `owner`: the parameter w_GKN was taken from (the cache key; default w_GKN).
+    The output is in x's dtype; autocast is off inside (GroupedExperts casts x to its dtype first),
+    so the PyTorch reference's fp32 products stay fp32."""
     wq, wqt, ws = CACHE.weights(w_GKN if owner is None else owner, w_GKN)
-    dev = x_MK.device.type
-    out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_MK.dtype
-    return _FP8GroupedMM.apply(x_MK, w_GKN, offs_G.to(torch.int32), wq, wqt, ws, out_dtype)
+    with torch.autocast(x_MK.device.type, enabled=False):
+        return _FP8GroupedMM.apply(x_MK, w_GKN, offs_G.to(torch.int32), wq, wqt, ws, x_MK.dtype)

@@ -80,3 +80,38 @@ def test_aux_loss_pushes_router_gradient():
     y.backward(torch.zeros_like(y))
     assert moe.gate.weight.grad.abs().sum() > 0
     assert moe.experts.w13_EDF2.grad.abs().sum() == 0
+
+
+@pytest.mark.parametrize("fp8_on", [False, True])
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_experts_compute_in_the_autocast_dtype_locally_and_behind_expert_parallel(fp8_on, monkeypatch, tmp_path):
+    """Float32 master weights and residual stream under bf16 autocast (train.py on a GPU): the
+    experts take bf16 operands like every nn.Linear, so the FP8 path's bf16 weight grad and
+    saved activations hold, and the expert-parallel combine adds bf16 rows (it mixed dtypes)."""
+    import torch.distributed as dist
+
+    from pithtrain import kernels
+    from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
+    monkeypatch.setitem(kernels.USE, "fp8", fp8_on)  # CPU tensors: fp8.py's PyTorch reference
+    torch.manual_seed(3)
+    experts = GroupedExperts(8, 128, 128)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(24, 128)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(24)])
+    w = torch.softmax(torch.randn(24, 2), dim=-1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        x_XD, counts, _ = LocalDispatcher().dispatch(x, idx, 8)
+        assert experts(x_XD, counts).dtype == torch.bfloat16
+        y_local = LocalDispatcher()(x, idx, w, experts)
+    # the same as handing the experts bf16 rows outside autocast (weights cast, or quantised, alike)
+    torch.testing.assert_close(y_local, LocalDispatcher()(x.bfloat16(), idx, w.bfloat16(), experts),
+                               rtol=0, atol=0)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y_ep = ExpertParallelDispatcher(dist.group.WORLD, 0, 1, 8)(x, idx, w, experts)
+    finally:
+        dist.destroy_process_group()
+    assert y_ep.dtype == torch.bfloat16
+    torch.testing.assert_close(y_ep, y_local, rtol=2e-2, atol=2e-2)

@@ -59,6 +59,24 @@ def reference(M):
     return total, {n: p.grad for n, p in model.named_parameters()}
 
 
+def test_checkpointing_and_compile_apply_to_a_pipeline_stage():
+    """A stage's `layers` is a ModuleDict keyed by layer index (prune_model): activation
+    checkpointing and compile walk its layers, and the stage's layers compute what they did."""
+    from pithtrain.compile import apply_activation_checkpoint, apply_compile
+    ref, model = build(), build()
+    chunk = pipeline.rank_chunks(0, 2, "1f1b", CFG["num_layers"])[0]
+    pipeline.prune_model(model, [chunk])
+    apply_activation_checkpoint(model, "full")
+    apply_compile(model, backend="eager")
+    x = micro_batches(1)[0][0][0]
+    rope = ref.rotary(torch.arange(SEQ).expand_as(x))
+    h_ref = h = ref.embed_tokens(x)
+    for i in chunk.layer_ids:
+        h_ref, h = ref.layers[i](h_ref, rope), model.layers[str(i)](h, rope)
+    torch.testing.assert_close(h, h_ref, rtol=1e-6, atol=1e-6)
+    assert len(chunk.layer_ids) == CFG["num_layers"] // 2
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -105,6 +105,7 @@ class ExpertParallelDispatcher:
         y_PD = experts(x_ND[n_P], counts_E)
 
         # --- combine: weighted sum per received row, send back, sum into token positions
-        y_ND = y_PD.new_zeros(x_ND.shape[0], D).index_add(0, n_P, y_PD * w_NA[n_P, a_P][:, None])
+        w_P1 = w_NA[n_P, a_P][:, None].to(y_PD.dtype)  # experts compute in the autocast dtype
+        y_ND = y_PD.new_zeros(x_ND.shape[0], D).index_add(0, n_P, y_PD * w_P1)
         back_XD = AllToAll.apply(y_ND, in_splits, out_splits, self.group)
         return back_XD.new_zeros(T, D).index_add(0, t_X, back_XD)

@@ -35,19 +35,14 @@ from pithtrain.compile import apply_activation_checkpoint, apply_compile
 from pithtrain.distributed.context_parallel import ContextParallelAttention, ContextParallelLoadBalanceLoss
 from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
 from pithtrain.distributed.parallel_dims import ParallelDims
-from pithtrain.models.common import (GroupedExperts, Rotary, attention, init_block_seeded, load_balance_loss,
-                                     model_blocks)
+from pithtrain.models.common import (GroupedExperts, Rotary, attention, decoder_layers, init_block_seeded,
+                                     load_balance_loss, model_blocks)
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
     """Modules following the MoE protocol: `.experts` (GroupedExperts) and `.dispatcher`."""
     return [m for m in model.modules()
             if isinstance(getattr(m, "experts", None), GroupedExperts) and hasattr(m, "dispatcher")]
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    layers = model.layers
-    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -472,7 +472,8 @@ class PipelineRunner:
     is synchronised after each op so the times are the op's, not its launch's)."""
 
     def __init__(self, model, chunks: list[Chunk], ops: list[Op], pp_rank: int, pp: int, schedule: str,
-                 num_micro: int, group_f, group_b, act_shape, device, streams=None, autocast=None):
+                 num_micro: int, group_f, group_b, act_shape, device, streams=None, autocast=None,
+                 checkpointed: bool = False):
         self.model, self.chunks, self.ops = model, chunks, ops
         self.pp_rank, self.pp, self.schedule, self.M = pp_rank, pp, schedule, num_micro
         self.group_f, self.group_b = group_f, group_b
@@ -487,6 +488,9 @@ class PipelineRunner:
         # is given up. Deferring FSDP's reduce-scatter to W is the missing piece.
         from torch.distributed.fsdp import FSDPModule
         self.split = not any(isinstance(m, FSDPModule) for m in model.modules())
+        # Activation checkpointing wraps each layer's (or MoE block's) own forward; the five-phase
+        # split calls the blocks' parts directly and would skip it, so checkpointed layers run whole.
+        self.split_layers = self.split and not checkpointed
 
     # --- helpers
     def _global(self, group, pp_peer):
@@ -509,7 +513,7 @@ class PipelineRunner:
         else:
             x = self.f_in.pop((c, mb))
         phases = overlap.chunk_phases(self.model, chunk, positions_BS, y_BS if chunk.last else None,
-                                      split_layers=self.split)
+                                      split_layers=self.split_layers)
         run = overlap.start(phases, x)
         self.runs[(c, mb)] = run
         return run
@@ -645,7 +649,7 @@ def make_runner(model, chunks, cfg, dims, device, autocast=None) -> "PipelineRun
     streams = overlap.Streams(device) if device.type == "cuda" and p.pp_overlap else None
     return PipelineRunner(model, chunks, ops, dims.pp_rank, p.pp, p.pp_schedule, t.grad_accum,
                           group_f, group_b, (t.micro_batch_size, t.seq_len, cfg.model.hidden_size),
-                          device, streams, autocast)
+                          device, streams, autocast, checkpointed=t.activation_checkpoint != "none")
 
 
 def run_step(runner: "PipelineRunner", micro_batches, denom: float, cfg, dims, step: int):

@@ -236,7 +236,13 @@ class GroupedExperts(nn.Module):
         self.use_loop = False  # tests flip this to run the per-expert reference path
 
     def forward(self, x_XD, counts_E):
-        """x: rows sorted by expert, counts_E[e] rows for expert e (experts local to this rank)."""
+        """x: rows sorted by expert, counts_E[e] rows for expert e (experts local to this rank).
+        Under autocast the experts compute in its dtype like every nn.Linear: the residual stream
+        (and so x) stays float32 with float32 master weights, and autocast has no rule for the
+        grouped GEMM, so x and the weights are cast here; the output is in that dtype too."""
+        dev = x_XD.device.type
+        if torch.is_autocast_enabled(dev):
+            x_XD = x_XD.to(torch.get_autocast_dtype(dev))
         offs_E = torch.cumsum(counts_E, 0)
         if kernels.USE["fp8"]:  # blockwise FP8 GEMMs; the weights' FP8 copies are cached per step
             w13, w2 = _local(self.w13_EDF2), _local(self.w2_EFD)
@@ -371,6 +377,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x_BSD, rope):
         x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), rope)
         return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers in order: `model.layers` is a ModuleList, or on a pipeline stage
+    a ModuleDict keyed by layer index holding only this stage's layers."""
+    layers = model.layers
+    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
 
 
 def causal_lm_forward(model, input_ids_BS, positions_BS=None, labels_BS=None):
