@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -141,8 +140,10 @@ def memory_gb(device: torch.device) -> float | None:
         return None
 
 
-def check_finite(loss: float, step: int):
-    if not math.isfinite(loss):
-        print(f"error: loss became {loss} at step {step}; stopping (lower train.lr, or check data)",
-              file=sys.stderr)
-        raise FloatingPointError(f"non-finite loss at step {step}")
+def check_finite(step: int, **values: float):
+    """Raise before the optimizer step if the loss or gradient norm is not finite, so neither the
+    weights nor any checkpoint ever holds what a diverged step would write."""
+    bad = ", ".join(f"{k} {v}" for k, v in values.items() if not math.isfinite(v))
+    if bad:
+        raise FloatingPointError(f"step {step}: {bad}; stopped before the update (the weights and "
+                                 "the last checkpoint are finite); lower train.lr, or check the data")

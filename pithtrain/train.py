@@ -172,14 +172,14 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
         if runner is not None:
             loss_sum, n_tokens = pipeline.run_step(runner, micro_batches, denom, cfg, dims, step)
         loss_sum, n_tokens = all_sum([loss_sum, n_tokens], dims)
+        loss_mean = loss_sum / n_tokens
         grad_norm = clip_grad_norm_(model.parameters(), t.grad_clip, dims)  # global over shards
+        check_finite(step + 1, loss=loss_mean, grad_norm=float(grad_norm))  # before the update
         optimizer.step()
         fp8.CACHE.next_step()  # the weights changed: FP8 copies are made again on first use
         optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
-        loss_mean = loss_sum / (n_tokens)
-        check_finite(loss_mean, step)
         rec = {"step": step + 1, "loss": loss_mean, "lr": lr, "grad_norm": float(grad_norm)}
         history.append(rec)
         tokens_since += n_tokens
@@ -230,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:  # training diverged: the weights and checkpoints stay finite
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

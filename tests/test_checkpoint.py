@@ -257,6 +257,27 @@ def test_damaged_shard_is_named(ref, tmp_path, capsys, how, word):
     assert (ck / ".abandoned-step_20").is_dir() and verify(ck / "step_20")
 
 
+def test_resume_from_an_older_step_repoints_latest(ref, tmp_path, capsys):
+    """--resume step_10 sets step_15 / step_20 aside and points `latest` at step_10, so the next
+    automatic resume finds no gap between the pointer and the newest checkpoint."""
+    run = copy_run(ref, tmp_path)
+    ck = run / "checkpoints"
+    assert train(cfg_for(run, "train.steps=10"), resume=str(ck / "step_10")) == []
+    assert (ck / "latest").read_text().strip() == "step_10"
+    capsys.readouterr()
+    assert train(cfg_for(run, "train.steps=10")) == []
+    said = capsys.readouterr().out
+    assert "resumed from" in said and "step_10" in said and "is newer" not in said
+
+
+def test_hashing_a_large_checkpoint_shows_progress(capsys):
+    from pithtrain.checkpoint.dcp import _progress
+    done = _progress(Path("step_7"), "verifying", 3_000_000_000, every_s=0)
+    done(1_000_000_000)
+    done(2_000_000_000)  # finished: no line, the caller says what comes next
+    assert capsys.readouterr().out == "checkpoint: verifying step_7: 1.0 of 3.0 GB hashed (0 s)\n"
+
+
 def test_no_valid_checkpoint_is_an_error_not_a_fresh_start(ref, tmp_path, capsys):
     run = copy_run(ref, tmp_path)
     for d in ("step_10", "step_15", "step_20"):

@@ -95,6 +95,26 @@ def test_round_trip_through_transformers(tmp_path, shard_bytes):
         assert n1 == n2 and torch.equal(p1, p2)
 
 
+def test_export_over_an_earlier_export_leaves_no_stale_weights(tmp_path):
+    """A single-file export, then a sharded one into the same folder: transformers must load the
+    second, not the first's model.safetensors beside the new index; other files stay."""
+    ref = hf_tiny(tmp_path)
+    ours = load_hf(tmp_path / "hf")
+    stale = load_hf(tmp_path / "hf")
+    with torch.no_grad():
+        for p in stale.parameters():
+            p.add_(1.0)
+    save_hf(stale, tmp_path / "out")
+    (tmp_path / "out" / "tokenizer.json").write_text("{}")
+    save_hf(ours, tmp_path / "out", shard_bytes=20_000)
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ref.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_checkpoints_name_the_file(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -55,3 +55,30 @@ def test_flops_formula_against_hand_count():
     # attention: 2 layers * 3 * seq(16) * (4 + 4) * 2 heads = 1536
     assert matmul_params(cfg) == (432 + (192 + 32 + 4 * 144) + 800, 1744)
     assert flops_per_token(cfg, 16) == 6 * 1744 + 1536
+
+
+def test_a_non_finite_gradient_stops_before_the_update(tiny_overrides, tmp_path, monkeypatch, capsys):
+    """Step 2's gradient norm is NaN: the run stops with a message and exit code 1, before the
+    optimizer writes it into the weights, so the step-1 checkpoint is the newest and is finite."""
+    import torch
+
+    import pithtrain.train as train_mod
+    from pithtrain.checkpoint.dcp import load_model_weights, resolve
+    from pithtrain.models import build_model
+    real, calls = train_mod.clip_grad_norm_, []
+
+    def nan_on_step_2(*args):
+        calls.append(1)
+        norm = real(*args)
+        return float("nan") if len(calls) == 2 else norm
+
+    monkeypatch.setattr(train_mod, "clip_grad_norm_", nan_on_step_2)
+    overrides = [o for o in tiny_overrides if not o.startswith("train.steps")]
+    assert main(overrides + ["train.steps=3", "checkpoint.every=1"]) == 1
+    err = capsys.readouterr().err
+    assert "step 2: grad_norm nan; stopped before the update" in err
+    ckpt = resolve(tmp_path / "run")
+    assert ckpt.name == "step_1"
+    model = build_model(load_config(None, overrides).model, "cpu")
+    load_model_weights(ckpt, model)
+    assert all(torch.isfinite(p).all() for p in model.parameters())

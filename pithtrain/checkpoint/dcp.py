@@ -60,6 +60,7 @@ import os
 import pickle
 import shutil
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -154,11 +155,32 @@ def _write_durable(path: Path, text: str):
     _fsync_dir(path.parent)
 
 
+def _progress(ckpt: Path, what: str, total: int, every_s: float = 10.0):
+    """`done(nbytes)` after each file: a line every `every_s` seconds while hashing, which takes
+    minutes for a checkpoint of hundreds of GB on one rank (the others wait on it)."""
+    t0 = last = time.monotonic()
+    seen = 0
+
+    def done(nbytes: int):
+        nonlocal last, seen
+        seen += nbytes
+        now = time.monotonic()
+        if now - last >= every_s and seen < total:
+            last = now
+            print(f"checkpoint: {what} {ckpt.name}: {seen / 1e9:.1f} of {total / 1e9:.1f} GB hashed "
+                  f"({now - t0:.0f} s)", flush=True)
+    return done
+
+
 def write_manifest(ckpt: Path, step: int):
     files = sorted(p for p in ckpt.iterdir() if p.is_file() and p.name != MANIFEST)
-    manifest = {"format": FORMAT, "step": step,
-                "files": {p.name: {"size": p.stat().st_size, "sha256": _sha256(p, sync=True)} for p in files}}
-    _write_durable(ckpt / MANIFEST, json.dumps(manifest, indent=1))
+    sizes = {p.name: p.stat().st_size for p in files}
+    done = _progress(ckpt, "committing", sum(sizes.values()))
+    entries = {}
+    for p in files:
+        entries[p.name] = {"size": sizes[p.name], "sha256": _sha256(p, sync=True)}
+        done(sizes[p.name])
+    _write_durable(ckpt / MANIFEST, json.dumps({"format": FORMAT, "step": step, "files": entries}, indent=1))
 
 
 def verify(ckpt: Path) -> dict:
@@ -170,8 +192,10 @@ def verify(ckpt: Path) -> dict:
     try:
         manifest = json.loads(mpath.read_text())
         files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        total = sum(int(w["size"]) for w in files.values())
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from None
+    done = _progress(ckpt, "verifying", total)
     for name, want in files.items():
         p = ckpt / name
         if not p.is_file():
@@ -181,6 +205,7 @@ def verify(ckpt: Path) -> dict:
             raise CheckpointError(f"{p}: truncated or overwritten: {size} bytes, manifest says {want['size']}")
         if _sha256(p) != want["sha256"]:
             raise CheckpointError(f"{p}: corrupt: sha256 does not match {MANIFEST}")
+        done(size)
     extra = sorted(p.name for p in ckpt.iterdir() if p.name not in files and p.name != MANIFEST)
     if extra:
         print(f"checkpoint: {ckpt}: ignoring files not in the manifest: {', '.join(extra)}", flush=True)
@@ -481,6 +506,12 @@ class Checkpointer:
         for tmp in self.root.glob(".tmp-step_*") if self.root.is_dir() else []:
             shutil.rmtree(tmp, ignore_errors=True)
             self.say(f"removed {tmp.name} (a save that did not finish)")
+        # `latest` names the newest checkpoint left, so a later resume is not told of a gap
+        kept, pointer = step_dirs(self.root), self.root / LATEST
+        if kept and (not pointer.is_file() or pointer.read_text().strip() != kept[0].name):
+            _write_durable(pointer, kept[0].name + "\n")
+        elif not kept:
+            pointer.unlink(missing_ok=True)
 
     def load(self, ckpt: Path) -> int:
         """Load a verified checkpoint into model, optimizer, scheduler and RNG; returns its step.

@@ -132,9 +132,13 @@ def state_for_export(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def save_hf(model: torch.nn.Module, path: str | Path, dtype: torch.dtype | None = None,
             shard_bytes: int = SHARD_BYTES):
-    """Write config.json and safetensors shards (+ index when sharded) in the hub layout."""
+    """Write config.json and safetensors shards (+ index when sharded) in the hub layout. Weight
+    files of an earlier export into the same folder are removed first: transformers would load a
+    stale model.safetensors next to a new sharded index. Other files (a tokenizer) stay."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    for old in [*path.glob("model*.safetensors"), path / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)
     cfg = model.cfg
     fam = FAMILIES[cfg.family]
     state = state_for_export(model)
