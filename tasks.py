@@ -136,13 +136,19 @@ def _train_lines(runtime, gpu, args, nproc, multinode=None) -> list[str]:
 
 
 @task(help={"recipe": H_RECIPE, "model": H_MODEL, "set": H_SET, "gpu": H_GPU,
-            "runtime": H_RUNTIME, "nproc": H_NPROC, "dry_run": H_DRY},
+            "runtime": H_RUNTIME, "nproc": H_NPROC, "dry_run": H_DRY,
+            "resume": "continue from this checkpoint (default: the newest valid one in log.run_dir)",
+            "no_resume": "start fresh; existing checkpoints in log.run_dir are set aside"},
       iterable=["set"])
-def train(c, recipe="", model="", set=None, gpu="", runtime="", nproc="", dry_run=False):
+def train(c, recipe="", model="", set=None, gpu="", runtime="", nproc="", dry_run=False, resume="",
+          no_resume=False):
     """Train from a recipe (no arguments: the tiny embedded default on CPU or the visible GPU)."""
+    if resume and no_resume:
+        raise Exit("error: --resume and --no-resume exclude each other", 2)
     gpu_ = _gpu(gpu)
     rt = _runtime(runtime, gpu_, dry_run)
     args = ap.train_args(_recipe(recipe, model), gpu_, set or [])
+    args += [f"--resume={resume}"] if resume else ["--no-resume"] if no_resume else []
     if rt == "native" and not dry_run and nproc in ("", "1"):
         # Exactly the pre-appliance command (README quick start, CI): no echo, same exit code.
         _py(c, f"-m pithtrain.train {' '.join(shlex.quote(a) for a in args)}")

@@ -271,6 +271,12 @@ def test_train_is_native_without_gpu_and_inside_the_image():
                                 "train.dtype=bfloat16")
     r = _invoke("train", "--runtime=docker", "--dry-run")
     assert r.returncode != 0 and "--runtime=docker needs --gpu" in r.stderr
+    r = _invoke("train", "--resume=runs/x/checkpoints/step_5", "--dry-run")
+    assert r.stdout.strip() == f"{sys.executable} -m pithtrain.train --resume=runs/x/checkpoints/step_5"
+    r = _invoke("train", "--no-resume", "--set=train.steps=5", "--dry-run")
+    assert r.stdout.strip() == f"{sys.executable} -m pithtrain.train train.steps=5 --no-resume"
+    r = _invoke("train", "--no-resume", "--resume=x", "--dry-run")
+    assert r.returncode == 2 and "exclude each other" in r.stderr
 
 
 def test_runtime_choice(monkeypatch):
