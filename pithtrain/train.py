@@ -172,7 +172,7 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
         if runner is not None:
             loss_sum, n_tokens = pipeline.run_step(runner, micro_batches, denom, cfg, dims, step)
         loss_sum, n_tokens = all_sum([loss_sum, n_tokens], dims)
-        loss_mean = loss_sum / n_tokens
+        loss_mean = loss_sum / denom  # per target (labels -100 carry no loss); n_tokens feeds tokens/s
         grad_norm = clip_grad_norm_(model.parameters(), t.grad_clip, dims)  # global over shards
         check_finite(step + 1, loss=loss_mean, grad_norm=float(grad_norm))  # before the update
         optimizer.step()
