@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -60,14 +61,18 @@ class TrainConfig:
         for k in ("steps", "micro_batch_size", "seq_len", "grad_accum"):
             if getattr(self, k) < 1:
                 err(k, f"must be >= 1, got {getattr(self, k)}")
-        if not self.lr > 0:
-            err("lr", f"must be > 0, got {self.lr}")
+        # Written so that nan fails too (every comparison with nan is false); inf is no setting either.
+        for k in ("lr", "eps"):
+            if not 0 < getattr(self, k) < math.inf:
+                err(k, f"must be a finite number > 0, got {getattr(self, k)}")
         if not 0 <= self.min_lr_ratio <= 1:
             err("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps < 0:
             err("warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        if self.grad_clip < 0:
-            err("grad_clip", f"must be >= 0 (0 disables), got {self.grad_clip}")
+        if not 0 <= self.weight_decay < math.inf:
+            err("weight_decay", f"must be a finite number >= 0, got {self.weight_decay}")
+        if not 0 <= self.grad_clip < math.inf:
+            err("grad_clip", f"must be a finite number >= 0 (0 disables), got {self.grad_clip}")
         for k in ("beta1", "beta2"):
             if not 0 <= getattr(self, k) < 1:
                 err(k, f"must be in [0, 1), got {getattr(self, k)}")
@@ -192,13 +197,18 @@ def apply_override(raw: dict, override: str, source: str = "<overrides>"):
     *parents, leaf = key.split(".")
     node = raw
     for p in parents:
-        node = node.setdefault(p, {})
+        if node.get(p) is None:  # absent, or `train:` with nothing under it: an empty section
+            node[p] = {}
+        node = node[p]
         if not isinstance(node, dict):
-            raise ConfigError(f"{source}: override {override!r}: {p} is not a section")
+            raise ConfigError(f"{source}: override {override!r}: {p} is not a section (it is {node!r})")
     node[leaf] = yaml.safe_load(value) if value != "" else None
 
 
-def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
+def config_from_dict(raw: dict, source: str = "<dict>", cross_checks: bool = True) -> Config:
+    """A typed Config from a recipe dict. `cross_checks=False` skips the checks between sections
+    (vocabulary against the data, sequence length against the model), for readers that use the
+    model section alone, such as export, where the training data need not exist."""
     from pithtrain.models import FAMILIES  # the one literal mapping family -> (config, model)
 
     def fail(key, msg):
@@ -208,20 +218,27 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
     for k in raw:
         if k not in allowed:
             fail(k, f"unknown section{_suggest(k, allowed)}; sections are {', '.join(allowed)}")
-    model_raw = dict(raw.get("model") or {})
+
+    def section(name) -> dict:
+        sec = raw.get(name)
+        if sec is None:  # absent, or `train:` with nothing under it
+            return {}
+        if not isinstance(sec, dict):
+            fail(name, f"expected a mapping of keys, got {sec!r}")
+        return sec
+
+    model_raw = dict(section("model"))
     family = model_raw.pop("family", "qwen3_moe")
-    if family not in FAMILIES:
+    if not isinstance(family, str) or family not in FAMILIES:  # a list is unhashable: no `in` on it
         fail("model.family", f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
     model_cls = FAMILIES[family].config
     all_classes = {"model": model_cls, **SECTIONS}
     built = {"model": _build(model_cls, model_raw, "model", fail, all_classes)}
     for name, cls in SECTIONS.items():
-        sec = raw.get(name) or {}
-        if not isinstance(sec, dict):
-            fail(name, f"expected a mapping of keys, got {sec!r}")
-        built[name] = _build(cls, sec, name, fail, all_classes)
+        built[name] = _build(cls, section(name), name, fail, all_classes)
     cfg = Config(**built, source=source)
-    _cross_checks(cfg, fail)
+    if cross_checks:
+        _cross_checks(cfg, fail)
     return cfg
 
 
@@ -290,11 +307,20 @@ def _suggest(key, options) -> str:
 
 
 def _cross_checks(cfg: Config, fail):
-    from pithtrain.data import DATA_VOCAB_SIZE
+    from pithtrain.data import DATA_VOCAB_SIZE, read_meta
 
     if cfg.data.source == "stdlib" and cfg.model.vocab_size < DATA_VOCAB_SIZE:
         fail("model.vocab_size", f"the byte-level stdlib data needs >= {DATA_VOCAB_SIZE}, "
                                  f"got {cfg.model.vocab_size}")
+    if cfg.data.source == "shards":  # here, before any model is built: ids >= vocab_size crash step 1
+        try:
+            vocab = read_meta(cfg.data.path)["vocab_size"]
+        except ConfigError as e:
+            fail("data.path", str(e))
+        if cfg.model.vocab_size < vocab:
+            fail("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the vocabulary of the token "
+                                     f"shards in {cfg.data.path!r} ({vocab}, from meta.json); token ids "
+                                     f"would index past the embedding")
     if cfg.train.seq_len > cfg.model.max_position_embeddings:
         fail("train.seq_len", f"{cfg.train.seq_len} exceeds model.max_position_embeddings "
                               f"({cfg.model.max_position_embeddings})")

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pithtrain.config import ConfigError
+
 BOS, EOS = 256, 257
 DATA_VOCAB_SIZE = 258  # 256 bytes + BOS + EOS
 
@@ -41,18 +43,82 @@ def stdlib_tokens(max_bytes: int) -> np.ndarray:
     return np.concatenate(chunks)
 
 
-def shard_tokens(path: str | Path) -> np.ndarray:
-    """All shards of a prepared directory, memory-mapped and joined lazily."""
+def read_meta(path: str | Path) -> dict:
+    """A prepared directory's meta.json, checked (dtype, vocab_size, each listed shard present at its
+    full size) so that a bad directory is a one-line ConfigError naming the file, not a traceback."""
     path = Path(path)
-    meta = json.loads((path / "meta.json").read_text())
-    arrays = []
-    for f in meta["files"]:
+    meta_file = path / "meta.json"
+
+    def bad(msg):
+        raise ConfigError(f"{meta_file}: {msg}; re-create the directory with `invoke prepare-data`")
+
+    try:
+        meta = json.loads(meta_file.read_text())
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        bad(f"not valid JSON ({e})")
+    if not isinstance(meta, dict):
+        bad(f"expected a JSON object, got {type(meta).__name__}")
+    if meta.get("dtype") not in ("uint16", "uint32"):
+        bad(f"dtype must be 'uint16' or 'uint32', got {meta.get('dtype')!r}")
+    if "vocab_size" not in meta:
+        bad("no vocab_size (the tokenizer's vocabulary size), so the token ids cannot be checked "
+            "against model.vocab_size")
+    if not _is_count(meta["vocab_size"]) or meta["vocab_size"] < 1:
+        bad(f"vocab_size must be a positive integer, got {meta['vocab_size']!r}")
+    files = meta.get("files")
+    if not isinstance(files, list) or not files or not all(
+            isinstance(f, dict) and isinstance(f.get("name"), str) and _is_count(f.get("tokens")) for f in files):
+        bad('files must be a non-empty list of {"name": shard file, "tokens": count}')
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for f in files:
         fp = path / f["name"]
-        expected = f["tokens"] * np.dtype(meta["dtype"]).itemsize
-        if not fp.is_file() or fp.stat().st_size != expected:
-            raise RuntimeError(f"{fp}: missing or truncated shard (expected {expected} bytes)")
-        arrays.append(np.memmap(fp, dtype=meta["dtype"], mode="r"))
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        if not fp.is_file():
+            raise ConfigError(f"{fp}: shard listed in {meta_file} is missing")
+        size, expected = fp.stat().st_size, f["tokens"] * itemsize
+        if size != expected:
+            raise ConfigError(f"{fp}: truncated or wrong-size shard: {size} bytes, {meta_file} says "
+                              f"{f['tokens']} tokens ({expected} bytes)")
+    return meta
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def shard_tokens(path: str | Path) -> ShardedTokens:
+    """All shards of a prepared directory, memory-mapped and joined lazily."""
+    meta = read_meta(path)
+    return ShardedTokens([np.memmap(Path(path) / f["name"], dtype=meta["dtype"], mode="r")
+                          for f in meta["files"] if f["tokens"]], meta["dtype"])  # memmap can't map empty files
+
+
+class ShardedTokens:
+    """Memory-mapped shards read as one token sequence. A slice reads only the shards it covers, so
+    a dataset larger than RAM stays on disk; one that spans a boundary copies from both sides."""
+
+    def __init__(self, shards: list[np.ndarray], dtype):
+        self.shards, self.dtype = shards, np.dtype(dtype)
+        self.starts = np.cumsum([0] + [len(a) for a in shards])  # shard i holds [starts[i], starts[i+1])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, key):
+        r = range(len(self))[key]  # Python's own index rules: negatives, bounds, slice clipping
+        if isinstance(r, int):
+            return self._read(r, r + 1)[0]
+        if r.step != 1:
+            raise IndexError("ShardedTokens supports contiguous slices only")
+        return self._read(r.start, r.stop)
+
+    def _read(self, start: int, stop: int) -> np.ndarray:
+        if stop <= start:
+            return np.empty(0, dtype=self.dtype)
+        first = int(np.searchsorted(self.starts, start, side="right")) - 1
+        last = int(np.searchsorted(self.starts, stop, side="left")) - 1  # the shard holding stop - 1
+        parts = [self.shards[k][max(start - self.starts[k], 0):stop - self.starts[k]]
+                 for k in range(first, last + 1)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,12 +128,14 @@ def shard_tokens(path: str | Path) -> np.ndarray:
 class TokenBatches:
     """Random windows of seq_len + 1 tokens. `batch(step)` returns the step's global batch
     (inputs, labels), each (global_batch, seq_len) int64; callers slice their micro-batch rows
-    (`rows`). The last 1% of tokens is held out for validation."""
+    (`rows`). The last 1% of tokens is held out for validation. `source` names the data in errors."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int):
+    def __init__(self, tokens: np.ndarray | ShardedTokens, seq_len: int, global_batch: int, seed: int,
+                 source: str = "the token data"):
         n_val = max(seq_len + 1, len(tokens) // 100)
-        if len(tokens) - n_val <= seq_len + 1:
-            raise ValueError(f"only {len(tokens)} tokens: too few for seq_len {seq_len}")
+        if len(tokens) - n_val <= seq_len + 1:  # i.e. fewer than 2 * seq_len + 3 tokens
+            raise ConfigError(f"{source}: only {len(tokens)} tokens, too few for train.seq_len {seq_len} "
+                              f"(one window each for training and validation needs >= {2 * seq_len + 3})")
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
         self.n_train = len(tokens) - n_val
 
@@ -96,10 +164,10 @@ def rows(micro: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> slice
 
 def build_batches(data_cfg, seq_len: int, global_batch: int, seed: int) -> TokenBatches:
     if data_cfg.source == "stdlib":
-        tokens = stdlib_tokens(data_cfg.max_bytes)
+        tokens, source = stdlib_tokens(data_cfg.max_bytes), f"data.max_bytes {data_cfg.max_bytes} (stdlib source)"
     else:
-        tokens = shard_tokens(data_cfg.path)
-    return TokenBatches(tokens, seq_len, global_batch, seed)
+        tokens, source = shard_tokens(data_cfg.path), f"data.path {data_cfg.path!r}"
+    return TokenBatches(tokens, seq_len, global_batch, seed, source)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,8 +195,10 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
             raise FileNotFoundError(f"{p}: input file does not exist")
     total_bytes = sum(p.stat().st_size for p in paths)
     files, buf, done_bytes, n_docs, t0 = [], [], 0, 0, time.time()
+    buf_tokens = 0  # len of buf's arrays together, kept as they arrive (summing per document is quadratic)
 
     def flush():
+        nonlocal buf_tokens
         if not buf:
             return
         arr = np.concatenate(buf).astype(dtype)
@@ -138,15 +208,17 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
         tmp.rename(out / name)
         files.append({"name": name, "tokens": int(len(arr))})
         buf.clear()
+        buf_tokens = 0
 
     for p in paths:
         docs = _iter_docs(p, text_key)
         for text, nbytes in docs:
             ids = tokenizer.encode(text).ids + ([eos] if eos is not None else [])
             buf.append(np.asarray(ids, dtype=np.int64))
+            buf_tokens += len(ids)
             n_docs += 1
             done_bytes += nbytes
-            if sum(len(b) for b in buf) >= shard_tokens_max:
+            if buf_tokens >= shard_tokens_max:
                 flush()
             if progress and n_docs % 200 == 0:
                 _progress(done_bytes, total_bytes, t0)

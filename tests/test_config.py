@@ -42,6 +42,13 @@ def test_yaml_exponent_without_dot_is_a_number(tmp_path):
     ("model:\n  top_k: 9\n  num_experts: 8\n", "model.top_k: 9 exceeds num_experts (8)"),
     ("train:\n  seq_len: 100000\n", "train.seq_len: 100000 exceeds model.max_position_embeddings"),
     ("train: [1, 2]\n", "train: expected a mapping of keys"),
+    ("model: [1, 2]\n", "model: expected a mapping of keys, got [1, 2]"),
+    ("model:\n  family: [1]\n", "model.family: unknown family [1]"),
+    ("train:\n  lr: .inf\n", "train.lr: must be a finite number > 0, got inf"),
+    ("train:\n  lr: .nan\n", "train.lr: must be a finite number > 0, got nan"),
+    ("train:\n  eps: 0\n", "train.eps: must be a finite number > 0, got 0.0"),
+    ("train:\n  weight_decay: -0.1\n", "train.weight_decay: must be a finite number >= 0, got -0.1"),
+    ("train:\n  grad_clip: .nan\n", "train.grad_clip: must be a finite number >= 0 (0 disables), got nan"),
     ("train:\n  lr: [\n", "not valid YAML"),
 ])
 def test_bad_recipes_fail_with_a_clear_line(tmp_path, text, needle):
@@ -51,6 +58,22 @@ def test_bad_recipes_fail_with_a_clear_line(tmp_path, text, needle):
     msg = str(e.value)
     assert needle in msg
     assert str(path) in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_non_finite_lr_override_is_rejected(value):
+    with pytest.raises(ConfigError, match=f"train.lr: must be a finite number > 0, got {value}"):
+        load_config(None, [f"train.lr={value}"])
+
+
+def test_empty_section_takes_overrides(tmp_path):
+    cfg = load_config(write(tmp_path, "train:\nmodel:\n"), ["train.steps=1", "model.num_layers=3"])
+    assert cfg.train.steps == 1 and cfg.model.num_layers == 3
+
+
+def test_override_into_a_non_section(tmp_path):
+    with pytest.raises(ConfigError, match=r"override 'train.steps=1': train is not a section \(it is \[1, 2\]\)"):
+        load_config(write(tmp_path, "train: [1, 2]\n"), ["train.steps=1"])
 
 
 def test_bad_override_format():

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from pithtrain.data import BOS, DATA_VOCAB_SIZE, EOS, TokenBatches, prepare_data, shard_tokens, stdlib_tokens
+from pithtrain.config import ConfigError, load_config
+from pithtrain.data import (BOS, DATA_VOCAB_SIZE, EOS, ShardedTokens, TokenBatches, build_batches, prepare_data,
+                            shard_tokens, stdlib_tokens)
 
 
 def test_stdlib_tokens_are_bytes_with_document_markers():
@@ -42,8 +44,84 @@ def test_rows_partition_the_global_batch():
 
 
 def test_too_little_data_is_an_error():
-    with pytest.raises(ValueError, match="too few"):
+    with pytest.raises(ConfigError, match=r"only 50 tokens, too few for train.seq_len 64 .*>= 131"):
         TokenBatches(np.zeros(50, dtype=np.uint16), seq_len=64, global_batch=2, seed=0)
+    TokenBatches(np.zeros(131, dtype=np.uint16), seq_len=64, global_batch=2, seed=0).batch(0)  # the least
+
+
+def write_shards(d, arrays, **meta):
+    """A shard directory as prepare_data writes it, from token arrays; `meta` replaces meta.json fields."""
+    d.mkdir()
+    files = []
+    for i, a in enumerate(arrays):
+        np.asarray(a, dtype=np.uint16).tofile(d / f"shard_{i:05d}.bin")
+        files.append({"name": f"shard_{i:05d}.bin", "tokens": len(a)})
+    meta = {"dtype": "uint16", "vocab_size": DATA_VOCAB_SIZE, "files": files, **meta}
+    (d / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if v is not None}))
+    return d
+
+
+def test_shards_stay_memory_mapped_and_read_like_their_concatenation(tmp_path):
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, DATA_VOCAB_SIZE, n) for n in (300, 7, 1, 250)]  # windows span up to 3 shards
+    toks = shard_tokens(write_shards(tmp_path / "s", arrays))
+    assert isinstance(toks, ShardedTokens) and len(toks.shards) == 4
+    assert all(isinstance(a, np.memmap) for a in toks.shards)  # nothing read into memory up front
+    whole = np.concatenate(arrays).astype(np.uint16)
+    assert len(toks) == len(whole)
+    for s in range(len(whole) - 8):  # every window of 9, inside a shard and across each boundary
+        assert np.array_equal(toks[s:s + 9], whole[s:s + 9]), s
+    assert toks[301] == whole[301] and toks[-1] == whole[-1] and len(toks[5:5]) == 0
+    assert np.array_equal(toks[500:10_000], whole[500:])  # slices clip like numpy's
+    for step in range(3):
+        for a, b in zip(TokenBatches(toks, 64, 8, 3).batch(step), TokenBatches(whole, 64, 8, 3).batch(step)):
+            assert torch.equal(a, b)
+
+
+def test_shard_vocabulary_must_fit_the_model(tmp_path):
+    def load(name, **meta):
+        d = write_shards(tmp_path / name, [np.arange(200)], **meta)
+        return load_config(None, ["data.source=shards", f"data.path={d}"])  # default model.vocab_size 264
+
+    assert load("fits", vocab_size=264).model.vocab_size == 264
+    with pytest.raises(ConfigError, match=r"model.vocab_size: 264 is smaller than the vocabulary of the token "
+                                          r"shards in '.*big' \(300, from meta.json\)"):
+        load("big", vocab_size=300)
+    with pytest.raises(ConfigError, match=r"data.path: .*unknown/meta.json: no vocab_size"):
+        load("unknown", vocab_size=None)
+
+
+@pytest.mark.parametrize("break_it, needle", [
+    (lambda d: (d / "meta.json").write_text('{"dtype": "uint16", "vocab_size": 258}'),
+     r"meta.json: files must be a non-empty list"),
+    (lambda d: (d / "meta.json").write_text("{not json"), r"meta.json: not valid JSON"),
+    (lambda d: (d / "shard_00001.bin").unlink(), r"shard_00001.bin: shard listed in .*meta.json is missing"),
+    (lambda d: (d / "shard_00000.bin").write_bytes(b"\0" * 10),
+     r"shard_00000.bin: truncated or wrong-size shard: 10 bytes, .*meta.json says 100 tokens \(200 bytes\)"),
+])
+def test_bad_shard_directory_is_a_config_error_naming_the_file(tmp_path, break_it, needle):
+    d = write_shards(tmp_path / "s", [np.arange(100), np.arange(100)])
+    break_it(d)
+    with pytest.raises(ConfigError, match=needle):
+        shard_tokens(d)
+    with pytest.raises(ConfigError, match="data.path: .*" + needle):  # at load time, before any model is built
+        load_config(None, ["data.source=shards", f"data.path={d}"])
+
+
+def test_too_few_shard_tokens_names_the_directory(tmp_path):
+    d = write_shards(tmp_path / "s", [np.arange(50), np.arange(30)])
+    cfg = load_config(None, ["data.source=shards", f"data.path={d}", "train.seq_len=64"])
+    with pytest.raises(ConfigError, match=rf"data.path '{d}': only 80 tokens, too few for train.seq_len 64"):
+        build_batches(cfg.data, 64, 4, 0)
+
+
+def test_data_errors_end_the_run_with_one_line(tmp_path, capsys, tiny_overrides):
+    from pithtrain.train import main
+
+    d = write_shards(tmp_path / "s", [np.arange(100)])
+    assert main([*tiny_overrides, "data.source=shards", f"data.path={d}"]) == 2
+    err = capsys.readouterr().err
+    assert "error: data.path" in err and "too few for train.seq_len 64" in err and "Traceback" not in err
 
 
 @pytest.fixture
@@ -72,6 +150,8 @@ def test_prepare_data_jsonl_and_text_round_trip(tmp_path, tokenizer_dir):
     meta = prepare_data([str(src), str(txt)], str(tokenizer_dir), str(out), shard_tokens_max=500,
                         progress=False)
     assert meta["documents"] == 301 and len(meta["files"]) > 1
+    # a shard closes at the first document that takes it to shard_tokens_max (documents here are short)
+    assert all(500 <= f["tokens"] < 520 for f in meta["files"][:-1]), meta["files"]
     toks = shard_tokens(out)
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     eos = tok.token_to_id("<|endoftext|>")
@@ -96,5 +176,23 @@ def test_truncated_shard_is_detected(tmp_path, tokenizer_dir):
     prepare_data([str(src)], str(tokenizer_dir), str(out), progress=False)
     shard = next(out.glob("*.bin"))
     shard.write_bytes(shard.read_bytes()[:-2])
-    with pytest.raises(RuntimeError, match="truncated"):
+    with pytest.raises(ConfigError, match="truncated"):
         shard_tokens(out)
+
+
+def test_a_run_on_a_small_vocabulary_trains_and_exports(tmp_path, tiny_overrides):
+    """Shards of a 128-token vocabulary and model.vocab_size 128 (below the stdlib data's 258):
+    the run trains, and export reads the checkpoint without the training data's checks (the
+    shards are gone by then, as on another machine)."""
+    import shutil
+
+    from pithtrain.checkpoint.export import main as export_main
+    from pithtrain.train import main as train_main
+    rng = np.random.default_rng(1)
+    shards = write_shards(tmp_path / "s", [rng.integers(0, 128, 20_000)], vocab_size=128)
+    run = [o for o in tiny_overrides if not o.startswith(("train.steps", "data."))]
+    assert train_main(run + ["train.steps=2", "data.source=shards", f"data.path={shards}",
+                             "model.vocab_size=128"]) == 0
+    shutil.rmtree(shards)
+    assert export_main(["--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 128

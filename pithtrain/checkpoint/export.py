@@ -28,9 +28,8 @@ def load_checkpoint_model(ckpt) -> torch.nn.Module:
     path = resolve(ckpt)
     saved = yaml.safe_load((path / RECIPE).read_text())
     # Only the model section matters here; the others name paths of the training machine (data
-    # shards, init_from) that need not exist where the export runs. seq_len 1 skips the
-    # sequence-length cross-check.
-    cfg = config_from_dict({"model": saved["model"], "train": {"seq_len": 1}}, source=str(path / RECIPE))
+    # shards, init_from) that need not exist where the export runs, so no cross-checks with them.
+    cfg = config_from_dict({"model": saved["model"]}, source=str(path / RECIPE), cross_checks=False)
     model = build_model(cfg.model, "cpu")
     load_model_weights(path, model)
     return model.eval()
