@@ -309,18 +309,25 @@ def _suggest(key, options) -> str:
 def _cross_checks(cfg: Config, fail):
     from pithtrain.data import DATA_VOCAB_SIZE, read_meta
 
-    if cfg.data.source == "stdlib" and cfg.model.vocab_size < DATA_VOCAB_SIZE:
-        fail("model.vocab_size", f"the byte-level stdlib data needs >= {DATA_VOCAB_SIZE}, "
-                                 f"got {cfg.model.vocab_size}")
+    model, field = cfg.model, "model.{}".format
+    if cfg.train.init_from:  # train.py trains the checkpoint's model (its config.json), not the recipe's
+        from pithtrain.checkpoint.hf import read_config
+        try:
+            model = read_config(Path(cfg.train.init_from))[1]
+        except (OSError, ValueError) as e:
+            fail("train.init_from", str(e))
+        field = "train.init_from's config.json {}".format
+    if cfg.data.source == "stdlib" and model.vocab_size < DATA_VOCAB_SIZE:
+        fail(field("vocab_size"), f"the byte-level stdlib data needs >= {DATA_VOCAB_SIZE}, got {model.vocab_size}")
     if cfg.data.source == "shards":  # here, before any model is built: ids >= vocab_size crash step 1
         try:
             vocab = read_meta(cfg.data.path)["vocab_size"]
         except ConfigError as e:
             fail("data.path", str(e))
-        if cfg.model.vocab_size < vocab:
-            fail("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the vocabulary of the token "
-                                     f"shards in {cfg.data.path!r} ({vocab}, from meta.json); token ids "
-                                     f"would index past the embedding")
-    if cfg.train.seq_len > cfg.model.max_position_embeddings:
-        fail("train.seq_len", f"{cfg.train.seq_len} exceeds model.max_position_embeddings "
-                              f"({cfg.model.max_position_embeddings})")
+        if model.vocab_size < vocab:
+            fail(field("vocab_size"), f"{model.vocab_size} is smaller than the vocabulary of the token shards "
+                                      f"in {cfg.data.path!r} ({vocab}, from meta.json); token ids would "
+                                      "index past the embedding")
+    if cfg.train.seq_len > model.max_position_embeddings:
+        fail("train.seq_len", f"{cfg.train.seq_len} exceeds {field('max_position_embeddings')} "
+                              f"({model.max_position_embeddings})")

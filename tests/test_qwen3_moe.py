@@ -179,6 +179,16 @@ def test_training_starts_from_an_imported_checkpoint(tmp_path, tiny_overrides):
     assert run.model.hidden_size == 32  # the checkpoint's config replaced the recipe's
 
 
+def test_init_from_model_is_checked_against_the_data(tmp_path, tiny_overrides):
+    """train.init_from trains the checkpoint's model: its vocabulary (96) is what the byte-level
+    data (258 ids) must fit, not the recipe's model section (264), before anything is built."""
+    from pithtrain.config import ConfigError, load_config
+    hf_tiny(tmp_path)
+    with pytest.raises(ConfigError, match=r"train.init_from's config.json vocab_size: the byte-level "
+                                          r"stdlib data needs >= 258, got 96"):
+        load_config(None, tiny_overrides + [f"train.init_from={tmp_path / 'hf'}"])
+
+
 def test_init_from_missing_directory_is_a_config_error(tmp_path):
     from pithtrain.config import ConfigError, load_config
 
