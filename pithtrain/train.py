@@ -153,51 +153,55 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
     AuxLoss.loss_scale = 1.0 / (t.grad_accum * dp_size)  # mean over the global batch's micro-batches
     history, tokens_since = [], 0
     log.tick()
-    for step in range(start, t.steps):
-        loss_sum, n_tokens, micro_batches = 0.0, 0, []
-        x_GS, y_GS = batches.batch(step)
-        denom = (y_GS != -100).sum().item()  # loss = sum over the global batch / its target count
-        for micro in range(t.grad_accum):
-            r = rows(micro, dp_rank, dp_size, t.micro_batch_size)
-            x_BS, y_BS = x_GS[r].to(device, non_blocking=True), y_GS[r].to(device, non_blocking=True)
-            x_BS, y_BS, pos_BS = split_batch(x_BS, y_BS, dims)  # cp: this rank's sequence chunks
-            if runner is not None:  # pipeline: the schedule runs the micro-batches (below)
-                micro_batches.append((x_BS, y_BS, pos_BS))
-                continue
-            with autocast:
-                loss = model(x_BS, positions_BS=pos_BS, labels_BS=y_BS)
-            (loss / denom).backward()
-            loss_sum += loss.item()
-            n_tokens += y_BS.numel()
-        if runner is not None:
-            loss_sum, n_tokens = pipeline.run_step(runner, micro_batches, denom, cfg, dims, step)
-        loss_sum, n_tokens = all_sum([loss_sum, n_tokens], dims)
-        loss_mean = loss_sum / denom  # per target (labels -100 carry no loss); n_tokens feeds tokens/s
-        grad_norm = clip_grad_norm_(model.parameters(), t.grad_clip, dims)  # global over shards
-        check_finite(step + 1, loss=loss_mean, grad_norm=float(grad_norm))  # before the update
-        optimizer.step()
-        fp8.CACHE.next_step()  # the weights changed: FP8 copies are made again on first use
-        optimizer.zero_grad(set_to_none=True)
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
-        rec = {"step": step + 1, "loss": loss_mean, "lr": lr, "grad_norm": float(grad_norm)}
-        history.append(rec)
-        tokens_since += n_tokens
-        if (step + 1) % cfg.log.every == 0 or step + 1 == t.steps:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = log.tick()
-            tps = tokens_since / dt
-            tokens_since = 0
-            mem = memory_gb(device)
-            extra = {}
-            if dims.distributed and mem is not None:  # every rank's peak (pipeline stages differ)
-                extra["mem_gb_ranks"] = all_sum([mem if r == dims.rank else 0.0 for r in range(dims.world_size)],
-                                                dims)
-            log.write({**rec, "tokens_per_s": tps,  # all ranks together; MFU is per GPU
-                       "mfu": tps * fpt / (peak * 1e12 * dims.world_size) if peak else None,
-                       "mem_gb": mem, "imbalance": expert_imbalance(model, dims), **extra})
-        ckpt.after_step(step + 1)  # saves when due (checkpoint.every, final)
+    try:
+        for step in range(start, t.steps):
+            loss_sum, n_tokens, micro_batches = 0.0, 0, []
+            x_GS, y_GS = batches.batch(step)
+            denom = (y_GS != -100).sum().item()  # loss = sum over the global batch / its target count
+            for micro in range(t.grad_accum):
+                r = rows(micro, dp_rank, dp_size, t.micro_batch_size)
+                x_BS, y_BS = x_GS[r].to(device, non_blocking=True), y_GS[r].to(device, non_blocking=True)
+                x_BS, y_BS, pos_BS = split_batch(x_BS, y_BS, dims)  # cp: this rank's sequence chunks
+                if runner is not None:  # pipeline: the schedule runs the micro-batches (below)
+                    micro_batches.append((x_BS, y_BS, pos_BS))
+                    continue
+                with autocast:
+                    loss = model(x_BS, positions_BS=pos_BS, labels_BS=y_BS)
+                (loss / denom).backward()
+                loss_sum += loss.item()
+                n_tokens += y_BS.numel()
+            if runner is not None:
+                loss_sum, n_tokens = pipeline.run_step(runner, micro_batches, denom, cfg, dims, step)
+            loss_sum, n_tokens = all_sum([loss_sum, n_tokens], dims)
+            loss_mean = loss_sum / denom  # per target (labels -100 carry no loss); n_tokens feeds tokens/s
+            grad_norm = clip_grad_norm_(model.parameters(), t.grad_clip, dims)  # global over shards
+            check_finite(step + 1, loss=loss_mean, grad_norm=float(grad_norm))  # before the update
+            optimizer.step()
+            fp8.CACHE.next_step()  # the weights changed: FP8 copies are made again on first use
+            optimizer.zero_grad(set_to_none=True)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            rec = {"step": step + 1, "loss": loss_mean, "lr": lr, "grad_norm": float(grad_norm)}
+            history.append(rec)
+            tokens_since += n_tokens
+            if (step + 1) % cfg.log.every == 0 or step + 1 == t.steps:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = log.tick()
+                tps = tokens_since / dt
+                tokens_since = 0
+                mem = memory_gb(device)
+                extra = {}
+                if dims.distributed and mem is not None:  # every rank's peak (pipeline stages differ)
+                    extra["mem_gb_ranks"] = all_sum([mem if r == dims.rank else 0.0 for r in range(dims.world_size)],
+                                                    dims)
+                log.write({**rec, "tokens_per_s": tps,  # all ranks together; MFU is per GPU
+                           "mfu": tps * fpt / (peak * 1e12 * dims.world_size) if peak else None,
+                           "mem_gb": mem, "imbalance": expert_imbalance(model, dims), **extra})
+            ckpt.after_step(step + 1)  # saves when due (checkpoint.every, final)
+    except BaseException:  # one process: a save of an earlier step still in flight is committed
+        ckpt.abort()
+        raise
     ckpt.close()  # an asynchronous save still in flight is finished and committed
     if keep is not None:
         keep["model"] = model

@@ -207,6 +207,42 @@ def test_sigkill_mid_run_resumes_from_last_checkpoint(tmp_path):
     assert all(redone[s] == killed[s] for s in killed)
 
 
+ASYNC_THEN_FAIL = """
+import sys, time
+from pithtrain.checkpoint import dcp
+from pithtrain.data import TokenBatches
+from pithtrain.train import main
+init, manifest, batch = dcp.Checkpointer.__init__, dcp.write_manifest, TokenBatches.batch
+
+def async_init(self, *args):  # the CUDA path (dcp.async_save + a daemon commit thread), on CPU
+    init(self, *args)
+    self.use_async = True
+
+def slow_manifest(*args):  # the commit is still running when the error comes
+    time.sleep(2)
+    manifest(*args)
+
+def batch_until_2(self, step):
+    if step == 2:
+        raise RuntimeError("the node went away")
+    return batch(self, step)
+
+dcp.Checkpointer.__init__, dcp.write_manifest, TokenBatches.batch = async_init, slow_manifest, batch_until_2
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_failing_run_still_commits_the_asynchronous_save_in_flight(tmp_path):
+    """Step 2's checkpoint is being written asynchronously when step 3 fails: the process stops
+    with the error, but only after that checkpoint is committed (its daemon thread would die)."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-c", ASYNC_THEN_FAIL, *train_cmd(run, "train.steps=6", "checkpoint.every=2")[3:]]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=SUB_ENV)
+    assert out.returncode == 1 and "the node went away" in out.stderr, out.stderr[-2000:]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"
+    assert verify(run / "checkpoints" / "step_2")["step"] == 2
+
+
 def test_death_inside_save_keeps_previous_checkpoint(tmp_path, capsys):
     run = tmp_path / "run"
     env = {**SUB_ENV, "PITHTRAIN_TEST_CRASH_IN_SAVE": "4"}

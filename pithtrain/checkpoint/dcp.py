@@ -429,6 +429,22 @@ class Checkpointer:
     def close(self):
         self.wait()
 
+    def abort(self):
+        """The run is failing. In one process an asynchronous save still in flight is finished and
+        committed: its state is that of a completed step, and the daemon commit thread would die with
+        the process. Across ranks it is left: waiting could block on a rank that is gone, and the next
+        resume takes the newest committed checkpoint."""
+        if self._pending is None or self.pg is not None:
+            return
+        fut, thread = self._pending
+        self._pending = None
+        try:
+            fut.result()
+            if thread is not None:
+                thread.join()
+        except BaseException as e:  # the run's own error is the one to report
+            self.say(f"the save in flight failed as well: {e}")
+
     def _commit(self, tmp: Path, step: int):
         if os.environ.get(CRASH_HOOK) == str(step):
             os._exit(70)  # test hook: die with the shards written and nothing committed
