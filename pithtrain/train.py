@@ -16,6 +16,7 @@ import contextlib
 import math
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -106,19 +107,23 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
     resume: True continues from the newest valid checkpoint in log.run_dir, False starts fresh,
     a path continues from that checkpoint (pithtrain/checkpoint/dcp.py).
     keep: a dict that receives the trained `model` (parity tests compare its parameters)."""
+    t = cfg.train
+    if t.init_from:  # the checkpoint's config.json defines the model; the recipe's is replaced (before
+        from pithtrain.checkpoint.hf import read_config  # the layout is checked against it)
+        hub = read_config(Path(t.init_from))[1]
+        hub.aux_loss_coeff = cfg.model.aux_loss_coeff
+        cfg.model = hub
     dims = ParallelDims.from_config(cfg)  # layout vs WORLD_SIZE and model: fails before any collective
     device = pick_device(cfg)
     check_runnable(cfg, device)
     dims.init(device)  # torchrun's process group and the meshes; nothing for one process
     dtype = compute_dtype(cfg, device)
     torch.manual_seed(cfg.train.seed)
-    t = cfg.train
 
-    if t.init_from:  # the checkpoint's config.json defines the model; the recipe's is replaced
+    if t.init_from:
         from pithtrain.checkpoint import load_hf
         model = load_hf(t.init_from, device=device, dtype=torch.float32,
                         aux_loss_coeff=cfg.model.aux_loss_coeff)
-        cfg.model = model.cfg
         print(f"pithtrain: initialised from Hugging Face checkpoint {t.init_from}", flush=True)
     else:  # several processes: build on meta, parallelize, then materialise (below)
         model = build_model(cfg.model, device, init=not dims.distributed)

@@ -299,6 +299,13 @@ def test_impossible_layouts_rejected_by_arithmetic():
     cfg = make_cfg("qwen3_moe", dict(fsdp=1, dp=2, ep=2), 1, "/tmp/unused")
     with pytest.raises(ConfigError, match=r"ep: 2 must divide fsdp\*cp = 1"):
         ParallelDims.from_config(cfg, world_size=2, rank=0)
+    cfg = make_cfg("qwen3_moe", dict(fsdp=3), 1, "/tmp/unused")  # FSDP2 shards experts' dim 1 evenly only
+    with pytest.raises(ConfigError, match=r"fsdp\*cp/ep = 3 ranks, which must divide model.hidden_size \(32\)"):
+        ParallelDims.from_config(cfg, world_size=3, rank=0)
+    cfg = make_cfg("gpt_oss", dict(fsdp=4, ep=2), 1, "/tmp/unused")
+    cfg.model.intermediate_size = 17
+    with pytest.raises(ConfigError, match=r"fsdp\*cp/ep = 2 ranks, which must divide model.intermediate_size \(17\)"):
+        ParallelDims.from_config(cfg, world_size=4, rank=0)
     cfg = make_cfg("qwen3_moe", dict(fsdp=2), 1, "/tmp/unused")
     cfg.model.tie_word_embeddings = True
     with pytest.raises(ConfigError, match=r"model.tie_word_embeddings: a tied LM head is supported in one process"):
@@ -328,19 +335,32 @@ def test_torchrun_two_processes_trains_and_only_rank0_logs(tmp_path):
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * fpt / (1e12 * 2), rel=1e-9)
 
 
-def test_torchrun_ep3_fails_on_every_rank_before_any_collective(tmp_path):
+@pytest.mark.parametrize("init_from", [False, True])
+def test_torchrun_ep_not_dividing_the_experts_fails_on_every_rank_before_any_collective(tmp_path, init_from):
     """Each rank, started with torchrun's environment, prints the error and exits 2 before
     init_process_group. The ranks are plain processes here: torchrun itself stops the other
-    workers as soon as one exits, which would make "every rank printed it" a race."""
+    workers as soon as one exits, which would make "every rank printed it" a race. With
+    train.init_from the layout is checked against the checkpoint's model (3 experts), not the
+    recipe's (8), which ep=2 would divide."""
+    if init_from:
+        import transformers
+        hub = transformers.Qwen3MoeConfig(vocab_size=264, hidden_size=32, intermediate_size=48,
+                                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=8, moe_intermediate_size=16, num_experts=3,
+                                          num_experts_per_tok=2, max_position_embeddings=4096)
+        transformers.Qwen3MoeForCausalLM(hub).save_pretrained(tmp_path / "hub")
+        extra = ["parallel.ep=2", f"train.init_from={tmp_path / 'hub'}"]
+        msg = "parallel.ep: 2 does not divide model.num_experts (3)"
+    else:
+        extra, msg = ["parallel.ep=3"], "parallel.ep: 3 does not divide model.num_experts (8)"
     port = str(free_port())
     procs = []
     for rank in range(2):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
                "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        cmd = [sys.executable, "-m", "pithtrain.train", "parallel.fsdp=2", "parallel.ep=3",
-               "train.device=cpu", f"log.run_dir={tmp_path}"]
+        cmd = [sys.executable, "-m", "pithtrain.train", "parallel.fsdp=2", *extra,
+               "train.device=cpu", f"log.run_dir={tmp_path / 'run'}"]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-    msg = "parallel.ep: 3 does not divide model.num_experts (8)"
     for p in procs:  # a rank that reached a collective would wait for its peer and time out here
         out, err = p.communicate(timeout=120)
         assert p.returncode == 2, out + err
