@@ -36,7 +36,7 @@ H_DRY = "print the exact commands instead of running them"
 H_MODEL = "embedded recipe name, pithtrain/recipes/<MODEL>.yaml (e.g. gpt-oss-20b)"
 H_RECIPE = "recipe YAML file or embedded recipe name (default: embedded default)"
 H_SET = "override section.key=value (repeatable)"
-H_NPROC = "processes per node (default: 1 native, every visible GPU in docker)"
+H_NPROC = "processes per node (default: 1 native; every visible GPU in docker and for multi-node launch)"
 
 
 def _py(c, args: str, **kw):
@@ -123,8 +123,10 @@ def _train_lines(runtime, gpu, args, nproc, multinode=None) -> list[str]:
     if runtime == "native":
         if multinode is None and nproc in ("", "1"):
             return [f"{PY} -m pithtrain.train {shlex.join(args)}".rstrip()]
-        cmd = ap.torchrun(nproc or "1", args, multinode, launcher=[sys.executable, "-m",
-                                                                   "torch.distributed.run"])
+        # a multi-node launch (compose's default command, inside the image) uses every GPU of the node
+        default = "gpu" if multinode is not None else "1"
+        cmd = ap.torchrun(nproc or default, args, multinode, launcher=[sys.executable, "-m",
+                                                                       "torch.distributed.run"])
         return [shlex.join(cmd)]
     cmd = ap.torchrun(nproc or "gpu", args, multinode)
     env = {k: multinode[k] for k in (*ap.MULTINODE_ENV, "RUN_ID")} if multinode else None
@@ -253,6 +255,8 @@ def build(c, gpu="", registry="", push=False, refresh_digest=False, dry_run=Fals
     gpu_ = _gpu(gpu)
     if gpu_ is None:
         raise Exit("error: build needs --gpu (h100 | h200 | b200 | b300 | auto)", 2)
+    if push and not (registry or os.environ.get("PITHTRAIN_REGISTRY")):
+        raise Exit("error: --push needs --registry (or $PITHTRAIN_REGISTRY): where to push", 2)
     target, pins = _image(gpu_)
     if refresh_digest:
         ref = f"{pins['base_image']}:{pins['base_tag']}"
@@ -260,7 +264,12 @@ def build(c, gpu="", registry="", push=False, refresh_digest=False, dry_run=Fals
         if dry_run:
             print(shlex.join(cmd))
             return
-        new = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+        try:
+            new = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError) as e:
+            detail = getattr(e, "stderr", None) or str(e)
+            raise Exit(f"error: {shlex.join(cmd)} failed (docker buildx and registry access are "
+                       f"needed): {detail.strip()}", 2)
         if not new.startswith("sha256:"):
             raise Exit(f"error: {ref}: the registry answered {new!r}, not a digest", 2)
         text = ap.VERSIONS.read_text()
@@ -310,7 +319,10 @@ def doctor(c, gpu="", runtime="", manifest="", skill="", dry_run=False):
     if target is not None:
         pins = ap.load_versions()["targets"][target]
         if manifest:
-            checks.append((manifest, json.loads(Path(manifest).read_text())))
+            try:
+                checks.append((manifest, json.loads(Path(manifest).read_text())))
+            except (OSError, ValueError) as e:
+                raise Exit(f"error: doctor --manifest: cannot read {manifest}: {e}", 2)
         else:
             if ap.MANIFEST.is_file():
                 checks.append((f"image manifest {ap.MANIFEST}", json.loads(ap.MANIFEST.read_text())))
@@ -399,9 +411,9 @@ def shell(c, gpu="", network=False, dry_run=False):
 def prepare_data(c, inputs, tokenizer, out, text_key="text", gpu="", runtime="", dry_run=False):
     """Tokenize text files into memory-mapped shards (data.source: shards, data.path: OUT)."""
     gpu_ = _gpu(gpu)
-    code = (f"from pithtrain.data import prepare_data; prepare_data({inputs.split(',')!r}, "
-            f"tokenizer_dir={tokenizer!r}, out_dir={out!r}, text_key={text_key!r})")
-    _emit(c, _python(_runtime(runtime, gpu_, dry_run), gpu_, ["-c", code]), dry_run)
+    _emit(c, _python(_runtime(runtime, gpu_, dry_run), gpu_,
+                     ["-m", "pithtrain.data", "--inputs", inputs, "--tokenizer", tokenizer, "--out", out,
+                      "--text-key", text_key]), dry_run)
 
 
 @task(help={"ckpt": "checkpoint directory written by training",
@@ -416,7 +428,7 @@ def export_hf(c, ckpt, out, gpu="", runtime="", dry_run=False):
 
 @task(help={"model": H_MODEL, "gpu": H_GPU, "runtime": H_RUNTIME, "dry_run": H_DRY})
 def info(c, model="default", gpu="", runtime="", dry_run=False):
-    """Parameters, FLOPs per token and memory of a model recipe."""
+    """Parameters and FLOPs per token of a model recipe."""
     gpu_ = _gpu(gpu)
     rt = _runtime(runtime, gpu_, dry_run)
     _emit(c, _python(rt, gpu_, ["-m", "pithtrain.info", "--model", model]), dry_run)

@@ -84,8 +84,10 @@ def detect_gpu() -> str:
     except (OSError, subprocess.CalledProcessError):
         raise ApplianceError("--gpu=auto: nvidia-smi found no NVIDIA GPU; name one with --gpu")
     names = out.strip().splitlines()
+    # Whole words only: "NVIDIA GH200 480GB" (Grace Hopper, an arm64 host) is not an h200 image.
+    words = re.findall(r"[a-z0-9]+", names[0].lower()) if names else []
     for gpu in GPU_TARGET:
-        if names and gpu in names[0].lower():
+        if gpu in words:
             return gpu
     raise ApplianceError(f"--gpu=auto: {names[0] if names else 'no GPU'} has no image target "
                          f"(known: {', '.join(GPU_TARGET)})")

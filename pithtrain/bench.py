@@ -270,6 +270,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", default="bench.json", help="where to write all records")
     p.add_argument("--profile", default=None, help="append a torch.profiler top-kernel table per side")
     args = p.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    if args.fp8:  # the same step with FP8 expert GEMMs, timed in this run next to its bf16 twin
+        variants.append(variants[0] + "+fp8")
+    specs = {v: parse_variant(v) for v in variants}  # a bad variant stops here, before any timing
     if not torch.cuda.is_available():
         print("bench: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -277,14 +281,10 @@ def main(argv=None) -> int:
     print(f"bench: {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"{args.layers} layers, {args.batch} x {args.seq} x {args.grad_accum} micro-batches per "
           "step, bf16, AdamW", flush=True)
-    variants = [v for v in args.variants.split(",") if v]
-    if args.fp8:  # the same step with FP8 expert GEMMs, timed in this run next to its bf16 twin
-        variants.append(variants[0] + "+fp8")
     recs = []
     for name in [m for m in args.models.split(",") if m]:
         cfg = bench_config(name, args.layers, args.batch, args.seq, args.grad_accum)
-        for v in variants:
-            spec = parse_variant(v)
+        for v, spec in specs.items():
             recs.append(measure(name, v, cfg, lambda: pithtrain_step(cfg, spec, device), args.warmup,
                                 args.steps, args.profile))
         if not args.no_hf:

@@ -265,3 +265,30 @@ def _progress(done, total, t0):
     bar = "#" * int(30 * frac)
     rate = done / max(time.time() - t0, 1e-9) / 1e6
     print(f"\rprepare-data [{bar:<30}] {100 * frac:5.1f}%  {rate:.1f} MB/s", end="", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point (`invoke prepare-data` runs this)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m pithtrain.data --inputs a.jsonl,b.txt --tokenizer DIR --out DIR [--text-key text]"""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m pithtrain.data", description="Tokenize text files into "
+                                "token shards (data.source: shards, data.path: OUT).")
+    p.add_argument("--inputs", required=True, help="comma-separated .txt / .jsonl files")
+    p.add_argument("--tokenizer", required=True, help="directory holding a Hugging Face tokenizer.json")
+    p.add_argument("--out", required=True, help="output directory for the shards and meta.json")
+    p.add_argument("--text-key", default="text", help="the text field of .jsonl records")
+    args = p.parse_args(argv)
+    try:
+        prepare_data(args.inputs.split(","), tokenizer_dir=args.tokenizer, out_dir=args.out,
+                     text_key=args.text_key)
+    except (OSError, ValueError) as e:  # a missing file, a record without the text field
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

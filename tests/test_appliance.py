@@ -279,6 +279,19 @@ def test_train_is_native_without_gpu_and_inside_the_image():
     assert r.returncode == 2 and "exclude each other" in r.stderr
 
 
+@pytest.mark.parametrize("name,gpu", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                      ("NVIDIA B200", "b200"), ("NVIDIA GH200 480GB", None),
+                                      ("NVIDIA GB200", None)])
+def test_gpu_auto_matches_whole_model_names(monkeypatch, name, gpu):
+    """Grace Hopper / Grace Blackwell (arm64 hosts) must not get the x86-64 h200 / b200 image."""
+    monkeypatch.setattr(ap.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, name + "\n"))
+    if gpu is None:
+        with pytest.raises(ap.ApplianceError, match="has no image target"):
+            ap.detect_gpu()
+    else:
+        assert ap.detect_gpu() == gpu
+
+
 def test_runtime_choice(monkeypatch):
     import tasks
 
@@ -312,6 +325,10 @@ def test_launch_multinode_dry_run():
                                 "--nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=node0:29500 "
                                 "--rdzv-id=pithtrain --rdzv-conf=is_host=true -m pithtrain.train "
                                 "m train.device=cuda train.dtype=bfloat16")
+    # ...and without --nproc (compose's command) every GPU of the node, not one process per node
+    r = _invoke("launch", "--runtime=native", "--dry-run",
+                env={**MULTINODE, "PITHTRAIN_TARGET": "hopper", "PITHTRAIN_GPU": "h200"})
+    assert r.stdout.startswith(f"{sys.executable} -m torch.distributed.run --nproc-per-node=gpu --nnodes=2 ")
 
 
 def test_launch_names_every_missing_variable():
@@ -350,6 +367,13 @@ def test_other_tasks_dry_run():
         "run --rm train nsys profile --trace=cuda,nvtx,osrt --sample=none --force-overwrite=true "
         "--output=runs/profile/m torchrun --nproc-per-node=gpu --standalone -m pithtrain.train m "
         "train.device=cuda train.dtype=bfloat16 train.steps=20")
+    r = _invoke("prepare-data", "--inputs=a.jsonl,b.txt", "--tokenizer=tok", "--out=data/x", "--dry-run")
+    assert r.stdout.strip() == (f"{sys.executable} -m pithtrain.data --inputs a.jsonl,b.txt --tokenizer tok "
+                                "--out data/x --text-key text")
+    r = _invoke("build", "--gpu=h200", "--push", "--dry-run")
+    assert r.returncode == 2 and "--push needs --registry" in r.stderr
+    r = _invoke("doctor", "--gpu=h200", "--manifest=/nonexistent.json")
+    assert r.returncode == 2 and "cannot read /nonexistent.json" in r.stderr and "Traceback" not in r.stderr
     r = _invoke("export-hf", "--ckpt=runs/x/step-100", "--out=/tmp/hf", "--dry-run")
     assert r.stdout.strip() == (f"{sys.executable} -m pithtrain.checkpoint.export --ckpt "
                                 "runs/x/step-100 --out /tmp/hf")

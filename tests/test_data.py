@@ -160,13 +160,19 @@ def test_prepare_data_jsonl_and_text_round_trip(tmp_path, tokenizer_dir):
     assert sum(f["tokens"] for f in meta["files"]) == len(toks)
 
 
-def test_prepare_data_errors_name_the_file(tmp_path, tokenizer_dir):
+def test_prepare_data_errors_name_the_file(tmp_path, tokenizer_dir, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"body": "no text"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: no 'text' field"):
         prepare_data([str(bad)], str(tokenizer_dir), str(tmp_path / "o"), progress=False)
     with pytest.raises(FileNotFoundError, match="missing.txt"):
         prepare_data([str(tmp_path / "missing.txt")], str(tokenizer_dir), str(tmp_path / "o"), progress=False)
+    # the command line (invoke prepare-data) says the same in one line, exit code 2
+    from pithtrain.data import main
+    assert main(["--inputs", str(bad), "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "o")]) == 2
+    assert main(["--inputs", str(bad), "--tokenizer", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and "no 'text' field" in err and "no tokenizer.json" in err and "Traceback" not in err
 
 
 def test_truncated_shard_is_detected(tmp_path, tokenizer_dir):

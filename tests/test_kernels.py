@@ -111,6 +111,9 @@ def test_bench_variant_words_and_table():
     assert parse_variant("fused+compile+fp8")["fp8"]
     with pytest.raises(SystemExit):
         parse_variant("fused+turbo")
+    from pithtrain.bench import main  # every variant is checked before anything is built or timed
+    with pytest.raises(SystemExit, match="'ref\\+fp8': fp8 runs Triton GEMMs"):
+        main(["--variants", "ref,fused", "--fp8"])
     recs = [{"model": "m", "side": "fused", "ok": True, "tokens_per_s": 2e3, "mfu": 0.3, "peak_gb": 1.0,
              "step_ms": 5.0},
             {"model": "m", "side": "transformers", "ok": True, "tokens_per_s": 1e3, "mfu": 0.15,
