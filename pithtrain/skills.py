@@ -182,7 +182,10 @@ def check(name: str, skills_dir: Path = SKILLS_DIR, versions_path: Path = VERSIO
     if not md.is_file():
         known = ", ".join(sorted(p.name for p in skills_dir.iterdir() if (p / "SKILL.md").is_file()))
         return [(f"skill {name}", False, f"no such skill (skills: {known})")]
-    s = parse(md)
+    try:
+        s = parse(md)
+    except ValueError as e:  # broken front matter: one failed row, as lint reports it, not a traceback
+        return [(f"skill {name}", False, str(e))]
     versions = load_versions(versions_path)
     rows = []
     for key in s.prerequisites["versions"]:

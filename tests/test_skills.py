@@ -115,6 +115,18 @@ def test_doctor_skill_checks_prerequisites(tmp_path):
                                                      ("module no_such_mod", False)]
 
 
+def test_doctor_reports_broken_front_matter_like_lint(tmp_path, capsys):
+    d = make_skill(tmp_path)
+    md = d / "SKILL.md"
+    md.write_text(md.read_text().replace("name: demo", "name: [demo", 1))  # an unclosed YAML list
+    (msg,) = skills.lint(d, skills.load_versions())
+    assert "front matter is not valid YAML" in msg
+    assert skills.check("demo", skills_dir=d.parent) == [("skill demo", False, msg)]
+    assert skills.main(["check", "demo", "--skills-dir", str(d.parent)]) == 1  # a MISS row, no traceback
+    out = capsys.readouterr().out
+    assert "MISS skill demo" in out and msg in out and "prerequisites FAIL" in out
+
+
 # ---------------------------------------------------------------------------------------------
 # validate-correctness: PASS on this tree, FAIL on a planted bug
 
@@ -228,6 +240,47 @@ def test_add_moe_variant_rules(tmp_path):
     r = script("add-moe-variant/check_variant.py", "--rules-only", cwd=repo, root=repo)
     assert verdict(r) == "FAIL"
     assert "qwen3_moe_dynamic.py is not a family" in r.stdout and "imports torch.distributed" in r.stdout
+
+
+def test_add_moe_variant_rules_see_from_imports_and_subfolders(tmp_path):
+    repo = copy_repo(tmp_path / "repo")
+    models = repo / "pithtrain" / "models"
+    family = models / "qwen3_moe.py"
+    src = family.read_text()
+    family.write_text(src + "\nfrom torch import distributed as dist  # noqa\n")
+    line = len(src.splitlines()) + 2
+    (models / "variants").mkdir()
+    (models / "variants" / "x.py").write_text("import torch.distributed  # noqa\n\n\n@register  # noqa\n"
+                                              "def route():\n    pass\n")
+    r = script("add-moe-variant/check_variant.py", "--rules-only", cwd=repo, root=repo)
+    assert verdict(r) == "FAIL"
+    for needle in (f"qwen3_moe.py:{line} imports torch.distributed",  # from torch import distributed
+                   "variants/x.py:1 imports torch.distributed",        # a subfolder is scanned too
+                   "variants/x.py:4 decorator @register",
+                   "variants/x.py is not a family"):
+        assert needle in r.stdout, (needle, r.stdout)
+
+
+def test_add_moe_variant_field_must_be_set_by_a_test(tmp_path):
+    """The bare word is not a test of the field; the two forms SKILL.md asks for are. The field name
+    is built at run time so that this file never sets it, here or in the copy."""
+    field = "router"
+    repo = copy_repo(tmp_path / "repo")
+    family = repo / "pithtrain" / "models" / "qwen3_moe.py"
+    src = family.read_text()
+    anchor = "    aux_loss_coeff: float = 0.001\n"
+    assert anchor in src
+    family.write_text(src.replace(anchor, anchor + f'    {field}: str = "topk"\n'))
+    assert field in (repo / "tests" / "test_gpt_oss.py").read_text()  # HF's router weights, unrelated
+    args = ("--rules-only", "--set", f"model.{field}=dynamic")
+    r = script("add-moe-variant/check_variant.py", *args, cwd=repo, root=repo)
+    assert verdict(r) == "FAIL" and f"no test under tests/ sets model.{field}" in r.stdout, r.stdout
+    for test in (f'def test_variant_on():\n    Qwen3MoeConfig({field}="dynamic")\n',  # the tiny config
+                 f'def test_bad_value():\n    with pytest.raises(ConfigError, match="model.{field}: "):\n'
+                 f'        load_config(None, ["model.{field}=nope"])\n'):     # the ConfigError test
+        (repo / "tests" / "test_variant.py").write_text(test)
+        r = script("add-moe-variant/check_variant.py", *args, cwd=repo, root=repo)
+        assert verdict(r) == "PASS", (test, r.stdout)
 
 
 # ---------------------------------------------------------------------------------------------

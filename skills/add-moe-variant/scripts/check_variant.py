@@ -10,8 +10,10 @@ Rules (static, over pithtrain/models/):
   no-registry    no registration decorators, globals()/eval/exec/import_module lookups; FAMILIES in
                  models/__init__.py stays one literal dict
   config-field   a variant is a config field of an existing family, not a copied file: every file in
-                 models/ is __init__.py, common.py or a family named in FAMILIES; every --set key is a
-                 field of that family's config, and is named in some test under tests/
+                 models/ (subfolders included) is __init__.py, common.py or a family named in FAMILIES;
+                 every --set key is a field of that family's config, and some test under tests/ sets or
+                 names it as a config key: model.<field> (an override, a ConfigError message) or
+                 <field>= (a keyword argument)
   budget         every file in models/ stays <= 800 lines; family files keep the shape-suffix legend
 Then, with the --set overrides: validate.py --quick --family F (parity with transformers with the
 variant at its default, grouped == loop, and a 30-step run with the variant on whose loss falls and
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,10 +56,11 @@ def dotted(node) -> str:
 
 def rule_problems(families: dict) -> list[str]:
     out = []
-    for f in sorted(MODELS.glob("*.py")):
+    # rglob: a file in a subfolder is model code too, and must not escape the rules
+    for f in sorted(MODELS.rglob("*.py")):
         rel, text = f.relative_to(ROOT), f.read_text()
         tree = ast.parse(text)
-        if f.stem not in ("__init__", "common") and f.stem not in families:
+        if f.parent != MODELS or (f.stem not in ("__init__", "common") and f.stem not in families):
             out.append(f"config-field: {rel} is not a family in FAMILIES: make the variant a config field "
                        "of an existing family (or register a new family in the one literal FAMILIES dict)")
         n = len(text.splitlines())
@@ -66,7 +70,10 @@ def rule_problems(families: dict) -> list[str]:
             out.append(f"budget: {rel}: the module docstring must point to the shape-suffix legend")
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+                names = [a.name for a in node.names]
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    # `from torch import distributed` names the module only as module + "." + alias
+                    names = [node.module] + [f"{node.module}.{a}" for a in names]
                 if any(n and n.startswith("torch.distributed") for n in names):
                     out.append(f"single-device: {rel}:{node.lineno} imports torch.distributed (parallelism "
                                "lives in pithtrain/distributed/)")
@@ -88,7 +95,7 @@ def rule_problems(families: dict) -> list[str]:
 def override_problems(family: str, sets: list[str], families: dict) -> list[str]:
     out = []
     fields = {f.name for f in dataclasses.fields(families[family].config)}
-    tests = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    tests = "\n".join(p.read_text() for p in sorted((ROOT / "tests").glob("*.py")))
     for s in sets:
         key = s.split("=", 1)[0]
         section, _, name = key.partition(".")
@@ -97,8 +104,11 @@ def override_problems(family: str, sets: list[str], families: dict) -> list[str]
         if name not in fields:
             out.append(f"config-field: {key} is not a field of {families[family].config.__name__} "
                        f"(pithtrain/models/{family}.py)")
-        elif name not in tests:
-            out.append(f"config-field: no test under tests/ names {name!r}: add a test for the variant")
+        # The field must be used as a config key, not merely appear as a word: 'router' is already
+        # in the tests as HF's router weights, which says nothing about a new `router` switch.
+        elif not re.search(rf"model\.{name}\b|\b{name}=", tests):
+            out.append(f"config-field: no test under tests/ sets model.{name} (an override or a ConfigError "
+                       f"message naming the key) or passes {name}= to the config: add a test for the variant")
     return out
 
 
