@@ -115,6 +115,28 @@ def test_export_over_an_earlier_export_leaves_no_stale_weights(tmp_path):
         torch.testing.assert_close(back(ids).logits, ref.eval()(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_fused_experts_bf16_rope_table_and_refused_settings(tmp_path):
+    """Three import cases: transformers 5's fused expert layout (save_original_format=False) is the
+    same model; a bf16 load keeps RoPE's frequency table in float32 as transformers does; hub
+    settings this model does not implement are refused, not silently run differently."""
+    import shutil
+    ref = hf_tiny(tmp_path)
+    ref.save_pretrained(tmp_path / "fused", save_original_format=False)
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(load_hf(tmp_path / "fused")(ids), ref(ids).logits, rtol=1e-5, atol=1e-5)
+    bf16, fp32 = load_hf(tmp_path / "hf", dtype=torch.bfloat16), load_hf(tmp_path / "hf")
+    assert bf16.rotary.inv_freq.dtype == torch.float32
+    assert torch.equal(bf16.rotary.inv_freq, fp32.rotary.inv_freq)
+    for key, value in (("use_sliding_window", True), ("hidden_act", "gelu")):
+        bad = tmp_path / key
+        shutil.copytree(tmp_path / "hf", bad)
+        cfg = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(ValueError, match=f"{key}={value!r} is not supported"):
+            load_hf(bad)
+
+
 def test_bad_checkpoints_name_the_file(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -80,9 +80,9 @@ def load_hf(path: str | Path, device: str | torch.device = "cpu", dtype: torch.d
     fam = FAMILIES[family]
     model = to_empty(build_model(cfg, init=False), device)
     model.to(dtype)
-    for m in model.modules():  # buffers that are not in checkpoints
-        if isinstance(m, Rotary):
-            m.reset_parameters()
+    for m in model.modules():  # buffers that are not in checkpoints; RoPE's table stays float32
+        if isinstance(m, Rotary):  # (in bf16, cos/sin at position 30000 are off by up to ~2)
+            m.float().reset_parameters()
     params = dict(model.named_parameters())
     written = {name: 0 for name in params}
     key_file = shard_files(path)
@@ -104,6 +104,8 @@ def load_hf(path: str | Path, device: str | torch.device = "cpu", dtype: torch.d
         except KeyError:
             raise ValueError(f"{key_file[key]}: unexpected tensor {key!r} for {family}") from None
         for name, index, value in slices:
+            if name not in params and value.numel() == 0:  # e.g. DeepSeek's zero-width shared experts
+                continue  # (n_shared_experts=0: transformers saves empty tensors, this model has none)
             if name not in params:
                 raise ValueError(f"{key_file[key]}: tensor {key!r} maps to unknown parameter {name!r}")
             target = params[name][index] if index else params[name]

@@ -443,11 +443,18 @@ def native_name(hub: str) -> str:
 
 
 _PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 
 
 def per_expert_to_stacked(hf_key: str, get, hidden: int):
     """Hub per-expert weights (out, in) (Qwen3, DeepSeek) as slices of the stacked (E, in, out)
-    tensors: gate -> w13[e, :, :F], up -> w13[e, :, F:], down -> w2[e]. None for other keys."""
+    tensors: gate -> w13[e, :, :F], up -> w13[e, :, F:], down -> w2[e]. transformers 5 can also
+    save them fused per layer (save_original_format=False): gate_up_proj (E, 2F, D) with [gate; up]
+    rows, down_proj (E, D, F); each is the stacked tensor transposed. None for other keys."""
+    m = _FUSED_EXPERTS.fullmatch(hf_key)
+    if m is not None:
+        name = "w13_EDF2" if m[2] == "gate_up_proj" else "w2_EFD"
+        return [(f"layers.{m[1]}.mlp.experts.{name}", (), get(hf_key).transpose(1, 2))]
     m = _PER_EXPERT.fullmatch(hf_key)
     if m is None:
         return None

@@ -90,7 +90,10 @@ class Qwen3MoeConfig:
         rope = hf.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
             raise ValueError("Qwen3-MoE with scaled RoPE is not supported")
-        return cls(
+        for key, ok in (("hidden_act", "silu"), ("use_sliding_window", False)):  # else silently wrong
+            if hf.get(key, ok) != ok:
+                raise ValueError(f"{key}={hf[key]!r} is not supported (only {ok!r})")
+        cfg = cls(
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
             num_kv_heads=hf["num_key_value_heads"],
@@ -108,6 +111,12 @@ class Qwen3MoeConfig:
             attention_bias=hf.get("attention_bias", False),
             init_std=hf.get("initializer_range", 0.02),
             aux_loss_coeff=hf.get("router_aux_loss_coef", 0.001))
+
+        def fail(key, msg):
+            raise ValueError(f"{key}: {msg}")
+
+        cfg.validate(fail)
+        return cfg
 
     def to_hf(self) -> dict:
         return {
