@@ -31,9 +31,11 @@ def test_quant_rows_within_the_format_bound_and_max_exact():
     s_full = s.t().repeat_interleave(128, 1)[:, :300]
     assert bound_ok(x, deq, s_full)
     assert torch.isfinite(deq).all() and (deq[5, :128] == 0).all()
-    # each tile's largest magnitude maps to +-448 exactly
+    # each tile's largest magnitude maps to +-448 exactly (the whole e4m3 range is used)
     tile_max = x[:, :128].abs().amax(1)
     assert torch.allclose(deq[:, :128].abs().amax(1), tile_max, rtol=1e-6)
+    nonzero = tile_max > 0
+    assert (q.float()[:, :128].abs().amax(1)[nonzero] == 448).all()
 
 
 def test_quant_blocks_bound_and_transposed_copy():
@@ -43,6 +45,8 @@ def test_quant_blocks_bound_and_transposed_copy():
     assert torch.equal(qt.float(), q.transpose(1, 2).float())
     s_full = s.repeat_interleave(128, 1)[:, :200].repeat_interleave(128, 2)[:, :, :130]
     assert bound_ok(w, fp8.dequant_blocks(q, s), s_full)
+    for r, c in ((slice(0, 128), slice(0, 128)), (slice(128, 200), slice(128, 130))):  # full and edge blocks
+        assert (q.float()[:, r, c].abs().amax((1, 2)) == 448).all()  # each block's max is +-448
 
 
 def _grouped_case(counts=(100, 0, 37, 120), K=200, N=136, seed=0):

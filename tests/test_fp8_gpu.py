@@ -95,10 +95,18 @@ def test_200_steps_fp8_loss_curve_in_band_of_bf16(tmp_path):
     def run(flag):
         cfg = load_config(None, ["train.device=cuda", "train.steps=200", f"train.fp8={flag}",
                                  "log.every=50", f"log.run_dir={tmp_path / flag}"])
-        return [h["loss"] for h in train(cfg, resume=False)]
+        before = fp8.CACHE.quantised
+        losses = [h["loss"] for h in train(cfg, resume=False)]
+        return losses, fp8.CACHE.quantised - before
 
-    bf16, f8 = run("false"), run("true")
+    (bf16, q_bf16), (f8, q_f8) = run("false"), run("true")
     assert len(bf16) == len(f8) == 200
+    # FP8 really ran: each MoE layer's two expert weights quantised once per step, and the curve
+    # is not the bf16 one
+    model = load_config(None, []).model
+    n_moe = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+    assert q_bf16 == 0 and q_f8 == 2 * n_moe * 200, (q_bf16, q_f8)
+    assert f8 != bf16
     windows = [(sum(f8[i:i + 10]) / 10, sum(bf16[i:i + 10]) / 10) for i in range(0, 200, 10)]
     worst = max(abs(a - b) / b for a, b in windows)
     final = abs(sum(f8[-20:]) - sum(bf16[-20:])) / sum(bf16[-20:])

@@ -191,9 +191,12 @@ def test_fused_and_compiled_model_matches_reference_model(family):
     ref_loss, ref_g = run()
     kernels.configure("auto", "cuda")
     torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
     apply_compile(model)
     loss, g = run()
     loss2, g2 = run()  # second call: compiled graphs reused
+    assert counters["stats"]["unique_graphs"] >= 3, dict(counters["stats"])  # compiled for real
     torch._dynamo.reset()
     ref_err = rel(ref_g, exact_g)
     loss_tol = 2 * abs(ref_loss.item() - exact_loss.item()) / exact_loss.item() + 1e-3

@@ -130,8 +130,4 @@ def test_pipeline_viz_draws_a_simulated_timeline(tmp_path, capsys):
     assert pipeline_viz.main([str(tmp_path), "--width", "26"]) == 0
     out = capsys.readouterr().out
     assert "rank   0 (pp 0) |FFFFB" in out and "idle 8%" in out  # 2 of 26 units, as simulated
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return
-    assert (d / "timeline.png").stat().st_size > 1000
+    assert (d / "timeline.png").stat().st_size > 1000  # matplotlib is a dev dependency: always drawn
