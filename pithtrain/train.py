@@ -125,16 +125,16 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
         model = load_hf(t.init_from, device=device, dtype=torch.float32,
                         aux_loss_coeff=cfg.model.aux_loss_coeff)
         print(f"pithtrain: initialised from Hugging Face checkpoint {t.init_from}", flush=True)
-    else:  # several processes: build on meta, parallelize, then materialise (below)
-        model = build_model(cfg.model, device, init=not dims.distributed)
+    else:  # build on meta, parallelize, then materialise (below): the same draws on any layout
+        model = build_model(cfg.model, device, init=False)
     model.train()
     kernels.configure(t.kernels, device, fp8=t.fp8)
     if dims.rank == 0:
         print(kernels.describe(), flush=True)
     chunks = pipeline.prepare(model, cfg, dims) if dims.pp_enabled else None  # keep this stage's part
     parallelize(model, dims, t, device)  # EP -> CP -> activation checkpointing -> compile -> FSDP
-    if any(p.is_meta for p in model.parameters()):  # the same RNG draws as one process
-        materialize(model, build_model(cfg.model, init=False), device, t.seed)
+    if any(p.is_meta for p in model.parameters()):  # CPU draws, block by block, on every layout and
+        materialize(model, build_model(cfg.model, init=False), device, t.seed)  # device: 1 GPU == N GPUs
     optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     ckpt = Checkpointer(cfg, model, optimizer, scheduler, device)

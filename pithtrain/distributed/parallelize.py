@@ -35,6 +35,7 @@ from pithtrain.compile import apply_activation_checkpoint, apply_compile
 from pithtrain.distributed.context_parallel import ContextParallelAttention, ContextParallelLoadBalanceLoss
 from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
 from pithtrain.distributed.parallel_dims import ParallelDims
+from pithtrain.models import to_empty
 from pithtrain.models.common import (GroupedExperts, Rotary, attention, decoder_layers, init_block_seeded,
                                      load_balance_loss, model_blocks)
 
@@ -112,9 +113,10 @@ def materialize(model: nn.Module, meta_model: nn.Module, device: torch.device, s
     the block's own seed (common.init_block_seeded: what `init_weights` does in one process), and
     each parameter's slice for this rank is copied in; the twin is freed before the next block.
     Host memory: one block at a time (a DeepSeek-V2-Lite MoE layer is ~2.3 GB in fp32), not the
-    whole model per rank. The draws come from the CPU generator: a multi-GPU run starts where a
-    one-process CPU run does, not where a one-GPU run (whose init draws on the GPU) does."""
-    model.to_empty(device=device)
+    whole model per rank. The draws come from the CPU generator, so every layout on every device
+    starts from the same weights (train.py materialises one process this way too). A tied LM head
+    stays tied (models.to_empty)."""
+    to_empty(model, device)
     twins = dict(model_blocks(meta_model))
     for name, block in model_blocks(model):
         twin = twins[name]
