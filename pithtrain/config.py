@@ -236,6 +236,14 @@ def config_from_dict(raw: dict, source: str = "<dict>", cross_checks: bool = Tru
     built = {"model": _build(model_cls, model_raw, "model", fail, all_classes)}
     for name, cls in SECTIONS.items():
         built[name] = _build(cls, section(name), name, fail, all_classes)
+    if built["train"].init_from:  # the checkpoint's config.json defines the model trained; the
+        from pithtrain.checkpoint.hf import read_config  # recipe keeps only its aux_loss_coeff
+        try:
+            hub = read_config(Path(built["train"].init_from))[1]
+        except (OSError, ValueError) as e:
+            fail("train.init_from", str(e))
+        hub.aux_loss_coeff = built["model"].aux_loss_coeff
+        built["model"] = hub
     cfg = Config(**built, source=source)
     if cross_checks:
         _cross_checks(cfg, fail)
@@ -309,14 +317,8 @@ def _suggest(key, options) -> str:
 def _cross_checks(cfg: Config, fail):
     from pithtrain.data import DATA_VOCAB_SIZE, read_meta
 
-    model, field = cfg.model, "model.{}".format
-    if cfg.train.init_from:  # train.py trains the checkpoint's model (its config.json), not the recipe's
-        from pithtrain.checkpoint.hf import read_config
-        try:
-            model = read_config(Path(cfg.train.init_from))[1]
-        except (OSError, ValueError) as e:
-            fail("train.init_from", str(e))
-        field = "train.init_from's config.json {}".format
+    model = cfg.model  # with train.init_from, the checkpoint's (config_from_dict)
+    field = ("train.init_from's config.json {}" if cfg.train.init_from else "model.{}").format
     if cfg.data.source == "stdlib" and model.vocab_size < DATA_VOCAB_SIZE:
         fail(field("vocab_size"), f"the byte-level stdlib data needs >= {DATA_VOCAB_SIZE}, got {model.vocab_size}")
     if cfg.data.source == "shards":  # here, before any model is built: ids >= vocab_size crash step 1

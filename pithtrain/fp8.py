@@ -3,7 +3,7 @@
 `train.fp8: true` (CUDA, compute capability >= 8.9, Triton, train.kernels=auto) routes the routed
 experts' grouped GEMMs (common.GroupedExperts) through `grouped_mm` below. Master weights,
 gradients and AdamW state keep their dtype: only GEMM operands are FP8, each GEMM accumulates in
-fp32 and writes bf16. The router, embeddings, norms, attention, the dense projections and the LM
+fp32 and writes in its input's dtype (bf16: GroupedExperts casts to the autocast dtype). The router, embeddings, norms, attention, the dense projections and the LM
 head stay bf16 (DeepSeek-V3 keeps the first four and the head); on the lent H200 the dense FP8
 GEMMs measured are no faster at the attention projections' sizes (docs/perf-notes.md).
 
@@ -154,10 +154,10 @@ class _FP8GroupedMM(torch.autograd.Function):
     """y[rows of g] = x[rows of g] @ w[g] for w (G, K, N); the weight's FP8 copies come in."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_GKN, offs_G, wq_GKN, wqt_GNK, ws_GKN, out_dtype):
+    def forward(ctx, x_MK, w_GKN, offs_G, wq_GKN, wqt_GNK, ws_GKN):
         ops = _ops(x_MK)
         xq, xs = ops.quant_rows(x_MK)
-        y = ops.mgrouped_mm(xq, xs, wqt_GNK, ws_GKN, offs_G, out_dtype=out_dtype)
+        y = ops.mgrouped_mm(xq, xs, wqt_GNK, ws_GKN, offs_G, out_dtype=x_MK.dtype)
         ctx.save_for_backward(x_MK, offs_G, wq_GKN, ws_GKN)
         ctx.w_dtype = w_GKN.dtype
         return y
@@ -173,7 +173,7 @@ class _FP8GroupedMM(torch.autograd.Function):
             dx = ops.mgrouped_mm(dyq, dys, wq_GKN, ws_GKN.transpose(1, 2), offs_G, out_dtype=x_MK.dtype)
         if ctx.needs_input_grad[1]:
             dw = _weight_grad(x_MK, dy_MN, offs_G, len(wq_GKN)).to(ctx.w_dtype)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def _weight_grad(x_MK, dy_MN, offs_G, G):
@@ -195,4 +195,4 @@ def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor, ow
     so the PyTorch reference's fp32 products stay fp32."""
     wq, wqt, ws = CACHE.weights(w_GKN if owner is None else owner, w_GKN)
     with torch.autocast(x_MK.device.type, enabled=False):
-        return _FP8GroupedMM.apply(x_MK, w_GKN, offs_G.to(torch.int32), wq, wqt, ws, x_MK.dtype)
+        return _FP8GroupedMM.apply(x_MK, w_GKN, offs_G.to(torch.int32), wq, wqt, ws)

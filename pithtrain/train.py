@@ -16,7 +16,6 @@ import contextlib
 import math
 import os
 import sys
-from pathlib import Path
 
 import torch
 
@@ -107,12 +106,7 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
     resume: True continues from the newest valid checkpoint in log.run_dir, False starts fresh,
     a path continues from that checkpoint (pithtrain/checkpoint/dcp.py).
     keep: a dict that receives the trained `model` (parity tests compare its parameters)."""
-    t = cfg.train
-    if t.init_from:  # the checkpoint's config.json defines the model; the recipe's is replaced (before
-        from pithtrain.checkpoint.hf import read_config  # the layout is checked against it)
-        hub = read_config(Path(t.init_from))[1]
-        hub.aux_loss_coeff = cfg.model.aux_loss_coeff
-        cfg.model = hub
+    t = cfg.train  # with train.init_from, cfg.model is already the checkpoint's (load_config)
     dims = ParallelDims.from_config(cfg)  # layout vs WORLD_SIZE and model: fails before any collective
     device = pick_device(cfg)
     check_runnable(cfg, device)
@@ -126,7 +120,7 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
                         aux_loss_coeff=cfg.model.aux_loss_coeff)
         print(f"pithtrain: initialised from Hugging Face checkpoint {t.init_from}", flush=True)
     else:  # build on meta, parallelize, then materialise (below): the same draws on any layout
-        model = build_model(cfg.model, device, init=False)
+        model = build_model(cfg.model, init=False)
     model.train()
     kernels.configure(t.kernels, device, fp8=t.fp8)
     if dims.rank == 0:
@@ -179,14 +173,14 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
                 loss_sum, n_tokens = pipeline.run_step(runner, micro_batches, denom, cfg, dims, step)
             loss_sum, n_tokens = all_sum([loss_sum, n_tokens], dims)
             loss_mean = loss_sum / denom  # per target (labels -100 carry no loss); n_tokens feeds tokens/s
-            grad_norm = clip_grad_norm_(model.parameters(), t.grad_clip, dims)  # global over shards
-            check_finite(step + 1, loss=loss_mean, grad_norm=float(grad_norm))  # before the update
+            grad_norm = float(clip_grad_norm_(model.parameters(), t.grad_clip, dims))  # global over shards
+            check_finite(step + 1, loss=loss_mean, grad_norm=grad_norm)  # before the update
             optimizer.step()
             fp8.CACHE.next_step()  # the weights changed: FP8 copies are made again on first use
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            rec = {"step": step + 1, "loss": loss_mean, "lr": lr, "grad_norm": float(grad_norm)}
+            rec = {"step": step + 1, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm}
             history.append(rec)
             tokens_since += n_tokens
             if (step + 1) % cfg.log.every == 0 or step + 1 == t.steps:

@@ -95,14 +95,12 @@ class ParallelDims:
         if self.cp > 1 and t.compile:
             fail("train.compile", "compiled attention (fullgraph) cannot hold context parallel's "
                                   "K/V all-gather; set train.compile=false or parallel.cp=1")
-        efsdp = self.fsdp * self.cp // self.ep if (self.fsdp * self.cp) % self.ep == 0 else 1
-        experts = getattr(m, "num_experts", None)
-        if experts and efsdp > 1:  # FSDP2 shards the stacked expert weights on dim 1, evenly only
+        if getattr(m, "num_experts", None) and self.efsdp > 1:  # FSDP2 shards experts' dim 1 evenly only
             width = "moe_intermediate_size" if hasattr(m, "moe_intermediate_size") else "intermediate_size"
             for key in ("hidden_size", width):  # w13 (E, D, 2F) and w2 (E, F, D)
                 size = getattr(m, key)
-                if size % efsdp:
-                    fail("parallel", f"routed experts are FSDP-sharded on dim 1 over fsdp*cp/ep = {efsdp} "
+                if size % self.efsdp:
+                    fail("parallel", f"routed experts are FSDP-sharded on dim 1 over fsdp*cp/ep = {self.efsdp} "
                                      f"ranks, which must divide model.{key} ({size})")
         if self.world_size > 1 and getattr(m, "tie_word_embeddings", False):
             fail("model.tie_word_embeddings", "a tied LM head is supported in one process only (each "
