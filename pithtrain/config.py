@@ -25,6 +25,21 @@ import yaml
 RECIPES_DIR = Path(__file__).parent / "recipes"
 DEFAULT_RECIPE = RECIPES_DIR / "default.yaml"
 
+# Model fields a recipe owns even with train.init_from (training-only options); the hub's config.json owns the rest.
+RECIPE_MODEL_FIELDS = ("aux_loss_coeff",)
+# The rest, named: every field of every family config is in exactly one of the two lists
+# (tests/test_config.py), so a new field (a variant's switch) must be classified when it is added.
+# A field config.json cannot carry (a variant's switch, usually) belongs in RECIPE_MODEL_FIELDS.
+HUB_MODEL_FIELDS = (
+    "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+    "moe_intermediate_size", "num_experts", "top_k", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace",
+    "n_shared_experts", "topk_method", "n_group", "topk_group", "routed_scaling_factor", "sliding_window",
+    "layer_types", "swiglu_alpha", "swiglu_limit", "rope_theta", "rope_scaling", "yarn_factor",
+    "yarn_original_max_position", "yarn_beta_fast", "yarn_beta_slow", "yarn_truncate", "rms_norm_eps",
+    "max_position_embeddings", "tie_word_embeddings", "attention_bias", "init_std",
+)
+
 
 class ConfigError(ValueError):
     """A recipe problem, phrased for a person: '<file>: <key>: <what is allowed>'."""
@@ -237,12 +252,17 @@ def config_from_dict(raw: dict, source: str = "<dict>", cross_checks: bool = Tru
     for name, cls in SECTIONS.items():
         built[name] = _build(cls, section(name), name, fail, all_classes)
     if built["train"].init_from:  # the checkpoint's config.json defines the model trained; the
-        from pithtrain.checkpoint.hf import read_config  # recipe keeps only its aux_loss_coeff
+        from pithtrain.checkpoint.hf import read_config  # recipe keeps its RECIPE_MODEL_FIELDS
         try:
             hub = read_config(Path(built["train"].init_from))[1]
         except (OSError, ValueError) as e:
             fail("train.init_from", str(e))
-        hub.aux_loss_coeff = built["model"].aux_loss_coeff
+        hub_fields = {f.name for f in dataclasses.fields(hub)}
+        for k in RECIPE_MODEL_FIELDS:
+            if k in hub_fields and hasattr(built["model"], k):
+                setattr(hub, k, getattr(built["model"], k))
+            elif k in model_raw:  # the recipe's family has the option, the checkpoint's has not
+                fail(f"model.{k}", f"{type(hub).__name__} (train.init_from's family) has no such field")
         built["model"] = hub
     cfg = Config(**built, source=source)
     if cross_checks:

@@ -21,7 +21,7 @@ import torch
 
 from pithtrain import fp8, kernels
 from pithtrain.checkpoint.dcp import CheckpointError, Checkpointer
-from pithtrain.config import Config, ConfigError, load_config
+from pithtrain.config import RECIPE_MODEL_FIELDS, Config, ConfigError, load_config
 from pithtrain.data import build_batches, rows
 from pithtrain.distributed.context_parallel import split_batch
 from pithtrain.distributed.parallel_dims import ParallelDims
@@ -116,8 +116,8 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
 
     if t.init_from:
         from pithtrain.checkpoint import load_hf
-        model = load_hf(t.init_from, device=device, dtype=torch.float32,
-                        aux_loss_coeff=cfg.model.aux_loss_coeff)
+        model = load_hf(t.init_from, device=device, dtype=torch.float32,  # the recipe's own fields
+                        **{k: getattr(cfg.model, k) for k in RECIPE_MODEL_FIELDS if hasattr(cfg.model, k)})
         print(f"pithtrain: initialised from Hugging Face checkpoint {t.init_from}", flush=True)
     else:  # build on meta, parallelize, then materialise (below): the same draws on any layout
         model = build_model(cfg.model, init=False)

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from pithtrain.config import ConfigError, load_config
@@ -94,3 +96,69 @@ def test_typo_fails_before_training_starts(tmp_path, capsys):
     err = capsys.readouterr()
     assert "did you mean train.lr?" in err.err
     assert "step" not in err.out  # nothing trained
+
+
+# ---------------------------------------------------------------------------------------------
+# train.init_from: which model fields the recipe keeps (RECIPE_MODEL_FIELDS) and which the hub owns
+
+
+def unclassified(config_cls) -> list[str]:
+    from pithtrain import config
+    return [f.name for f in dataclasses.fields(config_cls)
+            if f.name not in config.RECIPE_MODEL_FIELDS and f.name not in config.HUB_MODEL_FIELDS]
+
+
+def test_every_family_model_field_is_recipe_or_hub_owned():
+    """A field added to a family config (a variant's switch) must be declared in pithtrain/config.py:
+    RECIPE_MODEL_FIELDS (kept across train.init_from) or HUB_MODEL_FIELDS (config.json's)."""
+    from pithtrain import config
+    from pithtrain.models import FAMILIES
+    for name, fam in FAMILIES.items():
+        assert unclassified(fam.config) == [], (
+            f"{name}: classify these fields in pithtrain/config.py (RECIPE_MODEL_FIELDS if config.json "
+            "cannot carry them, else HUB_MODEL_FIELDS)")
+    assert not set(config.RECIPE_MODEL_FIELDS) & set(config.HUB_MODEL_FIELDS)
+    every = {f.name for fam in FAMILIES.values() for f in dataclasses.fields(fam.config)}
+    assert sorted(set(config.HUB_MODEL_FIELDS) - every) == []  # no stale names
+    # the check above fails for a field nobody classified
+    planted = dataclasses.make_dataclass("Planted", [("topk_mass", float, 1.0)], bases=(Qwen3MoeConfig,))
+    assert unclassified(planted) == ["topk_mass"]
+
+
+@pytest.fixture
+def hub_dir(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=264, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=128, router_aux_loss_coef=0.5)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def test_init_from_keeps_every_recipe_model_field(hub_dir, tmp_path, monkeypatch):
+    """The checkpoint owns the model, except RECIPE_MODEL_FIELDS: each keeps the recipe's value in
+    the config and in the model train() builds. norm_topk_prob stands in for a training-only switch."""
+    from pithtrain import config, train
+    fields = ("aux_loss_coeff", "norm_topk_prob")
+    monkeypatch.setattr(config, "RECIPE_MODEL_FIELDS", fields)
+    monkeypatch.setattr(train, "RECIPE_MODEL_FIELDS", fields)
+    overrides = [f"train.init_from={hub_dir}", "model.aux_loss_coeff=0.02", "model.norm_topk_prob=false",
+                 "model.hidden_size=64", "train.steps=1", "train.seq_len=16", "train.micro_batch_size=2",
+                 "data.max_bytes=20000", "checkpoint.final=false", f"log.run_dir={tmp_path / 'run'}"]
+    cfg = load_config(None, overrides)
+    assert cfg.model.hidden_size == 32  # hub-owned: the checkpoint's
+    assert (cfg.model.aux_loss_coeff, cfg.model.norm_topk_prob) == (0.02, False)  # recipe-owned
+    keep = {}
+    train.train(cfg, resume=False, keep=keep)
+    moes = [m for m in keep["model"].modules() if hasattr(m, "norm_topk_prob")]
+    assert moes and all(m.norm_topk_prob is False and m.aux_loss_coeff == 0.02 for m in moes)
+
+
+def test_init_from_refuses_a_recipe_field_the_checkpoints_family_lacks(hub_dir, tmp_path, monkeypatch):
+    from pithtrain import config
+    monkeypatch.setattr(config, "RECIPE_MODEL_FIELDS", ("aux_loss_coeff", "topk_method"))
+    with pytest.raises(ConfigError, match=r"model.topk_method: Qwen3MoeConfig \(train.init_from's family\) "
+                                          "has no such field"):
+        load_config(write(tmp_path, "model:\n  family: deepseek_v2\n  topk_method: greedy\n"),
+                    [f"train.init_from={hub_dir}"])

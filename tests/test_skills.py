@@ -287,6 +287,21 @@ def test_add_moe_variant_field_must_be_set_by_a_test(tmp_path):
 # AGENTS.md
 
 
+def test_pytest_q_prints_the_counts_and_ci_ends_with_them(tmp_path):
+    """AGENTS.md says `python -m pytest -q`: with -q in the repo's addopts that became -qq, which
+    hides the pass / fail count. CI's log (.ci/run ends with `invoke test`) ends with that count."""
+    (tmp_path / "test_one.py").write_text("def test_one():\n    assert True\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c",
+                        str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path), str(tmp_path / "test_one.py")],
+                       cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0 and re.search(r"^1 passed in ", r.stdout, re.M), r.stdout
+    assert (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1] == "invoke test"
+    r = subprocess.run(["invoke", "test", "-k", "test_lint_cli_is_deterministic"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert re.fullmatch(r"=+ 1 passed, .*deselected in [\d.]+s =+", r.stdout.strip().splitlines()[-1]), r.stdout
+
+
 def test_agents_md_names_only_existing_paths_and_every_skill():
     text = (ROOT / "AGENTS.md").read_text()
     paths = set(re.findall(r"`([\w./-]+\.(?:py|md|yaml|toml)|[\w.-]+/(?:[\w./-]*)?)`", text))
