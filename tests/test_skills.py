@@ -2,6 +2,7 @@
 on the tiny model, validate-correctness FAILs on a planted bug, and AGENTS.md names only real paths."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -281,6 +282,122 @@ def test_add_moe_variant_field_must_be_set_by_a_test(tmp_path):
         (repo / "tests" / "test_variant.py").write_text(test)
         r = script("add-moe-variant/check_variant.py", *args, cwd=repo, root=repo)
         assert verdict(r) == "PASS", (test, r.stdout)
+
+
+# ---------------------------------------------------------------------------------------------
+# add-moe-variant: the worked example, applied as written to a copy, and the judge's effect stage
+
+VARIANT_SKILL = ROOT / "skills" / "add-moe-variant" / "SKILL.md"
+
+
+def fenced_blocks(md: Path, lang: str = "python") -> list[str]:
+    return [code for tag, code in re.findall(r"^```(\w*)\n(.*?)^```$", md.read_text(), re.S | re.M) if tag == lang]
+
+
+def insert_after(src: str, anchor: str, text: str) -> str:
+    assert src.count(anchor) == 1, anchor
+    return src.replace(anchor, anchor + text)
+
+
+def apply_worked_example(repo: Path, route_edit=lambda route: route) -> None:
+    """The seven edits of the skill's worked example, in its order, from its code blocks;
+    `route_edit` rewrites the route block (a no-op or a broken variant)."""
+    field, check, init, helper, route, recipe, test, _counts = fenced_blocks(VARIANT_SKILL)
+    family = repo / "pithtrain" / "models" / "qwen3_moe.py"
+    src = family.read_text()
+    src = insert_after(src, "    aux_loss_coeff: float = 0.001\n", field)
+    src = insert_after(src, '            err("aux_loss_coeff", f"must be >= 0, got {self.aux_loss_coeff}")\n', check)
+    src = insert_after(src, "        self.aux_loss_coeff = cfg.aux_loss_coeff\n", init)
+    assert src.count("\nclass MoE(nn.Module):") == 1
+    src = src.replace("\nclass MoE(nn.Module):", "\n" + helper + "\n\nclass MoE(nn.Module):")
+    src, n = re.subn(r"    def route\(self, x_TD\):\n.*?(?=\n    def forward)", lambda m: route_edit(route), src,
+                     flags=re.S)
+    assert n == 1
+    family.write_text(src)
+    config = repo / "pithtrain" / "config.py"
+    text, n = re.subn(r"^RECIPE_MODEL_FIELDS = \(.*\)$", lambda m: recipe.strip(), config.read_text(), flags=re.M)
+    assert n == 1
+    config.write_text(text)
+    (repo / "tests" / "test_topk_mass.py").write_text(test)
+
+
+def test_add_moe_variant_worked_example_as_written_passes_the_judge(tmp_path):
+    """An agent's path: the skill's edits applied literally to a copy; its tests pass there (the
+    loop reference in shuffled slot order, the field classified), and the judge's rules and effect
+    stage PASS, showing fewer experts per token at the peaked routers."""
+    repo = copy_repo(tmp_path / "repo")
+    apply_worked_example(repo)
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_topk_mass.py",
+                        "tests/test_config.py", "-k", "topk_mass or owned"], cwd=repo, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "4 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    r = script("add-moe-variant/check_variant.py", "--family", "qwen3_moe", "--set", "model.topk_mass=0.5",
+               "--no-validate", cwd=repo, root=repo)
+    assert verdict(r) == "PASS", r.stdout[-4000:] + r.stderr[-3000:]
+    assert re.search(r"effect: PASS \(acts at [1-6] of 6 conditions\)", r.stdout)
+    peaked = [ln for ln in r.stdout.splitlines() if "router x64" in ln]
+    assert peaked and all(re.search(r"2\.00 2 2 -> 1\.\d\d 1 2", ln) for ln in peaked), r.stdout
+
+
+def test_add_moe_variant_judge_fails_a_no_op_and_a_router_returning_minus_one(tmp_path):
+    """The field exists, is tested and validated, but route ignores it: FAIL, named a no-op, before
+    any training (--fail-fast). A router that marks dropped slots with id -1: FAIL, naming the contract."""
+    noop = copy_repo(tmp_path / "noop")
+    apply_worked_example(noop, route_edit=lambda route: re.sub(r"        if self.topk_mass < 1:.*?\n.*?\n", "",
+                                                                 route, flags=re.S))
+    assert "self.topk_mass" in (noop / "pithtrain" / "models" / "qwen3_moe.py").read_text()
+    r = script("add-moe-variant/check_variant.py", "--family", "qwen3_moe", "--set", "model.topk_mass=0.5",
+               "--fail-fast", cwd=noop, root=noop)
+    assert verdict(r) == "FAIL", r.stdout[-3000:] + r.stderr[-3000:]
+    assert "architecture rules: 0 problem(s)" in r.stdout and "validate.py" not in r.stdout
+    assert "effect: FAIL: model.topk_mass=0.5 is a no-op" in r.stdout, r.stdout
+    minus = copy_repo(tmp_path / "minus")
+    drop_by_id = ("idx_TA = torch.where(keep_top_mass(probs_TE.gather(-1, idx_TA), self.topk_mass), idx_TA, -1)")
+    apply_worked_example(minus, route_edit=lambda route: re.sub(r"w_TA = w_TA \* keep_top_mass\(.*\)",
+                                                                drop_by_id, route))
+    assert drop_by_id in (minus / "pithtrain" / "models" / "qwen3_moe.py").read_text()
+    r = script("add-moe-variant/check_variant.py", "--family", "qwen3_moe", "--set", "model.topk_mass=0.5",
+               "--no-validate", cwd=minus, root=minus)
+    assert verdict(r) == "FAIL", r.stdout[-3000:] + r.stderr[-3000:]
+    assert "idx_TA holds -1..7: every id must be in [0, 8)" in r.stdout, r.stdout
+
+
+def test_worked_example_helpers_do_not_assume_sorted_slots():
+    """The skill's helpers, executed as written: keep_top_mass against a per-token loop, with the
+    slots in topk's order, reversed, shuffled, and as DeepSeek-V2's route returns them
+    (sorted=False); kept_expert_counts against a loop. Assuming slot 0 is the best fails here."""
+    import torch
+
+    from pithtrain.models.deepseek_v2 import DeepseekV2Config, MoE as DeepseekMoE
+    ns = {"torch": torch}
+    helper, counts = fenced_blocks(VARIANT_SKILL)[3], fenced_blocks(VARIANT_SKILL)[7]
+    exec(helper + counts, ns)
+
+    def loop(p_TA, mass):
+        want = torch.zeros_like(p_TA, dtype=torch.bool)
+        for t in range(len(p_TA)):
+            total = 0.0
+            for a in sorted(range(p_TA.shape[1]), key=lambda a: -p_TA[t, a].item()):
+                want[t, a], total = total < mass, total + p_TA[t, a].item()
+        return want
+
+    torch.manual_seed(0)
+    probs_TE = (torch.randn(128, 8) * 2).softmax(-1)
+    p_TA = probs_TE.topk(3, dim=-1).values
+    moe = DeepseekMoE(DeepseekV2Config(hidden_size=32, top_k=3))
+    torch.nn.init.normal_(moe.gate.weight, std=0.5)
+    probs, _, idx_TA = moe.route(torch.randn(128, 32))
+    deepseek_TA = probs.gather(-1, idx_TA)
+    assert not torch.equal(deepseek_TA, deepseek_TA.sort(-1, descending=True).values)  # unsorted indeed
+    for p in (p_TA, p_TA.flip(-1), p_TA[:, torch.randperm(3)], deepseek_TA):
+        for mass in (0.3, 0.6, 0.9):
+            assert torch.equal(ns["keep_top_mass"](p, mass), loop(p, mass))
+    w_TA = torch.where(torch.rand(128, 3) < 0.3, 0.0, 1.0)
+    want = torch.zeros(8, dtype=torch.int64)
+    for t, a in zip(*torch.nonzero(w_TA, as_tuple=True)):
+        want[idx_TA[t, a]] += 1
+    assert torch.equal(ns["kept_expert_counts"](idx_TA, w_TA, 8), want)
 
 
 # ---------------------------------------------------------------------------------------------
