@@ -43,6 +43,10 @@ PREREQ_KINDS = ("versions", "commands", "modules", "optional")
 # Repo paths a skill names in backticks, e.g. `pithtrain/train.py` or `scripts/validate.py`.
 PATH_RE = re.compile(r"`((?:scripts|pithtrain|tests|skills|images|compose|docs)/[\w./-]*"
                      r"|tasks\.py|AGENTS\.md|README\.md|pyproject\.toml)`")
+# Any Markdown file a skill names, in backticks or not: a cited document must be in the repository.
+MD_RE = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w-]+\.md)\b")
+# "AGENTS.md, rules 1 to 4" / "`AGENTS.md`, rule 7": the numbers must be rules AGENTS.md has.
+RULES_RE = re.compile(r"AGENTS\.md`?,? rules? (\d+(?:(?:,| and| to| or) \d+)*)")
 
 
 @dataclass
@@ -149,6 +153,14 @@ def lint(skill_dir: Path, versions: dict) -> list[str]:
     for ref in sorted(set(PATH_RE.findall(s.body))):
         if not ((skill_dir / ref).exists() or (ROOT / ref).exists()):
             problems.append(f"{md}: names `{ref}`, which does not exist")
+    for ref in sorted(set(MD_RE.findall(s.body))):
+        if not ((skill_dir / ref).exists() or (ROOT / ref).exists()):
+            problems.append(f"{md}: cites {ref}, which is not in the repository (the rules are AGENTS.md's)")
+    n_rules = len(re.findall(r"(?m)^\d+\. ", _section(ROOT / "AGENTS.md", "## Rules every change keeps")))
+    for numbers in RULES_RE.findall(s.body):
+        for n in map(int, re.findall(r"\d+", numbers)):
+            if not 1 <= n <= n_rules:
+                problems.append(f"{md}: cites AGENTS.md rule {n}; it has rules 1 to {n_rules}")
     scripts = sorted(p for p in (skill_dir / "scripts").glob("*") if p.is_file())
     if not scripts:
         problems.append(f"{skill_dir}: no scripts/ (every skill ends in a PASS/FAIL script)")
@@ -166,6 +178,17 @@ def lint(skill_dir: Path, versions: dict) -> list[str]:
         problems += [f"{hit}: version literal not from images/versions.yaml"
                      for hit in find_unpinned_versions([md, *scripts], versions)]
     return problems
+
+
+def _section(path: Path, heading: str) -> str:
+    """The text under `heading` up to the next heading of any level; empty when absent."""
+    text = path.read_text() if path.is_file() else ""
+    start = text.find(heading + "\n")
+    if start < 0:
+        return ""
+    rest = text[start + len(heading) + 1:]
+    m = re.search(r"(?m)^#", rest)
+    return rest[:m.start()] if m else rest
 
 
 def lint_all(skills_dir: Path = SKILLS_DIR, versions_path: Path = VERSIONS) -> list[str]:

@@ -84,6 +84,9 @@ def make_skill(tmp_path, body_extra="", **front):
     ({"body_extra": "x\n" * 500}, "keep it under 500"),
     ({"body_extra": "Needs torch 2.11.0 exactly.\n"}, "version literal"),
     ({"body_extra": "Built from commit 0123456789abcdef0123456789abcdef01234567.\n"}, "version literal"),
+    ({"body_extra": "Keep STYLE.md rules 1 and 15.\n"}, "cites STYLE.md, which is not in the repository"),
+    ({"body_extra": "The protocol is shared/BENCH.md.\n"}, "cites shared/BENCH.md"),
+    ({"body_extra": "Keep `AGENTS.md`, rules 1 to 4 and AGENTS.md rule 99.\n"}, "cites AGENTS.md rule 99"),
 ])
 def test_lint_reports_each_problem(tmp_path, change, message):
     change = dict(change)
@@ -262,17 +265,28 @@ def test_add_moe_variant_rules_see_from_imports_and_subfolders(tmp_path):
         assert needle in r.stdout, (needle, r.stdout)
 
 
+# A field no test sets, for the test below. It must not be a name the skills suggest: an agent who
+# follows the worked example adds that field and a test setting it, which would make the copy pass.
+UNSET_FIELD = "_".join(("judge", "probe", "unset"))  # joined at run time: this file never sets it
+
+
+def test_no_skill_suggests_the_unset_field_name():
+    text = "\n".join(p.read_text() for p in (ROOT / "skills").rglob("*") if p.is_file() and p.suffix in (".md", ".py"))
+    assert UNSET_FIELD not in text
+    field_block = fenced_blocks(VARIANT_SKILL)[0]  # the worked example's config field
+    assert re.match(r"\s*(\w+):", field_block)[1] != UNSET_FIELD
+
+
 def test_add_moe_variant_field_must_be_set_by_a_test(tmp_path):
-    """The bare word is not a test of the field; the two forms SKILL.md asks for are. The field name
-    is built at run time so that this file never sets it, here or in the copy."""
-    field = "router"
+    """The bare word is not a test of the field; the two forms SKILL.md asks for are."""
+    field = UNSET_FIELD
     repo = copy_repo(tmp_path / "repo")
     family = repo / "pithtrain" / "models" / "qwen3_moe.py"
     src = family.read_text()
     anchor = "    aux_loss_coeff: float = 0.001\n"
     assert anchor in src
     family.write_text(src.replace(anchor, anchor + f'    {field}: str = "topk"\n'))
-    assert field in (repo / "tests" / "test_gpt_oss.py").read_text()  # HF's router weights, unrelated
+    (repo / "tests" / "test_mention.py").write_text(f"# {field} is mentioned, not set\nx = '{field}'\n")
     args = ("--rules-only", "--set", f"model.{field}=dynamic")
     r = script("add-moe-variant/check_variant.py", *args, cwd=repo, root=repo)
     assert verdict(r) == "FAIL" and f"no test under tests/ sets model.{field}" in r.stdout, r.stdout
@@ -398,6 +412,42 @@ def test_worked_example_helpers_do_not_assume_sorted_slots():
     for t, a in zip(*torch.nonzero(w_TA, as_tuple=True)):
         want[idx_TA[t, a]] += 1
     assert torch.equal(ns["kept_expert_counts"](idx_TA, w_TA, 8), want)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every example in the skills runs as written, or the skill says why not
+
+COMMAND_RE = re.compile(r"`((?:python|invoke|torchrun) [^`]*)`(\s*\(not run by tests[^:)]*: [^)]+\))?")
+
+
+def skill_commands() -> list[tuple[str, str, str | None]]:
+    """(skill, command, the '(not run by tests...: why)' after it or None) for every command a skill
+    shows: a backticked span starting with python, invoke or torchrun."""
+    return [(md.parent.name, m[1], m[2]) for md in sorted((ROOT / "skills").glob("*/SKILL.md"))
+            for m in COMMAND_RE.finditer(md.read_text())]
+
+
+def test_every_skill_command_runs_as_written_or_says_why_not():
+    """The CPU commands run here, from the repository root, exactly as the skill prints them, and
+    must succeed (a PASS/FAIL script must say PASS). The python blocks are the add-moe-variant worked
+    example's, which the tests above apply and run; no other skill has code blocks."""
+    commands = skill_commands()
+    assert len(commands) > 30
+    for skill in SKILLS:
+        assert (skill, f"invoke doctor --skill {skill}", None) in commands
+    assert [p.parent.name for p in (ROOT / "skills").glob("*/SKILL.md") if "```" in p.read_text()] == \
+           ["add-moe-variant"]
+    assert len(fenced_blocks(VARIANT_SKILL)) == 8 and len(re.findall(r"^```", VARIANT_SKILL.read_text(), re.M)) == 16
+    ran = []
+    for skill, cmd, skip in commands:
+        if skip:
+            continue
+        r = subprocess.run(cmd, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, (skill, cmd, r.stdout[-2000:], r.stderr[-2000:])
+        if "/scripts/" in cmd:
+            assert verdict(r) == "PASS", (skill, cmd)
+        ran.append(cmd)
+    assert any("capture.py" in c for c in ran) and any("throughput.py" in c for c in ran), ran
 
 
 # ---------------------------------------------------------------------------------------------
