@@ -15,7 +15,8 @@ A SKILL.md opens with YAML front matter (the Agent Skills format plus one key of
       optional: [nsys]                  # executables used when present; reported, never required
 
 `lint` is static (runs anywhere, CI): front matter, name, description, body length, the doctor step,
-referenced files, and that every `versions` key exists in versions.yaml, so renaming a pin without
+referenced files, cited documents (any *.md) and AGENTS.md rule numbers, and that every `versions`
+key exists in versions.yaml, so renaming a pin without
 updating the skills fails. `check` is the runtime half: the same keys plus PATH and imports here.
 """
 

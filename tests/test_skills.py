@@ -377,6 +377,32 @@ def test_add_moe_variant_judge_fails_a_no_op_and_a_router_returning_minus_one(tm
     assert "idx_TA holds -1..7: every id must be in [0, 8)" in r.stdout, r.stdout
 
 
+def test_a_router_id_of_minus_one_breaks_the_local_dispatcher():
+    """What the skill says a router may not return: -1 is no empty-slot id for a dispatcher."""
+    import torch
+
+    from pithtrain.models.common import GroupedExperts, LocalDispatcher
+    experts = GroupedExperts(4, 8, 8)
+    torch.nn.init.normal_(experts.w13_EDF2)
+    torch.nn.init.normal_(experts.w2_EFD)
+    x_TD, w_TA = torch.randn(3, 8), torch.ones(3, 2)
+    LocalDispatcher()(x_TD, torch.tensor([[0, 1], [2, 3], [1, 0]]), w_TA, experts)
+    with pytest.raises(RuntimeError):
+        LocalDispatcher()(x_TD, torch.tensor([[0, -1], [2, 3], [1, 0]]), w_TA, experts)
+
+
+def test_readme_and_agents_md_give_the_three_variant_commands():
+    commands = ("python skills/add-moe-variant/scripts/check_variant.py --family F --set model.X=V",
+                "python skills/validate-correctness/scripts/validate.py --family F --set model.X=V",
+                "python -m pytest -q -x")
+    for doc in ("AGENTS.md", "README.md", "skills/add-moe-variant/SKILL.md"):
+        text = " ".join((ROOT / doc).read_text().split())  # README wraps lines
+        assert all(c in text for c in commands), doc
+    for name in ("add-moe-variant/check_variant.py", "validate-correctness/validate.py"):
+        r = script(name, "--help")
+        assert r.returncode == 0 and "--family" in r.stdout and "--set" in r.stdout
+
+
 def test_worked_example_helpers_do_not_assume_sorted_slots():
     """The skill's helpers, executed as written: keep_top_mass against a per-token loop, with the
     slots in topk's order, reversed, shuffled, and as DeepSeek-V2's route returns them
