@@ -25,6 +25,10 @@ import yaml
 RECIPES_DIR = Path(__file__).parent / "recipes"
 DEFAULT_RECIPE = RECIPES_DIR / "default.yaml"
 
+# Model fields a recipe owns even with train.init_from (training-only options); the hub's config.json owns the rest.
+RECIPE_MODEL_FIELDS = ("aux_loss_coeff",)
+RECIPE_MODEL_FIELDS += ("balance", "bias_update_rate", "z_loss_coeff")  # models/balance.py
+
 
 class ConfigError(ValueError):
     """A recipe problem, phrased for a person: '<file>: <key>: <what is allowed>'."""
@@ -237,12 +241,13 @@ def config_from_dict(raw: dict, source: str = "<dict>", cross_checks: bool = Tru
     for name, cls in SECTIONS.items():
         built[name] = _build(cls, section(name), name, fail, all_classes)
     if built["train"].init_from:  # the checkpoint's config.json defines the model trained; the
-        from pithtrain.checkpoint.hf import read_config  # recipe keeps only its aux_loss_coeff
+        from pithtrain.checkpoint.hf import read_config  # recipe keeps its RECIPE_MODEL_FIELDS
         try:
             hub = read_config(Path(built["train"].init_from))[1]
         except (OSError, ValueError) as e:
             fail("train.init_from", str(e))
-        hub.aux_loss_coeff = built["model"].aux_loss_coeff
+        for k in RECIPE_MODEL_FIELDS:
+            setattr(hub, k, getattr(built["model"], k))
         built["model"] = hub
     cfg = Config(**built, source=source)
     if cross_checks:

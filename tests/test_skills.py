@@ -268,7 +268,7 @@ def test_add_moe_variant_field_must_be_set_by_a_test(tmp_path):
     repo = copy_repo(tmp_path / "repo")
     family = repo / "pithtrain" / "models" / "qwen3_moe.py"
     src = family.read_text()
-    anchor = "    aux_loss_coeff: float = 0.001\n"
+    anchor = "    init_std: float = 0.02\n"
     assert anchor in src
     family.write_text(src.replace(anchor, anchor + f'    {field}: str = "topk"\n'))
     assert field in (repo / "tests" / "test_gpt_oss.py").read_text()  # HF's router weights, unrelated
