@@ -411,4 +411,5 @@ def test_bias_evens_out_a_skewed_router_over_100_steps(tmp_path):
         recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert len(recs) == 100 and recs[0]["load_max_mean"]["0"] > 3.5  # skewed at the start
         last[balance] = sum(r["load_max_mean"]["0"] for r in recs[-20:]) / 20
+    print(f"layer 0 load max/mean, mean of the last 20 of 100 steps: {last}")
     assert last["none"] > 3.5 and last["bias"] < 2.0, last
