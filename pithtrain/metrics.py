@@ -69,8 +69,9 @@ def peak_tflops(device: torch.device, override: float = 0.0) -> float | None:
 
 
 class StepLog:
-    """Prints `step  loss  lr  grad-norm  tok/s  MFU  mem  imbalance` and appends the same record
-    to <run_dir>/metrics.jsonl. Only rank 0 writes. The file continues from the step the run
+    """Prints `step  loss  lr  grad-norm  tok/s  MFU  mem  imbalance` and appends the record (with
+    the per-layer expert load and routing statistics, reductions.routing_metrics) to
+    <run_dir>/metrics.jsonl. Only rank 0 writes. The file continues from the step the run
     starts at: records of later steps (a run that went on past its last checkpoint, or one set
     aside by --no-resume) move to metrics.abandoned.jsonl, so each step appears once."""
 
@@ -117,17 +118,6 @@ class StepLog:
               f"mem {mem} | imbalance {rec['imbalance']:.2f}", flush=True)
         with self.path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
-
-
-def expert_imbalance(model: torch.nn.Module) -> float:
-    """max / mean routed tokens per expert, worst MoE layer of the last forward (1.0 = balanced)."""
-    worst = 1.0
-    for m in model.modules():
-        counts = getattr(m, "last_counts_E", None)
-        if counts is not None:
-            c = counts.float()
-            worst = max(worst, (c.max() / c.mean().clamp(min=1e-9)).item())
-    return worst
 
 
 def memory_gb(device: torch.device) -> float | None:

@@ -27,7 +27,7 @@ from pithtrain.distributed.context_parallel import split_batch
 from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.distributed import pipeline
 from pithtrain.distributed.parallelize import materialize, parallelize
-from pithtrain.distributed.reductions import all_sum, clip_grad_norm_, expert_imbalance
+from pithtrain.distributed.reductions import all_sum, balance_after_step, clip_grad_norm_
 from pithtrain.metrics import (StepLog, check_finite, flops_per_token, memory_gb, param_counts,
                                peak_tflops)
 from pithtrain.models import build_model
@@ -177,13 +177,15 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
             check_finite(step + 1, loss=loss_mean, grad_norm=grad_norm)  # before the update
             optimizer.step()
             fp8.CACHE.next_step()  # the weights changed: FP8 copies are made again on first use
+            logged = (step + 1) % cfg.log.every == 0 or step + 1 == t.steps
+            routing = balance_after_step(model, dims, cfg.model, metrics=logged)  # global load: bias, metrics
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             rec = {"step": step + 1, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm}
             history.append(rec)
             tokens_since += n_tokens
-            if (step + 1) % cfg.log.every == 0 or step + 1 == t.steps:
+            if logged:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 dt = log.tick()
@@ -196,7 +198,7 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
                                                     dims)
                 log.write({**rec, "tokens_per_s": tps,  # all ranks together; MFU is per GPU
                            "mfu": tps * fpt / (peak * 1e12 * dims.world_size) if peak else None,
-                           "mem_gb": mem, "imbalance": expert_imbalance(model, dims), **extra})
+                           "mem_gb": mem, **routing, **extra})
             ckpt.after_step(step + 1)  # saves when due (checkpoint.every, final)
     except BaseException:  # one process: a save of an earlier step still in flight is committed
         ckpt.abort()

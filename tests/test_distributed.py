@@ -13,7 +13,7 @@ Layouts (issue notation -> recipe; ep borrows ranks from fsdp*cp, see parallel_d
 
 The load-balancing loss is on (coefficient 0.01): with dp/fsdp it is per micro-batch exactly
 as in the reference; with cp its statistics are all-reduced over the cp ranks
-(ContextParallelLoadBalanceLoss), so it is the same function too.
+(ContextParallelSum, each MoE block's `balance.stats_sum`), so it is the same function too.
 
 Tolerance (float32). Nothing is approximated; what differs is the order of float additions:
 FSDP sums gradients across ranks, expert parallel sums a token's expert outputs per rank and

@@ -283,7 +283,7 @@ def test_add_moe_variant_field_must_be_set_by_a_test(tmp_path):
     repo = copy_repo(tmp_path / "repo")
     family = repo / "pithtrain" / "models" / "qwen3_moe.py"
     src = family.read_text()
-    anchor = "    aux_loss_coeff: float = 0.001\n"
+    anchor = "    init_std: float = 0.02\n"
     assert anchor in src
     family.write_text(src.replace(anchor, anchor + f'    {field}: str = "topk"\n'))
     (repo / "tests" / "test_mention.py").write_text(f"# {field} is mentioned, not set\nx = '{field}'\n")
@@ -427,7 +427,7 @@ def test_worked_example_helpers_do_not_assume_sorted_slots():
     p_TA = probs_TE.topk(3, dim=-1).values
     moe = DeepseekMoE(DeepseekV2Config(hidden_size=32, top_k=3))
     torch.nn.init.normal_(moe.gate.weight, std=0.5)
-    probs, _, idx_TA = moe.route(torch.randn(128, 32))
+    _, probs, _, idx_TA = moe.route(torch.randn(128, 32))
     deepseek_TA = probs.gather(-1, idx_TA)
     assert not torch.equal(deepseek_TA, deepseek_TA.sort(-1, descending=True).values)  # unsorted indeed
     for p in (p_TA, p_TA.flip(-1), p_TA[:, torch.randperm(3)], deepseek_TA):

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pithtrain.models import FAMILIES, build_model, to_empty
+from pithtrain.models.balance import Balance
 from pithtrain.models.common import Rotary
 
 SHARD_BYTES = 4 << 30  # export shard size
@@ -81,8 +82,8 @@ def load_hf(path: str | Path, device: str | torch.device = "cpu", dtype: torch.d
     model = to_empty(build_model(cfg, init=False), device)
     model.to(dtype)
     for m in model.modules():  # buffers that are not in checkpoints; RoPE's table stays float32
-        if isinstance(m, Rotary):  # (in bf16, cos/sin at position 30000 are off by up to ~2)
-            m.float().reset_parameters()
+        if isinstance(m, (Rotary, Balance)):  # (in bf16, cos/sin at position 30000 are off by up to
+            m.float().reset_parameters()  # ~2); the balance=bias bias starts at zero (no family's hub has it)
     params = dict(model.named_parameters())
     written = {name: 0 for name in params}
     key_file = shard_files(path)
@@ -143,6 +144,10 @@ def save_hf(model: torch.nn.Module, path: str | Path, dtype: torch.dtype | None 
         old.unlink(missing_ok=True)
     cfg = model.cfg
     fam = FAMILIES[cfg.family]
+    for name, b in model.named_buffers():  # balance=bias: no supported hub format has the bias
+        if name.endswith("balance.bias_E") and b.any():  # (DeepSeek-V3's e_score_correction_bias)
+            raise ValueError(f"{name}: the trained routing bias (model.balance=bias) has no place in "
+                             f"{cfg.hf_architecture}'s hub format; transformers would route without it")
     state = state_for_export(model)
     dtype = dtype or next(iter(state.values())).dtype
     hf_cfg = {**cfg.to_hf(), "torch_dtype": str(dtype).removeprefix("torch."),

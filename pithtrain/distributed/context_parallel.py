@@ -109,20 +109,15 @@ class ContextParallelAttention:
         return torch.cat(outs, dim=2)
 
 
-class ContextParallelLoadBalanceLoss:
-    """Drop-in for models.common.load_balance_loss (each MoE block's `load_balance_loss`) when the
-    cp ranks split a micro-batch's tokens. The loss is E * sum_e f_e * P_e over the whole
-    micro-batch: f_e (routed-slot fractions, no gradient) and the token count are all-reduced
-    over the cp group; P_e is split into the ranks' shares, sum over local tokens of p_te / T, so
-    the per-rank values add up to the single-process loss and so do their gradients."""
+class ContextParallelSum:
+    """Drop-in for each MoE block's `balance.stats_sum` (models/balance.py) when the cp ranks
+    split a micro-batch's sequences: the detached statistics of the balancing and z losses
+    (slots per expert and per sequence, token counts) are summed over the cp group, so each rank
+    computes its share of the whole micro-batch's loss (the shares add up to the one-process loss)."""
 
     def __init__(self, group):
         self.group = group
 
-    def __call__(self, probs_TE, idx_TA, num_experts):
-        counts = torch.bincount(idx_TA.reshape(-1), minlength=num_experts).to(torch.float64)
-        stats = torch.cat([counts, counts.new_tensor([idx_TA.shape[0]])])
+    def __call__(self, stats):
         dist.all_reduce(stats, group=self.group)
-        T = stats[-1].item()
-        f_E = (stats[:-1] / (T * idx_TA.shape[1])).float()
-        return num_experts * (f_E * probs_TE.float().sum(0) / T).sum()
+        return stats

@@ -103,7 +103,7 @@ def _layer_phases(layer, i, h_in, rope, split):
         h1 = h + layer.self_attn(layer.input_layernorm(h), rope)
         B, S, D = h1.shape
         x_TD = layer.post_attention_layernorm(h1).reshape(B * S, D)
-        w_TA, idx_TA, aux = route_tokens(moe, x_TD)
+        w_TA, idx_TA, aux = route_tokens(moe, x_TD, sequences=B)
         if aux is not None:
             h1 = AuxLoss.apply(h1, aux)
         return {p + "h1": h1, p + "x": x_TD, p + "w": w_TA, p + "idx": idx_TA}

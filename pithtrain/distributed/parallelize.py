@@ -9,7 +9,7 @@ Order (each step relies on the previous ones):
                        ep mesh (size 1 when ep=1, so experts always live on their own mesh), and
                        each MoE block's `dispatcher` becomes the all-to-all one (ep > 1).
   2. context parallel  each attention module's `attention` call becomes ContextParallelAttention,
-                       each MoE block's `load_balance_loss` the one with whole-sequence statistics.
+                       each MoE block's `balance.stats_sum` an all-reduce over the cp ranks.
   3. activation checkpointing, 4. compile   (pithtrain/compile.py; module names unchanged).
   5. FSDP2             routed experts first, on the expert mesh (edp, efsdp) with Shard(1): split
                        by their input width, because dim 0 is already split by ep and E/ep need
@@ -32,12 +32,13 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from pithtrain.compile import apply_activation_checkpoint, apply_compile
-from pithtrain.distributed.context_parallel import ContextParallelAttention, ContextParallelLoadBalanceLoss
+from pithtrain.distributed.context_parallel import ContextParallelAttention, ContextParallelSum
 from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
 from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.models import to_empty
+from pithtrain.models.balance import Balance
 from pithtrain.models.common import (GroupedExperts, Rotary, attention, decoder_layers, init_block_seeded,
-                                     load_balance_loss, model_blocks)
+                                     model_blocks)
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
@@ -60,12 +61,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, train_cfg, device: torch.d
                                                         m.experts.num_experts)
     if dims.cp_enabled:
         cp_attention = ContextParallelAttention(dims.cp_group, dims.cp_rank, dims.cp)
-        cp_balance = ContextParallelLoadBalanceLoss(dims.cp_group)
+        cp_sum = ContextParallelSum(dims.cp_group)
         for m in model.modules():
             if getattr(m, "attention", None) is attention:
                 m.attention = cp_attention
-            if getattr(m, "load_balance_loss", None) is load_balance_loss:
-                m.load_balance_loss = cp_balance
+            if isinstance(m, Balance):
+                m.stats_sum = cp_sum
     apply_activation_checkpoint(model, train_cfg.activation_checkpoint)
     if train_cfg.compile and device.type == "cuda":
         apply_compile(model)

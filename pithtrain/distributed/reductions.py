@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from pithtrain.models.balance import Balance
+
 
 def all_sum(values: list[float], dims) -> list[float]:
     """Sum per-rank numbers over every rank (e.g. each rank's summed token loss and token count)."""
@@ -69,20 +71,58 @@ def _grad_device(grads):
     return (g.to_local() if isinstance(g, DTensor) else g).device
 
 
-def expert_imbalance(model: torch.nn.Module, dims) -> float:
-    """max / mean tokens per expert of the last forward, worst MoE layer, over the tokens of
-    every rank (collective when distributed: every rank calls it). 1.0 = balanced."""
-    counts = [m.last_counts_E for m in model.modules() if getattr(m, "last_counts_E", None) is not None]
-    if dims.distributed and counts:
-        stacked = torch.stack([c.to(_comm_device(), torch.float64) for c in counts])
-        dist.all_reduce(stacked, group=dims.stage_group)  # the same layers, other tokens
-        counts = list(stacked)
-    worst = 1.0
-    for c in counts:
-        c = c.double()
-        worst = max(worst, float(c.max() / c.mean().clamp(min=1e-9)))
-    if dims.distributed:
-        t = torch.tensor([worst], dtype=torch.float64, device=_comm_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the worst layer of every pipeline stage
-        worst = float(t.item())
-    return worst
+@torch.no_grad()
+def balance_after_step(model: torch.nn.Module, dims, model_cfg, metrics: bool) -> dict:
+    """After the optimizer step (every rank calls it: collective when distributed). Each MoE
+    block's step statistics (models/balance.py `Balance.stats`: kept slots per expert, then tokens
+    per number of kept slots, over this rank's micro-batches) are summed over the ranks holding
+    the same layers (the stage group: other tokens, same experts); each unit updates from the
+    global load (balance=bias moves its bias, identically on every rank); the statistics restart.
+    The sum is skipped when nothing needs it (no bias to move and no metrics this step).
+
+    With metrics=True, returns the routing metrics of the step's global batch (routing_metrics)."""
+    units = [(int(name.split(".")[1]), m) for name, m in model.named_modules() if isinstance(m, Balance)]
+    if not metrics and all(m.bias_E is None for _, m in units):
+        for _, m in units:
+            m.stats.zero_()
+        return {}
+    E = model_cfg.num_experts
+    # One row per layer (E + A + 1 statistics, then 1.0 for "a MoE layer"); pipeline stages hold
+    # different layers, so rows this rank does not hold stay zero.
+    table = torch.zeros(model_cfg.num_layers, E + model_cfg.top_k + 2, dtype=torch.float64,
+                        device=_comm_device() if dims.distributed else "cpu")
+    for i, m in units:
+        table[i, :-1] = m.stats.to(table.device, torch.float64)
+        table[i, -1] = 1.0
+        m.stats.zero_()
+    if dims.distributed:  # a layer's rows of every rank holding it: the same layers, other tokens;
+        # for metrics every layer, on every rank (the other stages' rows are zero here)
+        dist.all_reduce(table, group=None if metrics else dims.stage_group)
+    for i, m in units:
+        m.update(table[i, :E])
+    return routing_metrics(table.cpu(), E) if metrics else {}
+
+
+def routing_metrics(table: torch.Tensor, num_experts: int) -> dict:
+    """From (layers, E + A + 2) global step statistics: per MoE layer (keyed by layer index) the
+    expert load's max / mean and coefficient of variation (std / mean); the worst layer's max /
+    mean as `imbalance` (1.0 = balanced); over every MoE layer and token, the experts a token kept
+    (mean, min, max) and the share of routed slots dropped (weight 0)."""
+    out = {"load_max_mean": {}, "load_cv": {}, "imbalance": 1.0}
+    moe = table[table[:, -1] > 0]
+    rows = [i for i in range(len(table)) if table[i, -1] > 0]
+    for i, row in zip(rows, moe):
+        load = row[:num_experts]
+        mean = load.mean().clamp(min=1e-9)
+        out["load_max_mean"][str(i)] = float(load.max() / mean)
+        out["load_cv"][str(i)] = float(load.std(unbiased=False) / mean)
+    if rows:
+        out["imbalance"] = max(out["load_max_mean"].values())
+        hist = moe[:, num_experts:-1].sum(0)  # tokens that kept 0, 1, ..., A slots
+        kept = torch.arange(len(hist), dtype=torch.float64)
+        if hist.sum() > 0:
+            used = kept[hist > 0]
+            out["experts_per_token"] = {"mean": float((hist * kept).sum() / hist.sum()),
+                                        "min": int(used.min()), "max": int(used.max())}
+            out["dropped_slot_share"] = float(1 - (hist * kept).sum() / (hist.sum() * kept[-1]))
+    return out

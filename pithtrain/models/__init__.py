@@ -6,7 +6,8 @@ engine and `parallelize` use directly: `embed_tokens`, `rotary` (positions -> ro
 `init_weights()`, and `forward(input_ids, positions=None, labels=None)` returning logits, or the
 summed token loss when labels are given. Inside the layers, the units `parallelize` swaps are
 plain attributes too: each MoE block's `dispatcher`, `experts` (GroupedExperts) and
-`load_balance_loss`, and each attention module's `attention` call (distributed/parallelize.py).
+`balance.stats_sum` (models/balance.py), and each attention module's `attention` call
+(distributed/parallelize.py).
 """
 
 from typing import Callable, NamedTuple

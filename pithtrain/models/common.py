@@ -1,6 +1,7 @@
 """Small building blocks shared by the model files: norm, RoPE, attention call, MLPs, grouped experts,
-token permutation, the auxiliary-loss hook and the chunked loss. Each is a plain function or module,
-called directly by the model files; nothing here knows about ranks or process groups.
+token permutation, the auxiliary-loss hook and the chunked loss (load balancing: balance.py). Each
+is a plain function or module, called directly by the model files; nothing here knows about ranks
+or process groups.
 
 Shape legend (suffixes): B batch, S sequence, T tokens (B*S flattened), D model width, H heads,
 K kv heads, E experts, F expert hidden width, A top-k slots, V vocabulary, X dispatched rows.
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain import fp8, kernels  # which fused operators this process uses (kernels.USE)
+from pithtrain.models.balance import Balance
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,7 +312,7 @@ class LocalDispatcher:
 
 
 # ---------------------------------------------------------------------------------------------
-# Load-balancing auxiliary loss: attached to the activations, not returned through every layer
+# Auxiliary losses (load balancing, z-loss): attached to the activations, not returned through every layer
 
 
 class AuxLoss(torch.autograd.Function):
@@ -331,35 +333,31 @@ class AuxLoss(torch.autograd.Function):
         return grad, torch.full_like(aux, AuxLoss.loss_scale)
 
 
-def load_balance_loss(probs_TE, idx_TA, num_experts):
-    """Switch-style loss E * sum_e f_e * P_e: f_e the fraction of routed slots sent to e (no grad),
-    P_e the mean router probability of e. Equals 1 when balanced."""
-    f_E = torch.bincount(idx_TA.reshape(-1), minlength=num_experts).float() / idx_TA.numel()
-    return num_experts * (f_E.detach() * probs_TE.float().mean(0)).sum()
-
-
 # ---------------------------------------------------------------------------------------------
 # What every family's MoE block, layer and model do the same way (each family file passes its own
 # attention, router and MLP; the names are Hugging Face's, so checkpoints map one to one)
 
 
-def route_tokens(moe, x_TD):
-    """`moe.route(x)` -> (router probabilities over all experts, top-k weights, top-k ids), plus
-    what every MoE does around it: keep the detached expert load (metrics), and when training with
-    aux_loss_coeff > 0 make the scaled load-balancing loss (else None) for `AuxLoss` to attach.
-    `moe.load_balance_loss` is the one context parallel swaps for whole-sequence statistics."""
-    probs_TE, w_TA, idx_TA = moe.route(x_TD)
-    moe.last_counts_E = torch.bincount(idx_TA.reshape(-1), minlength=moe.num_experts).detach()
+def route_tokens(moe, x_TD, sequences: int | None = None):
+    """`moe.route(x)` -> (router logits, router probabilities over all experts, top-k weights,
+    top-k ids), plus what every MoE does around it through its balancing unit `moe.balance`
+    (models/balance.py): count the routing for the step's load (training only), and when
+    training with gradients make the coefficient-weighted balancing loss (else None) for
+    `AuxLoss` to attach. `sequences`: how many sequences the T rows hold (the sequence-level
+    loss needs it)."""
+    logits_TE, probs_TE, w_TA, idx_TA = moe.route(x_TD)
     aux = None
-    if moe.training and moe.aux_loss_coeff > 0 and torch.is_grad_enabled():
-        aux = moe.aux_loss_coeff * moe.load_balance_loss(probs_TE, idx_TA, moe.num_experts)
+    if moe.training:
+        moe.balance.count(idx_TA, w_TA)
+        if torch.is_grad_enabled():
+            aux = moe.balance.loss(logits_TE, probs_TE, idx_TA, sequences)
     return w_TA, idx_TA, aux
 
 
-def routed_experts(moe, x_TD):
+def routed_experts(moe, x_TD, sequences: int | None = None):
     """Route, then dispatch -> grouped experts -> combine through `moe.dispatcher`; the
     load-balancing gradient rides on the output."""
-    w_TA, idx_TA, aux = route_tokens(moe, x_TD)
+    w_TA, idx_TA, aux = route_tokens(moe, x_TD, sequences)
     y_TD = moe.dispatcher(x_TD, idx_TA, w_TA, moe.experts)
     return y_TD if aux is None else AuxLoss.apply(y_TD, aux)
 
@@ -523,7 +521,7 @@ def init_normal(model: nn.Module, std: float):
             init_linear(m, std)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=std)
-        elif isinstance(m, (RMSNorm, Rotary)):
+        elif isinstance(m, (RMSNorm, Rotary, Balance)):
             m.reset_parameters()
         elif isinstance(m, GroupedExperts):
             nn.init.normal_(m.w13_EDF2, std=std)

@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (DecoderLayer, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
                                      SwiGLUMLP, apply_rope, attention, causal_lm_forward, hub_name,
-                                     init_by_block, init_normal, load_balance_loss, native_name,
+                                     init_by_block, init_normal, native_name,
                                      per_expert_to_stacked, routed_experts, stacked_to_per_expert)
 
 
@@ -37,7 +38,7 @@ from pithtrain.models.common import (DecoderLayer, GroupedExperts, LocalDispatch
 
 
 @dataclass
-class DeepseekV2Config:
+class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rate, z_loss_coeff
     family: ClassVar[str] = "deepseek_v2"
     hf_architecture: ClassVar[str] = "DeepseekV2ForCausalLM"
     # DeepSeek's cards count "activated" without the embedding lookup (V2-Lite 2.45B, published
@@ -70,7 +71,6 @@ class DeepseekV2Config:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # biases on q_a_proj, kv_a_proj_with_mqa, o_proj (as HF)
     init_std: float = 0.02
-    aux_loss_coeff: float = 0.001
 
     def validate(self, err):
         for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank",
@@ -102,8 +102,7 @@ class DeepseekV2Config:
             if kind != "yarn" or missing:
                 err("rope_scaling", f"expected a yarn mapping with factor and "
                                     f"original_max_position_embeddings, got {self.rope_scaling!r}")
-        if self.aux_loss_coeff < 0:
-            err("aux_loss_coeff", f"must be >= 0, got {self.aux_loss_coeff}")
+        self.validate_balance(err)
 
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.first_k_dense_replace
@@ -270,34 +269,36 @@ class MoE(nn.Module):
         self.group_limited = cfg.topk_method == "group_limited_greedy"
         self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
         self.routed_scaling_factor = cfg.routed_scaling_factor
-        self.aux_loss_coeff = cfg.aux_loss_coeff
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_experts = (SwiGLUMLP(cfg.hidden_size, cfg.n_shared_experts * cfg.moe_intermediate_size)
                                if cfg.n_shared_experts else None)
         self.dispatcher = LocalDispatcher()
-        self.load_balance_loss = load_balance_loss  # context parallel: statistics over all chunks
-        self.last_counts_E = None  # detached expert load of the last forward, for metrics
+        self.balance = Balance(cfg, cfg.num_experts, cfg.top_k)  # loss, selection bias, load (balance.py)
 
     def route(self, x_TD):
         """Softmax over all experts in fp32 (as HF); group_limited_greedy first keeps the
-        topk_group groups with the highest best-expert score and zeroes the others. Weights are
-        the raw top-k probabilities times routed_scaling_factor (no renormalisation)."""
-        probs_TE = F.linear(x_TD.float(), self.gate.weight.float()).softmax(dim=-1)
-        scores_TE = probs_TE
+        topk_group groups with the highest best-expert score and rules out the others. The
+        choice ranks the balancing unit's scores (the probabilities, plus its bias under
+        balance=bias, as DeepSeek-V3); the weights are the raw probabilities of the chosen
+        experts times routed_scaling_factor (no renormalisation)."""
+        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        probs_TE = logits_TE.softmax(dim=-1)
+        scores_TE = self.balance.choice_scores(probs_TE)
         if self.group_limited:
-            T, G = probs_TE.shape[0], self.n_group
-            group_TG = probs_TE.view(T, G, -1).amax(dim=-1)
+            T, G = scores_TE.shape[0], self.n_group
+            group_TG = scores_TE.view(T, G, -1).amax(dim=-1)
             keep_TG = torch.zeros_like(group_TG, dtype=torch.bool)
             keep_TG.scatter_(1, torch.topk(group_TG, self.topk_group, dim=-1, sorted=False).indices, True)
             keep_TE = keep_TG.repeat_interleave(self.num_experts // G, dim=1)
-            scores_TE = probs_TE.masked_fill(~keep_TE, 0.0)
-        w_TA, idx_TA = torch.topk(scores_TE, self.top_k, dim=-1, sorted=False)
-        return probs_TE, (w_TA * self.routed_scaling_factor).to(x_TD.dtype), idx_TA
+            scores_TE = scores_TE.masked_fill(~keep_TE, float("-inf"))  # a biased score may be < 0
+        idx_TA = torch.topk(scores_TE, self.top_k, dim=-1, sorted=False).indices
+        w_TA = probs_TE.gather(1, idx_TA) * self.routed_scaling_factor
+        return logits_TE, probs_TE, w_TA.to(x_TD.dtype), idx_TA
 
     def forward(self, x_BSD):
         x_TD = x_BSD.flatten(0, 1)
-        y_TD = routed_experts(self, x_TD)
+        y_TD = routed_experts(self, x_TD, sequences=x_BSD.shape[0])
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         return y_TD.view_as(x_BSD)

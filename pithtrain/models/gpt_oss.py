@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (DecoderLayer, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
                                      apply_rope, attention, causal_lm_forward, hub_name, init_by_block,
-                                     init_normal, load_balance_loss, native_name, routed_experts)
+                                     init_normal, native_name, routed_experts)
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -32,7 +33,7 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclass
-class GptOssConfig:
+class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rate, z_loss_coeff
     family: ClassVar[str] = "gpt_oss"
     hf_architecture: ClassVar[str] = "GptOssForCausalLM"
     # OpenAI's model card counts the unembedding but not the embedding lookup as active
@@ -63,7 +64,6 @@ class GptOssConfig:
     max_position_embeddings: int = 131072
     tie_word_embeddings: bool = False
     init_std: float = 0.02
-    aux_loss_coeff: float = 0.001
 
     def validate(self, err):
         for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -84,8 +84,7 @@ class GptOssConfig:
                 err("layer_types", f"unknown layer type {t!r} (allowed: {', '.join(LAYER_TYPES)})")
         if self.yarn_factor is not None and self.yarn_factor < 1:
             err("yarn_factor", f"must be >= 1 (or null for plain RoPE), got {self.yarn_factor}")
-        if self.aux_loss_coeff < 0:
-            err("aux_loss_coeff", f"must be >= 0, got {self.aux_loss_coeff}")
+        self.validate_balance(err)
 
     def layer_type(self, i: int) -> str:
         if self.layer_types:
@@ -237,24 +236,23 @@ class MoE(nn.Module):
     def __init__(self, cfg: GptOssConfig):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
-        self.aux_loss_coeff = cfg.aux_loss_coeff
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=True)
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size,
                                       bias=True, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
         self.dispatcher = LocalDispatcher()
-        self.load_balance_loss = load_balance_loss  # context parallel: statistics over all chunks
-        self.last_counts_E = None  # detached expert load of the last forward, for metrics
+        self.balance = Balance(cfg, cfg.num_experts, cfg.top_k)  # loss, selection bias, load (balance.py)
 
     def route(self, x_TD):
-        """Top-k on the logits, then softmax over the k chosen logits only (GPT-OSS, as HF). The
-        probabilities returned first, for the load-balancing loss, are HF's: softmax over all experts."""
+        """Top-k on the logits (plus the balancing unit's bias under balance=bias), then softmax
+        over the k chosen logits only (GPT-OSS, as HF). The probabilities returned, for the
+        load-balancing loss, are HF's: softmax over all experts."""
         logits_TE = self.router(x_TD)
-        top_TA, idx_TA = torch.topk(logits_TE, self.top_k, dim=-1)
-        w_TA = F.softmax(top_TA, dim=-1, dtype=torch.float32)
-        return F.softmax(logits_TE, dim=-1, dtype=torch.float32), w_TA.to(x_TD.dtype), idx_TA
+        idx_TA = torch.topk(self.balance.choice_scores(logits_TE), self.top_k, dim=-1).indices
+        w_TA = F.softmax(logits_TE.gather(1, idx_TA), dim=-1, dtype=torch.float32)
+        return logits_TE, F.softmax(logits_TE, dim=-1, dtype=torch.float32), w_TA.to(x_TD.dtype), idx_TA
 
     def forward(self, x_BSD):
-        return routed_experts(self, x_BSD.flatten(0, 1)).view_as(x_BSD)
+        return routed_experts(self, x_BSD.flatten(0, 1), sequences=x_BSD.shape[0]).view_as(x_BSD)
 
 
 # ---------------------------------------------------------------------------------------------

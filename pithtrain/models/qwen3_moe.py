@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (DecoderLayer, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
                                      SwiGLUMLP, apply_rope, attention, causal_lm_forward, hub_name,
-                                     init_by_block, init_normal, load_balance_loss, native_name,
+                                     init_by_block, init_normal, native_name,
                                      per_expert_to_stacked, routed_experts, stacked_to_per_expert)
 
 
@@ -25,7 +26,7 @@ from pithtrain.models.common import (DecoderLayer, GroupedExperts, LocalDispatch
 
 
 @dataclass
-class Qwen3MoeConfig:
+class Qwen3MoeConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rate, z_loss_coeff
     family: ClassVar[str] = "qwen3_moe"
     hf_architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
 
@@ -48,7 +49,6 @@ class Qwen3MoeConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     init_std: float = 0.02
-    aux_loss_coeff: float = 0.001
 
     def validate(self, err):
         for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -62,8 +62,7 @@ class Qwen3MoeConfig:
             err("num_kv_heads", f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}")
         if self.head_dim % 2:
             err("head_dim", f"must be even for RoPE, got {self.head_dim}")
-        if self.aux_loss_coeff < 0:
-            err("aux_loss_coeff", f"must be >= 0, got {self.aux_loss_coeff}")
+        self.validate_balance(err)
 
     def is_moe_layer(self, i: int) -> bool:
         return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
@@ -172,22 +171,25 @@ class MoE(nn.Module):
     def __init__(self, cfg: Qwen3MoeConfig):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.top_k, cfg.norm_topk_prob
-        self.aux_loss_coeff = cfg.aux_loss_coeff
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.dispatcher = LocalDispatcher()
-        self.load_balance_loss = load_balance_loss  # context parallel: statistics over all chunks
-        self.last_counts_E = None  # detached expert load of the last forward, for metrics
+        self.balance = Balance(cfg, cfg.num_experts, cfg.top_k)  # loss, selection bias, load (balance.py)
 
     def route(self, x_TD):
-        probs_TE = F.softmax(self.gate(x_TD), dim=-1, dtype=torch.float32)
-        w_TA, idx_TA = torch.topk(probs_TE, self.top_k, dim=-1)
+        """(logits, probabilities, top-k weights, top-k ids); the top-k is chosen on the balancing
+        unit's scores (the probabilities, plus its bias under balance=bias), the weights are the
+        probabilities of the chosen experts."""
+        logits_TE = self.gate(x_TD)
+        probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        idx_TA = torch.topk(self.balance.choice_scores(probs_TE), self.top_k, dim=-1).indices
+        w_TA = probs_TE.gather(1, idx_TA)
         if self.norm_topk_prob:
             w_TA = w_TA / w_TA.sum(dim=-1, keepdim=True)
-        return probs_TE, w_TA.to(x_TD.dtype), idx_TA
+        return logits_TE, probs_TE, w_TA.to(x_TD.dtype), idx_TA
 
     def forward(self, x_BSD):
-        return routed_experts(self, x_BSD.flatten(0, 1)).view_as(x_BSD)
+        return routed_experts(self, x_BSD.flatten(0, 1), sequences=x_BSD.shape[0]).view_as(x_BSD)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ Stages, in order (--fail-fast stops at the first that fails; --rules-only runs t
           router outputs: experts per token (mean, min, max), the dropped-slot share (slots of
           weight 0) and the worst per-layer expert load (max / mean). FAIL when nothing differs
           anywhere (a no-op), or when a router breaks the contract the dispatchers rely on:
-          (probs_TE, w_TA, idx_TA) with idx_TA int64 in [0, num_experts), w_TA the same shape, finite.
+          (logits_TE, probs_TE, w_TA, idx_TA) with idx_TA int64 in [0, num_experts), w_TA the same shape, finite.
   validate  validate.py --quick --family F --set ...: parity with transformers with the variant at its
           default, grouped == loop, and a 30-step run with the variant on whose loss falls and stays finite.
 Exit status 0 on PASS, 1 on FAIL.
@@ -75,7 +75,7 @@ def rule_problems(families: dict) -> list[str]:
     for f in sorted(MODELS.rglob("*.py")):
         rel, text = f.relative_to(ROOT), f.read_text()
         tree = ast.parse(text)
-        if f.parent != MODELS or (f.stem not in ("__init__", "common") and f.stem not in families):
+        if f.parent != MODELS or (f.stem not in ("__init__", "common", "balance") and f.stem not in families):
             out.append(f"config-field: {rel} is not a family in FAMILIES: make the variant a config field "
                        "of an existing family (or register a new family in the one literal FAMILIES dict)")
         n = len(text.splitlines())
@@ -167,9 +167,9 @@ def record_routes(model) -> list:
 
 def contract_problems(m, out, T: int) -> list[str]:
     """What both dispatchers (LocalDispatcher, the expert-parallel one) rely on from a router."""
-    if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
-        return ["route must return three tensors (probs_TE, w_TA, idx_TA)"]
-    probs_TE, w_TA, idx_TA = out
+    if not (isinstance(out, tuple) and len(out) == 4 and all(isinstance(t, torch.Tensor) for t in out)):
+        return ["route must return four tensors (logits_TE, probs_TE, w_TA, idx_TA)"]
+    _, probs_TE, w_TA, idx_TA = out
     bad = []
     if idx_TA.dtype != torch.int64 or idx_TA.dim() != 2 or idx_TA.shape[0] != T:
         bad.append(f"idx_TA must be int64 of shape (T={T}, A), got {idx_TA.dtype} {tuple(idx_TA.shape)}")

@@ -1,0 +1,161 @@
+"""Expert load balancing: one unit per MoE block, chosen by the recipe.
+
+    model:
+      balance: bias            # switch | sequence | bias | none
+      bias_update_rate: 0.001  # bias only
+      z_loss_coeff: 0.0        # any strategy: the router z-loss add-on
+      # aux_loss_coeff: 0.001  # switch and sequence only
+
+Strategies (E experts, A top-k slots, f_e the share of routed slots sent to e, P_e the mean
+router probability of e; both 1/E when balanced, so the losses are 1 then):
+  switch    Switch Transformer's batch loss, E * sum_e f_e * P_e over the micro-batch's tokens.
+  sequence  DeepSeek-V2's sequence-level loss: the same over each sequence's own tokens, averaged
+            over the sequences (the `seq_aux` branch of DeepSeek's MoEGate; transformers'
+            DeepseekV2 has no auxiliary loss).
+  bias      DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias is added to the scores
+            the router ranks for its top-k choice only (the gate weights stay the unbiased
+            probabilities); after each optimizer step b_e += rate * sign(mean load - load_e) from
+            the load of the whole global batch. `bias_E` is a persistent buffer: it checkpoints,
+            starts at zero (and so imports as zero from the hub).
+  none      nothing.
+  z-loss    with any strategy, ST-MoE's router z-loss: the mean over tokens of logsumexp(logits)^2.
+
+The unit's interface (the MoE block's `route` and common.route_tokens call it; the trainer calls
+distributed/reductions.balance_after_step after the optimizer step):
+  choice_scores(scores_TE)   what the router ranks for its top-k choice (the bias added).
+  loss(logits_TE, probs_TE, idx_TA, sequences)   the coefficient-weighted loss for AuxLoss, or None.
+  count(idx_TA, w_TA)        this micro-batch's routing into `stats`, once per micro-batch: a
+                             forward recomputed in backward (activation checkpointing) is skipped.
+  update(load_E)             after the optimizer step, from the load summed over every rank.
+  stats_sum                  sums a loss's detached statistics over the tokens of one micro-batch:
+                             the identity here; context parallel puts an all-reduce over its ranks.
+
+A new strategy: its name in `Strategy`, its knob (if any) in BalanceConfig with its check in
+`validate_balance`, its branch below, a test in tests/test_balance.py, and a new knob's name in
+config.RECIPE_MODEL_FIELDS (a training-only field the recipe keeps over train.init_from).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+Strategy = Literal["switch", "sequence", "bias", "none"]
+# Which knob applies to which strategy; one set to a non-default value elsewhere is a config error.
+APPLIES = {"aux_loss_coeff": ("switch", "sequence"), "bias_update_rate": ("bias",)}
+
+
+@dataclass
+class BalanceConfig:
+    """The balancing fields every family config inherits (recipe keys of the model section)."""
+
+    balance: Strategy = "switch"
+    aux_loss_coeff: float = 0.001
+    bias_update_rate: float = 0.001
+    z_loss_coeff: float = 0.0
+
+    def validate_balance(self, err):
+        if self.balance not in ("switch", "sequence", "bias", "none"):
+            err("balance", f"expected switch, sequence, bias or none, got {self.balance!r}")
+            return
+        for k in ("aux_loss_coeff", "bias_update_rate", "z_loss_coeff"):
+            if not 0 <= getattr(self, k) < float("inf"):
+                err(k, f"must be a finite number >= 0, got {getattr(self, k)}")
+        defaults = {f.name: f.default for f in dataclasses.fields(BalanceConfig)}
+        for k, strategies in APPLIES.items():
+            if self.balance not in strategies and getattr(self, k) != defaults[k]:
+                err(k, f"does not apply to balance={self.balance} (only to {' and '.join(strategies)}); "
+                       f"remove it from the recipe or set it to its default, {defaults[k]}")
+
+
+class Balance(nn.Module):
+    """One MoE block's load balancing (see the module docstring). Buffers: `bias_E` (E,) float32
+    for `bias` (persistent); `stats` (E + A + 1,) int64, this step's routing on this rank so far:
+    kept slots per expert (the load), then how many tokens kept 0..A slots (a slot with weight 0
+    is dropped: dispatched, but it adds nothing). Not saved: it is zero after every step."""
+
+    def __init__(self, cfg: BalanceConfig, num_experts: int, top_k: int):
+        super().__init__()
+        self.strategy, self.num_experts, self.top_k = cfg.balance, num_experts, top_k
+        self.aux_loss_coeff = cfg.aux_loss_coeff if cfg.balance in APPLIES["aux_loss_coeff"] else 0.0
+        self.bias_update_rate = cfg.bias_update_rate
+        self.z_loss_coeff = cfg.z_loss_coeff
+        if cfg.balance == "bias":
+            self.register_buffer("bias_E", torch.empty(num_experts, dtype=torch.float32))
+        else:
+            self.bias_E = None
+        self.register_buffer("stats", torch.empty(num_experts + top_k + 1, dtype=torch.int64),
+                             persistent=False)
+        self.stats_sum = _identity  # context parallel: an all-reduce over the cp group
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        if self.bias_E is not None:
+            self.bias_E.zero_()
+        self.stats.zero_()
+
+    def choice_scores(self, scores_TE):
+        """The scores the top-k choice ranks: the router's own, plus the bias under `bias`."""
+        return scores_TE if self.bias_E is None else scores_TE + self.bias_E
+
+    def loss(self, logits_TE, probs_TE, idx_TA, sequences: int | None = None):
+        """coeff * balancing loss + z_coeff * z-loss of one micro-batch (T = sequences * S rows,
+        sequence-major), or None when neither applies. Under context parallel each rank returns
+        its share: statistics are summed over the ranks (stats_sum) and each rank's probability
+        and z sums are divided by the whole micro-batch's token count, so the shares add up to
+        the one-process loss, and so do their gradients."""
+        aux = self.aux_loss_coeff > 0
+        if not aux and not self.z_loss_coeff > 0:
+            return None
+        T, A = idx_TA.shape
+        E = self.num_experts
+        if self.strategy == "sequence" and aux:
+            if sequences is None or T % sequences:
+                raise ValueError(f"balance=sequence needs the number of sequences in the {T} routed "
+                                 f"rows (route_tokens(moe, x_TD, sequences=B)), got {sequences}")
+            B = sequences
+        else:
+            B = 1  # switch: the whole micro-batch is one group; z-loss only needs the token count
+        ones = torch.ones(T * A, device=idx_TA.device)
+        counts_BE = torch.zeros(B, E, device=idx_TA.device).scatter_add_(1, idx_TA.reshape(B, -1), ones.view(B, -1))
+        stats = self.stats_sum(torch.cat([counts_BE.flatten(), ones.new_full((1,), T / B)]))
+        S = stats[-1]  # tokens per group over the whole micro-batch (every cp rank's chunk)
+        total = logits_TE.new_zeros((), dtype=torch.float32)
+        if aux:
+            f_BE = stats[:-1].view(B, E) / (S * A)
+            P_BE = probs_TE.float().view(B, -1, E).sum(1) / S
+            total = total + self.aux_loss_coeff * E * (f_BE * P_BE).sum(1).mean()
+        if self.z_loss_coeff > 0:
+            z_T = torch.logsumexp(logits_TE.float(), dim=-1)
+            total = total + self.z_loss_coeff * z_T.pow(2).sum() / (S * B)
+        return total
+
+    @torch.no_grad()
+    def count(self, idx_TA, w_TA):
+        """Add this micro-batch's kept slots per expert and kept slots per token to `stats`.
+        Inside a backward pass (graph task id != -1) a forward is activation checkpointing's
+        recompute of a micro-batch already counted (torch.utils.checkpoint tells the two apart
+        the same way); counting it again would double the load. No host sync: scatter_add only."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        E = self.num_experts
+        kept_TA = (w_TA != 0).long()
+        self.stats[:E].scatter_add_(0, idx_TA.reshape(-1), kept_TA.reshape(-1))
+        kept_T = kept_TA.sum(1)
+        self.stats[E:].scatter_add_(0, kept_T, torch.ones_like(kept_T))
+
+    @torch.no_grad()
+    def update(self, load_E):
+        """After the optimizer step, with this step's load summed over every rank (identical on
+        all ranks, so every rank's bias stays identical): b_e += rate * sign(mean - load_e)."""
+        if self.bias_E is not None:
+            load = load_E.to(self.bias_E.device, torch.float64)
+            self.bias_E += (self.bias_update_rate * torch.sign(load.mean() - load)).to(self.bias_E.dtype)
+
+
+def _identity(t):
+    return t
