@@ -26,7 +26,8 @@ RECIPES_DIR = Path(__file__).parent / "recipes"
 DEFAULT_RECIPE = RECIPES_DIR / "default.yaml"
 
 # Model fields a recipe owns even with train.init_from (training-only options); the hub's config.json owns the rest.
-RECIPE_MODEL_FIELDS = ("aux_loss_coeff", "balance", "bias_update_rate", "z_loss_coeff")  # the last three: models/balance.py
+# balance, bias_update_rate, z_loss_coeff: models/balance.py.
+RECIPE_MODEL_FIELDS = ("aux_loss_coeff", "balance", "bias_update_rate", "z_loss_coeff")
 # The rest, named: every field of every family config is in exactly one of the two lists
 # (tests/test_config.py), so a new field (a variant's switch) must be classified when it is added.
 # A field config.json cannot carry (a variant's switch, usually) belongs in RECIPE_MODEL_FIELDS.

@@ -319,9 +319,9 @@ def apply_worked_example(repo: Path, route_edit=lambda route: route) -> None:
     field, check, init, helper, route, recipe, test, _counts = fenced_blocks(VARIANT_SKILL)
     family = repo / "pithtrain" / "models" / "qwen3_moe.py"
     src = family.read_text()
-    src = insert_after(src, "    aux_loss_coeff: float = 0.001\n", field)
-    src = insert_after(src, '            err("aux_loss_coeff", f"must be >= 0, got {self.aux_loss_coeff}")\n', check)
-    src = insert_after(src, "        self.aux_loss_coeff = cfg.aux_loss_coeff\n", init)
+    src = insert_after(src, "    init_std: float = 0.02\n", field)
+    src = insert_after(src, '            err("head_dim", f"must be even for RoPE, got {self.head_dim}")\n', check)
+    src = insert_after(src, "        self.balance = Balance(cfg, cfg.num_experts, cfg.top_k)  # loss, selection bias, load (balance.py)\n", init)
     assert src.count("\nclass MoE(nn.Module):") == 1
     src = src.replace("\nclass MoE(nn.Module):", "\n" + helper + "\n\nclass MoE(nn.Module):")
     src, n = re.subn(r"    def route\(self, x_TD\):\n.*?(?=\n    def forward)", lambda m: route_edit(route), src,

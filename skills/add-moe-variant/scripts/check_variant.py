@@ -189,7 +189,7 @@ def routing_stats(log) -> dict:
     """Experts per token (kept slots: weight != 0) mean / min / max over tokens and layers, the share
     of dropped slots, and the worst layer's expert load max / mean over kept slots."""
     per_token, dropped, slots, worst = [], 0, 0, 1.0
-    for m, (_, w_TA, idx_TA) in log:
+    for m, (_, _, w_TA, idx_TA) in log:
         keep_TA = w_TA.detach() != 0
         per_token.append(keep_TA.sum(-1))
         dropped, slots = dropped + int((~keep_TA).sum()), slots + keep_TA.numel()
