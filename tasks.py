@@ -240,6 +240,26 @@ def bench(c, gpu="", runtime="", args="", fp8=False, dry_run=False):
     _emit(c, _python(rt, gpu_, ["-m", "pithtrain.bench", *shlex.split(args), *extra]), dry_run)
 
 
+@task(help={"recipe": H_RECIPE, "model": H_MODEL, "set": H_SET,
+            "gpu": "h100 | h200 | b200 | b300: the GPU whose memory the plan is held against",
+            "gpus": "GPUs per node (default 1)", "nodes": "nodes (default 1); world size = gpus x nodes",
+            "json": "print one JSON object (layout, peak_gib, gpu_gib, fits, per-rank bytes)"},
+      iterable=["set"])
+def plan(c, recipe="", model="", set=None, gpu="", gpus=1, nodes=1, json=False):
+    """Memory plan before launch: per-rank parameters, gradients, optimizer state, activations,
+    communication buffers and peak against the GPU, and the layout (`parallel: auto` chooses it).
+    Runs here, on the CPU: the model is built on the meta device under a fake process group."""
+    if not gpu:
+        raise Exit("error: plan needs --gpu (h100 | h200 | b200 | b300): whose memory to plan against", 2)
+    recipe_ = _recipe(recipe, model)
+    args = ["-m", "pithtrain.plan", f"--gpu={gpu}", f"--gpus={gpus}", f"--nodes={nodes}",
+            *([f"--model={recipe_}"] if recipe_ else []), *(f"--set={s}" for s in set or []),
+            *(["--json"] if json else [])]
+    result = _py(c, shlex.join(args), warn=True)
+    if result.exited:
+        sys.exit(result.exited)
+
+
 # ---------------------------------------------------------------------------------------------
 # Images and environment
 
