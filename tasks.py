@@ -365,14 +365,21 @@ def doctor(c, gpu="", runtime="", manifest="", skill="", dry_run=False):
 @task(help={"gpu": H_GPU + " (default: auto)",
             "registry": "pull the image from this registry prefix when present "
                         "(default: $PITHTRAIN_REGISTRY)",
-            "dry_run": H_DRY})
-def setup(c, gpu="auto", registry="", dry_run=False):
-    """One-command setup of a fresh GPU box: checks, image, doctor, smoke test.
+            "recipe": H_RECIPE + ": the run to plan after the smoke test", "model": H_MODEL,
+            "set": H_SET, "gpus": "GPUs per node for the plan (default: every GPU nvidia-smi lists)",
+            "nodes": "nodes of the run, for the plan (default 1)", "dry_run": H_DRY},
+      iterable=["set"])
+def setup(c, gpu="auto", registry="", recipe="", model="", set=None, gpus=0, nodes=1, dry_run=False):
+    """One-command setup of a fresh GPU box: checks, image, doctor, smoke test, memory plan.
 
     Checks the driver, Docker and the NVIDIA container runtime, builds (or pulls) the image for
-    the GPU, then runs `invoke doctor` and `invoke validate` (tiny default recipe) in it."""
+    the GPU, then runs in it `invoke doctor`, `invoke validate` (the tiny default recipe on every
+    GPU of the node, `parallel: auto`) and, given --model or --recipe, `invoke plan` of that run."""
     if dry_run and gpu == "auto":
         raise Exit("error: setup --dry-run: name the GPU (--gpu=h200 ...), nothing is detected", 2)
+    recipe_ = _recipe(recipe, model)
+    if dry_run and recipe_ and not gpus:
+        raise Exit("error: setup --dry-run: name --gpus for the plan, nothing is detected", 2)
     gpu_ = _gpu(gpu)
     target, pins = _image(gpu_)
     checks = [
@@ -396,7 +403,15 @@ def setup(c, gpu="auto", registry="", dry_run=False):
                                   False)
     env = {"PITHTRAIN_IMAGE": ap.image_name(target, pins)}
     lines.append(ap.compose("train.yaml", "train", env, ["invoke", "doctor"]))
-    lines.append(ap.compose("train.yaml", "train", env, ["invoke", "validate", "--nproc=1"]))
+    lines.append(ap.compose("train.yaml", "train", env, ["invoke", "validate", "--nproc=gpu",
+                                                         "--set=parallel.auto=true"]))
+    if recipe_:
+        if not gpus:
+            listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+            gpus = len(listed.strip().splitlines())
+        lines.append(ap.compose("train.yaml", "train", env, [
+            "invoke", "plan", f"--gpu={gpu_}", f"--gpus={gpus}", f"--nodes={nodes}", f"--recipe={recipe_}",
+            *(f"--set={o}" for o in set or [])]))
     _emit(c, lines, dry_run)
 
 

@@ -222,3 +222,130 @@ def test_reduce_dtype_without_fsdp_is_an_error():
     cfg = load_config(None, ["train.reduce_dtype=bfloat16"])
     with pytest.raises(ConfigError, match="train.reduce_dtype: bfloat16: only FSDP reduces gradients"):
         ParallelDims.from_config(cfg, 1, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# parallel: auto on 8 gloo processes equals one process (the harness of tests/test_distributed.py)
+
+# Each family's shipped recipe (`parallel: auto`) with only layers and widths reduced; vocabulary,
+# expert count and top-k stay real (Qwen3 128 top-8 with full activation checkpointing from its
+# recipe, DeepSeek 64 top-6 + 2 shared, GPT-OSS 32 top-4), so auto picks fsdp=8 ep=8 over 8 ranks.
+SMALL = {
+    "qwen3-30b-a3b": ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
+                      "model.num_kv_heads=2", "model.head_dim=8", "model.moe_intermediate_size=16"],
+    "deepseek-v2-lite": ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
+                         "model.kv_lora_rank=16", "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8",
+                         "model.v_head_dim=8", "model.intermediate_size=32", "model.moe_intermediate_size=16"],
+    "gpt-oss-20b": ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=4", "model.num_kv_heads=2",
+                    "model.head_dim=8", "model.intermediate_size=16"],
+}
+WORLD = 8
+
+
+def small_cfg(recipe: str, run_dir: str, grad_accum: int = 1):
+    return load_config(recipe, [*SMALL[recipe], "train.steps=3", "train.micro_batch_size=2", "train.seq_len=16",
+                                f"train.grad_accum={grad_accum}", "train.warmup_steps=1", "train.device=cpu",
+                                "data.max_bytes=20000", "checkpoint.final=false", "log.every=1",
+                                f"log.run_dir={run_dir}"])
+
+
+def _auto_worker(rank: int, world: int, port: int, tmp: str):
+    from torch.distributed.tensor import DTensor
+
+    from test_distributed import _init
+    from pithtrain.train import train
+    dist = _init(rank, world, port)
+    results = {}
+    for recipe in SMALL:
+        cfg, keep = small_cfg(recipe, f"{tmp}/r{rank}/{recipe}"), {}
+        hist = train(cfg, keep=keep)
+        params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+                  for n, p in keep["model"].named_parameters()}
+        if rank == 0:
+            ref = torch.load(f"{tmp}/ref-{recipe}.pt")
+            results[recipe] = {
+                "layout": [getattr(cfg.parallel, k) for k in ("pp", "dp", "fsdp", "cp", "ep")],
+                "loss": [h["loss"] for h in hist], "ref_loss": [h["loss"] for h in ref["hist"]],
+                "gnorm": [h["grad_norm"] for h in hist], "ref_gnorm": [h["grad_norm"] for h in ref["hist"]],
+                "param_max_diff": max((params[n] - ref["params"][n]).abs().max().item() for n in params),
+                "param_max_update": max((ref["params"][n] - ref["init"][n]).abs().max().item() for n in params)}
+    if rank == 0:
+        Path(tmp, "auto.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def test_auto_layout_on_8_processes_matches_one(tmp_path):
+    """Every family's recipe with `parallel: auto` on 8 gloo processes (auto: fsdp=8 ep=8) trains
+    3 steps equal to one process running the same 8 micro-batches per step (tolerances and why:
+    tests/test_distributed.py)."""
+    import torch.multiprocessing as mp
+
+    from test_distributed import PARAM_ATOL, RTOL, free_port
+    from pithtrain.models import build_model
+    from pithtrain.train import train
+    for recipe in SMALL:
+        cfg = small_cfg(recipe, str(tmp_path / "ref" / recipe), grad_accum=WORLD)
+        torch.manual_seed(cfg.train.seed)
+        init = {n: p.detach().clone() for n, p in build_model(cfg.model, "cpu").named_parameters()}
+        keep = {}
+        hist = train(cfg, keep=keep)
+        assert [cfg.parallel.fsdp, cfg.parallel.ep] == [1, 1]  # auto on one process
+        torch.save({"hist": hist, "init": init,
+                    "params": {n: p.detach() for n, p in keep["model"].named_parameters()}},
+                   tmp_path / f"ref-{recipe}.pt")
+    mp.spawn(_auto_worker, args=(WORLD, free_port(), str(tmp_path)), nprocs=WORLD)
+    results = json.loads((tmp_path / "auto.json").read_text())
+    assert list(results) == list(SMALL)
+    for recipe, r in results.items():
+        assert r["layout"] == [1, 1, 8, 1, 8], recipe
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(r["loss"], r["ref_loss"]))
+        gnorm_err = max(abs(a - b) / abs(b) for a, b in zip(r["gnorm"], r["ref_gnorm"]))
+        report = (f"{recipe}: loss rel {loss_err:.1e}, gnorm rel {gnorm_err:.1e}, params abs "
+                  f"{r['param_max_diff']:.1e} (update {r['param_max_update']:.1e})")
+        print(report)
+        assert len(r["loss"]) == 3 and loss_err < RTOL and gnorm_err < RTOL, report
+        assert r["param_max_diff"] < PARAM_ATOL and r["param_max_update"] > 100 * PARAM_ATOL, report
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the plan against torch.cuda.max_memory_allocated of the real run
+
+
+GPU_RUNS = ["qwen3-30b-a3b", "deepseek-v2-lite", "gpt-oss-20b", "default"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_planned_peak_within_10_percent_of_measured(tmp_path):
+    """The three 4-layer bench configurations (real widths, micro-batch 2 x 4096, the recipe's
+    own settings: compile, Qwen3's full activation checkpointing) and the default recipe, 3 steps
+    of train.py on one GPU each. Prints planned vs measured; the lead runs it on the H200:
+        python -m pytest -m gpu tests/test_plan.py -s -p no:cacheprovider"""
+    import gc
+
+    from pithtrain.train import train
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / planner.GIB
+    bench = ["model.num_layers=4", "train.micro_batch_size=2", "train.seq_len=4096"]  # bench.bench_config
+    rows = []
+    for name in GPU_RUNS:
+        cfg = load_config(None if name == "default" else name, [
+            *([] if name == "default" else bench), "train.steps=3", "train.warmup_steps=1", "log.every=1",
+            "checkpoint.final=false", f"log.run_dir={tmp_path / name}", "train.device=cuda"])
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        train(cfg, resume=False)
+        measured = torch.cuda.max_memory_allocated() / planner.GIB
+        planned = planner.plan(cfg, 1, gpu_gib)  # the layout train resolved (auto: world 1)
+        rows.append((name, planned["peak_gib"], measured, planned["ranks"][0]))
+        gc.collect()
+        torch.cuda.empty_cache()
+    print("\n| run | planned GiB | measured GiB | planned / measured | params | grads | optimizer | "
+          "activations | comm |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, p, m, r in rows:
+        parts = " | ".join(f"{r[k] / planner.GIB:.2f}" for k in ("params", "grads", "optimizer", "activations", "comm"))
+        print(f"| {name} | {p:.2f} | {m:.2f} | {p / m:.3f} | {parts} |")
+    for name, p, m, _ in rows:
+        assert abs(p - m) <= 0.10 * m, f"{name}: planned {p:.2f} GiB, measured {m:.2f} GiB"
