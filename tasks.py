@@ -4,6 +4,7 @@
     invoke test                                              # the CPU test suite (what CI runs)
     invoke train --gpu=b200 --model=gpt-oss-20b --dry-run    # the docker + torchrun lines it would run
     invoke setup --gpu=auto                                  # a fresh rented GPU box, one command
+    invoke plan --model=qwen3-30b-a3b --gpu=h100 --gpus=8    # per-rank memory plan, before launch
 
 Runtime. `--gpu` names the hardware and so the image (h100/h200 -> hopper, b200/b300 -> blackwell,
 auto -> ask nvidia-smi) and adds the GPU's recipe overrides (pithtrain/appliance.py:GPU_OVERRIDES).

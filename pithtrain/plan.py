@@ -70,7 +70,7 @@ from pithtrain.distributed import pipeline
 from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.distributed.parallelize import moe_blocks, parallelize
 from pithtrain.models import build_model
-from pithtrain.models.common import GroupedExperts, RMSNorm, SwiGLUMLP, decoder_layers
+from pithtrain.models.common import GroupedExperts, RMSNorm, SwiGLUMLP
 
 GIB = 2 ** 30
 # Memory per GPU as torch.cuda.get_device_properties().total_memory reports it, in GiB
@@ -342,26 +342,27 @@ def refusal(cfg: Config, result: dict, world_size: int) -> str:
 
 
 def check_launch(cfg: Config, device: torch.device, world_size: int, rank: int = 0):
-    """train.py, before any process group or model exists: resolve `parallel: auto` (one printed
-    line) and, on CUDA, refuse a layout whose plan does not fit this GPU."""
+    """train.py, before any process group or model exists: resolve `parallel: auto` and, on CUDA,
+    refuse a layout whose plan does not fit this GPU; rank 0 prints the layout and plan in one line."""
     gpu_gib = torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None
     if gpu_gib is not None and dist.is_initialized():
         print("pithtrain: memory plan skipped: this process already has a process group (the plan "
               "needs its own fake one)", flush=True)
         gpu_gib = None
+    name = torch.cuda.get_device_name(device) if gpu_gib else ""
     if cfg.parallel.auto:
-        result = auto_layout(cfg, world_size, gpu_gib, torch.cuda.get_device_name(device) if gpu_gib else "")
-        if rank == 0:
-            lay = " ".join(f"{k}={getattr(cfg.parallel, k)}" for k in LAYOUT_KEYS)
-            print(f"pithtrain: parallel auto: {lay}" + (f" (plan: peak {result['peak_gib']:.1f} GiB of "
-                  f"{result['usable_gib']:.1f} usable)" if result else " (no GPU memory to plan against)"),
-                  flush=True)
+        result = auto_layout(cfg, world_size, gpu_gib, name)
     elif gpu_gib is not None:
-        result = plan(cfg, world_size, gpu_gib, torch.cuda.get_device_name(device))
+        result = plan(cfg, world_size, gpu_gib, name)
     else:
         return
     if result is not None and not result["fits"]:
         raise ConfigError(refusal(cfg, result, world_size))
+    if rank == 0:
+        lay = " ".join(f"{k}={getattr(cfg.parallel, k)}" for k in LAYOUT_KEYS)
+        print(f"pithtrain: parallel {'auto' if cfg.parallel.auto else 'layout'}: {lay} " + (
+              f"(memory plan: peak {result['peak_gib']:.1f} GiB of {result['usable_gib']:.1f} usable)"
+              if result else "(no GPU memory to plan against)"), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------

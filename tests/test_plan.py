@@ -186,7 +186,7 @@ def test_cuda_launch_refuses_a_plan_that_does_not_fit(monkeypatch, capsys):
     assert "parallel: auto" in msg
     cfg = load_config("qwen3-30b-a3b")
     planner.check_launch(cfg, cuda, 8)
-    assert "pithtrain: parallel auto: pp=1 dp=1 fsdp=8 cp=1 ep=8 (plan: peak" in capsys.readouterr().out
+    assert "pithtrain: parallel auto: pp=1 dp=1 fsdp=8 cp=1 ep=8 (memory plan: peak" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------
