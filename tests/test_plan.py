@@ -309,3 +309,48 @@ def test_auto_layout_on_8_processes_matches_one(tmp_path):
         assert len(r["loss"]) == 3 and loss_err < RTOL and gnorm_err < RTOL, report
         # The recipes' lr (3e-4) moves parameters less than test_distributed's 3e-3; still >10x the tolerance.
         assert r["param_max_diff"] < PARAM_ATOL and r["param_max_update"] > 10 * PARAM_ATOL, report
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the plan against torch.cuda.max_memory_allocated of the real run
+
+
+GPU_RUNS = ["qwen3-30b-a3b", "deepseek-v2-lite", "gpt-oss-20b", "default"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_planned_peak_within_10_percent_of_measured(tmp_path):
+    """The three 4-layer bench configurations (real widths, micro-batch 2 x 4096, the recipe's
+    own settings: compile, Qwen3's full activation checkpointing) and the default recipe, 3 steps
+    of train.py on one GPU each. Prints planned vs measured; the lead runs it on the H200:
+        python -m pytest -m gpu tests/test_plan.py -s -p no:cacheprovider"""
+    import gc
+
+    from pithtrain.train import train
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / planner.GIB
+    bench = ["model.num_layers=4", "train.micro_batch_size=2", "train.seq_len=4096"]  # bench.bench_config
+    rows = []
+    for name in GPU_RUNS:
+        cfg = load_config(None if name == "default" else name, [
+            *([] if name == "default" else bench), "train.steps=3", "train.warmup_steps=1", "log.every=1",
+            "checkpoint.final=false", f"log.run_dir={tmp_path / name}", "train.device=cuda"])
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        train(cfg, resume=False)
+        measured = torch.cuda.max_memory_allocated() / planner.GIB
+        planned = planner.plan(cfg, 1, gpu_gib)  # the layout train resolved (auto: world 1)
+        rows.append((name, planned["peak_gib"], measured, planned["ranks"][0]))
+        print(f"plan-vs-measured: {name}: planned {rows[-1][1]:.2f} GiB, measured {measured:.2f} GiB", flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"\n{torch.cuda.get_device_name()}, 3 steps of train.py each\n"
+          "| run | planned GiB | measured GiB | planned / measured | params | grads | optimizer | "
+          "activations | comm |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, p, m, r in rows:
+        parts = " | ".join(f"{r[k] / planner.GIB:.2f}" for k in ("params", "grads", "optimizer", "activations", "comm"))
+        print(f"| {name} | {p:.2f} | {m:.2f} | {p / m:.3f} | {parts} |")
+    for name, p, m, _ in rows:
+        assert abs(p - m) <= 0.10 * m, f"{name}: planned {p:.2f} GiB, measured {m:.2f} GiB"
