@@ -4,6 +4,7 @@
     invoke test                                              # the CPU test suite (what CI runs)
     invoke train --gpu=b200 --model=gpt-oss-20b --dry-run    # the docker + torchrun lines it would run
     invoke setup --gpu=auto                                  # a fresh rented GPU box, one command
+    invoke plan --model=qwen3-30b-a3b --gpu=h100 --gpus=8    # per-rank memory plan, before launch
 
 Runtime. `--gpu` names the hardware and so the image (h100/h200 -> hopper, b200/b300 -> blackwell,
 auto -> ask nvidia-smi) and adds the GPU's recipe overrides (pithtrain/appliance.py:GPU_OVERRIDES).
@@ -240,6 +241,26 @@ def bench(c, gpu="", runtime="", args="", fp8=False, dry_run=False):
     _emit(c, _python(rt, gpu_, ["-m", "pithtrain.bench", *shlex.split(args), *extra]), dry_run)
 
 
+@task(help={"recipe": H_RECIPE, "model": H_MODEL, "set": H_SET,
+            "gpu": "h100 | h200 | b200 | b300: the GPU whose memory the plan is held against",
+            "gpus": "GPUs per node (default 1)", "nodes": "nodes (default 1); world size = gpus x nodes",
+            "json": "print one JSON object (layout, peak_gib, gpu_gib, fits, per-rank bytes)"},
+      iterable=["set"])
+def plan(c, recipe="", model="", set=None, gpu="", gpus=1, nodes=1, json=False):
+    """Memory plan before launch: per-rank parameters, gradients, optimizer state, activations,
+    communication buffers and peak against the GPU, and the layout (`parallel: auto` chooses it).
+    Runs here, on the CPU: the model is built on the meta device under a fake process group."""
+    if not gpu:
+        raise Exit("error: plan needs --gpu (h100 | h200 | b200 | b300): whose memory to plan against", 2)
+    recipe_ = _recipe(recipe, model)
+    args = ["-m", "pithtrain.plan", f"--gpu={gpu}", f"--gpus={gpus}", f"--nodes={nodes}",
+            *([f"--model={recipe_}"] if recipe_ else []), *(f"--set={s}" for s in set or []),
+            *(["--json"] if json else [])]
+    result = _py(c, shlex.join(args), warn=True)
+    if result.exited:
+        sys.exit(result.exited)
+
+
 # ---------------------------------------------------------------------------------------------
 # Images and environment
 
@@ -345,14 +366,21 @@ def doctor(c, gpu="", runtime="", manifest="", skill="", dry_run=False):
 @task(help={"gpu": H_GPU + " (default: auto)",
             "registry": "pull the image from this registry prefix when present "
                         "(default: $PITHTRAIN_REGISTRY)",
-            "dry_run": H_DRY})
-def setup(c, gpu="auto", registry="", dry_run=False):
-    """One-command setup of a fresh GPU box: checks, image, doctor, smoke test.
+            "recipe": H_RECIPE + ": the run to plan after the smoke test", "model": H_MODEL,
+            "set": H_SET, "gpus": "GPUs per node for the plan (default: every GPU nvidia-smi lists)",
+            "nodes": "nodes of the run, for the plan (default 1)", "dry_run": H_DRY},
+      iterable=["set"])
+def setup(c, gpu="auto", registry="", recipe="", model="", set=None, gpus=0, nodes=1, dry_run=False):
+    """One-command setup of a fresh GPU box: checks, image, doctor, smoke test, memory plan.
 
     Checks the driver, Docker and the NVIDIA container runtime, builds (or pulls) the image for
-    the GPU, then runs `invoke doctor` and `invoke validate` (tiny default recipe) in it."""
+    the GPU, then runs in it `invoke doctor`, `invoke validate` (the tiny default recipe on every
+    GPU of the node, `parallel: auto`) and, given --model or --recipe, `invoke plan` of that run."""
     if dry_run and gpu == "auto":
         raise Exit("error: setup --dry-run: name the GPU (--gpu=h200 ...), nothing is detected", 2)
+    recipe_ = _recipe(recipe, model)
+    if dry_run and recipe_ and not gpus:
+        raise Exit("error: setup --dry-run: name --gpus for the plan, nothing is detected", 2)
     gpu_ = _gpu(gpu)
     target, pins = _image(gpu_)
     checks = [
@@ -376,7 +404,15 @@ def setup(c, gpu="auto", registry="", dry_run=False):
                                   False)
     env = {"PITHTRAIN_IMAGE": ap.image_name(target, pins)}
     lines.append(ap.compose("train.yaml", "train", env, ["invoke", "doctor"]))
-    lines.append(ap.compose("train.yaml", "train", env, ["invoke", "validate", "--nproc=1"]))
+    lines.append(ap.compose("train.yaml", "train", env, ["invoke", "validate", "--nproc=gpu",
+                                                         "--set=parallel.auto=true"]))
+    if recipe_:
+        if not gpus:
+            listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+            gpus = len(listed.strip().splitlines())
+        lines.append(ap.compose("train.yaml", "train", env, [
+            "invoke", "plan", f"--gpu={gpu_}", f"--gpus={gpus}", f"--nodes={nodes}", f"--recipe={recipe_}",
+            *(f"--set={o}" for o in set or [])]))
     _emit(c, lines, dry_run)
 
 

@@ -71,6 +71,7 @@ class TrainConfig:
     activation_checkpoint: Literal["none", "full", "selective"] = "none"  # see pithtrain/compile.py
     kernels: Literal["auto", "torch"] = "auto"  # auto: fused operators where available (kernels/)
     fp8: bool = False
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # FSDP's gradient reduce-scatter (parallelize.py)
     init_from: str | None = None  # a Hugging Face checkpoint directory to start from
 
     def validate(self, err):
@@ -113,21 +114,34 @@ class DataConfig:
             err("max_bytes", f"must be >= 10000, got {self.max_bytes}")
 
 
+LAYOUT_KEYS = ("pp", "dp", "fsdp", "cp", "ep")
+
+
 @dataclass
 class ParallelConfig:
-    pp: int = 1
-    dp: int = 1  # replicated data parallel (outer)
-    fsdp: int = 1  # fully-sharded data parallel
-    cp: int = 1  # context parallel (sequence split)
-    ep: int = 1  # expert parallel (borrowed from fsdp x cp ranks)
+    """`parallel: auto` (or `{auto: true, ep: 2}`): the sizes left unset are chosen at start-up
+    from the world size, the model and the GPU's memory (pithtrain/plan.py:auto_layout); the ones
+    given are kept. Without auto an unset size is 1."""
+    auto: bool = False
+    pp: int | None = None
+    dp: int | None = None  # replicated data parallel (outer)
+    fsdp: int | None = None  # fully-sharded data parallel
+    cp: int | None = None  # context parallel (sequence split)
+    ep: int | None = None  # expert parallel (borrowed from fsdp x cp ranks)
     pp_schedule: Literal["1f1b", "dualpipev"] = "1f1b"
     pp_microbatches: int = 0  # 0: use train.grad_accum
     pp_layers: list | None = None  # layers per stage (virtual stage for dualpipev); None: balanced
     pp_overlap: bool = True  # CUDA: F&B pairs put communication phases on their own stream
 
+    def __post_init__(self):
+        if not self.auto:
+            for k in LAYOUT_KEYS:
+                if getattr(self, k) is None:
+                    setattr(self, k, 1)
+
     def validate(self, err):
-        for k in ("pp", "dp", "fsdp", "cp", "ep"):
-            if getattr(self, k) < 1:
+        for k in LAYOUT_KEYS:
+            if getattr(self, k) is not None and getattr(self, k) < 1:
                 err(k, f"must be >= 1, got {getattr(self, k)}")
 
 
@@ -201,6 +215,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a recipe is a mapping of sections, got {type(raw).__name__}")
+    raw = _parallel_shorthand(raw)  # before overrides: `parallel: auto` + parallel.ep=2
     for o in overrides:
         apply_override(raw, o, str(path))
     return config_from_dict(raw, source=str(path))
@@ -230,6 +245,7 @@ def config_from_dict(raw: dict, source: str = "<dict>", cross_checks: bool = Tru
     def fail(key, msg):
         raise ConfigError(f"{source}: {key}: {msg}")
 
+    raw = _parallel_shorthand(raw)
     allowed = ["model", *SECTIONS]
     for k in raw:
         if k not in allowed:
@@ -269,6 +285,11 @@ def config_from_dict(raw: dict, source: str = "<dict>", cross_checks: bool = Tru
     if cross_checks:
         _cross_checks(cfg, fail)
     return cfg
+
+
+def _parallel_shorthand(raw: dict) -> dict:
+    """`parallel: auto` is `parallel: {auto: true}`."""
+    return {**raw, "parallel": {"auto": True}} if raw.get("parallel") == "auto" else raw
 
 
 def _build(cls, values: dict, section: str, fail, all_classes):

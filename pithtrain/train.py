@@ -32,6 +32,7 @@ from pithtrain.metrics import (StepLog, check_finite, flops_per_token, memory_gb
                                peak_tflops)
 from pithtrain.models import build_model
 from pithtrain.models.common import AuxLoss
+from pithtrain.plan import check_launch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,8 +108,10 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
     a path continues from that checkpoint (pithtrain/checkpoint/dcp.py).
     keep: a dict that receives the trained `model` (parity tests compare its parameters)."""
     t = cfg.train  # with train.init_from, cfg.model is already the checkpoint's (load_config)
-    dims = ParallelDims.from_config(cfg)  # layout vs WORLD_SIZE and model: fails before any collective
     device = pick_device(cfg)
+    # parallel: auto -> a layout; on CUDA the memory plan must fit (pithtrain/plan.py): one-line errors
+    check_launch(cfg, device, int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)))
+    dims = ParallelDims.from_config(cfg)  # layout vs WORLD_SIZE and model: fails before any collective
     check_runnable(cfg, device)
     dims.init(device)  # torchrun's process group and the meshes; nothing for one process
     dtype = compute_dtype(cfg, device)

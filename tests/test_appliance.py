@@ -127,6 +127,9 @@ def test_skypilot_file_sets_up_and_launches():
     sky = yaml.safe_load(SKY_FILE.read_text())
     assert "invoke setup --gpu=auto" in sky["setup"]
     assert "invoke launch --gpu=auto" in sky["run"] and "SKYPILOT_NODE_RANK" in sky["run"]
+    for part in ("setup", "run"):  # the recipe and every override (the layout's too) reach both
+        assert '--recipe="$MODEL"' in sky[part] and "$SETS" in sky[part] and "--set=" in sky[part]
+    assert set(sky["envs"]) >= {"MODEL", "SET"}
 
 
 def test_no_version_literal_outside_versions_yaml():
@@ -347,7 +350,11 @@ def test_other_tasks_dry_run():
     lines = r.stdout.strip().splitlines()
     assert r.returncode == 0 and lines[0].startswith("nvidia-smi") and "nvidia" in lines[2]
     assert lines[3].startswith("docker build ") and lines[-2].endswith("run --rm train invoke doctor")
-    assert lines[-1].endswith("run --rm train invoke validate --nproc=1")
+    assert lines[-1].endswith("run --rm train invoke validate --nproc=gpu --set=parallel.auto=true")
+    r = _invoke("setup", "--gpu=h100", "--model=qwen3-30b-a3b", "--gpus=8", "--nodes=2",
+                "--set=parallel.ep=4", "--dry-run")
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1].endswith(
+        "run --rm train invoke plan --gpu=h100 --gpus=8 --nodes=2 --recipe=qwen3-30b-a3b --set=parallel.ep=4")
     r = _invoke("build", "--gpu=b300", "--registry=reg.example/team", "--push", "--dry-run")
     blackwell = _image("blackwell")
     assert r.stdout.splitlines()[0].startswith(

@@ -65,6 +65,10 @@ class ParallelDims:
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         p = cfg.parallel
+        unset = [k for k in ("pp", "dp", "fsdp", "cp", "ep") if getattr(p, k) is None]
+        if unset:
+            raise ConfigError(f"{cfg.source}: parallel: auto left {', '.join(unset)} unset; "
+                              "pithtrain.plan.auto_layout chooses them before the layout is built")
         dims = cls(pp=p.pp, dp=p.dp, fsdp=p.fsdp, cp=p.cp, ep=p.ep, world_size=world_size, rank=rank)
         dims.validate(cfg)
         return dims
@@ -102,6 +106,9 @@ class ParallelDims:
                 if size % self.efsdp:
                     fail("parallel", f"routed experts are FSDP-sharded on dim 1 over fsdp*cp/ep = {self.efsdp} "
                                      f"ranks, which must divide model.{key} ({size})")
+        if t.reduce_dtype != "float32" and not self.fsdp_enabled:
+            fail("train.reduce_dtype", f"{t.reduce_dtype}: only FSDP reduces gradients, and this layout "
+                                       "has none (dp*fsdp*cp = 1); leave it float32")
         if self.world_size > 1 and getattr(m, "tie_word_embeddings", False):
             fail("model.tie_word_embeddings", "a tied LM head is supported in one process only (each "
                                               "rank's initialisation and sharding would untie it)")

@@ -17,6 +17,12 @@ Order (each step relies on the previous ones):
                        final norm, LM head), on the dense mesh (dp, fsdp*cp). HSDP: replicated
                        over dp, sharded over fsdp*cp.
 
+Mixed precision (FSDP2 MixedPrecisionPolicy, `mp_policy`): with a bf16 compute dtype (CUDA's
+default) parameters are all-gathered in bf16 and gradients reduce-scattered in `train.reduce_dtype`
+(float32 by default); the sharded parameters FSDP keeps, and so AdamW's master weights and
+moments, stay float32. Half the all-gather bytes of a float32 gather, and no autocast copies of
+the gathered weights held for backward. float32 compute (CPU, parity tests) gathers float32.
+
 Gradient reduction is a SUM (divide factor 1): the trainer divides the loss by the global target
 count, so summing every rank's gradient gives the single-process gradient. Experts need this:
 their gradient already sums the tokens of the whole ep group (through the all-to-all), and a
@@ -28,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from pithtrain.compile import apply_activation_checkpoint, apply_compile
@@ -71,8 +77,16 @@ def parallelize(model: nn.Module, dims: ParallelDims, train_cfg, device: torch.d
     if train_cfg.compile and device.type == "cuda":
         apply_compile(model)
     if dims.fsdp_enabled:
-        apply_fsdp(model, dims)
+        apply_fsdp(model, dims, mp_policy(train_cfg, device))
     return model
+
+
+def mp_policy(train_cfg, device: torch.device) -> MixedPrecisionPolicy:
+    """bf16 gathers when the run computes under bf16 autocast (CUDA, train.dtype auto or
+    bfloat16: train.compute_dtype), float32 otherwise; gradients reduced in train.reduce_dtype."""
+    bf16 = device.type == "cuda" and train_cfg.dtype in ("auto", "bfloat16")
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else torch.float32,
+                                reduce_dtype=getattr(torch, train_cfg.reduce_dtype))
 
 
 def shard_experts(experts: GroupedExperts, dims: ParallelDims):
@@ -84,14 +98,14 @@ def shard_experts(experts: GroupedExperts, dims: ParallelDims):
         setattr(experts, name, nn.Parameter(dt, requires_grad=p.requires_grad))
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims):
+def apply_fsdp(model: nn.Module, dims: ParallelDims, mp: MixedPrecisionPolicy):
     dense_mesh = dims.dense_mesh  # (dp, fsdp_cp): HSDP, a size-1 dp replicates nothing
     expert_mesh = dims.expert_mesh["edp", "efsdp"]
     for layer in decoder_layers(model):
         for m in moe_blocks(layer):
-            fully_shard(m.experts, mesh=expert_mesh, shard_placement_fn=lambda p: Shard(1))
-        fully_shard(layer, mesh=dense_mesh)
-    fully_shard(model, mesh=dense_mesh)
+            fully_shard(m.experts, mesh=expert_mesh, shard_placement_fn=lambda p: Shard(1), mp_policy=mp)
+        fully_shard(layer, mesh=dense_mesh, mp_policy=mp)
+    fully_shard(model, mesh=dense_mesh, mp_policy=mp)
     gloo = dist.get_backend() == "gloo"
     for m in model.modules():
         if isinstance(m, FSDPModule):

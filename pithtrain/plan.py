@@ -1,0 +1,412 @@
+"""The memory plan of a run, before anything is allocated, and the automatic layout built on it.
+
+    python -m pithtrain.plan --model qwen3-30b-a3b --gpu h100 --gpus 8 [--nodes 2] [--set k=v] [--json]
+    invoke plan --model qwen3-30b-a3b --gpu h100 --gpus 8
+
+Per rank: parameters, gradients, AdamW state, activations, communication buffers and the peak,
+against the GPU's memory (GPU_GIB). `train.py` runs the same plan on CUDA before it builds the
+model and refuses a layout whose plan does not fit; `parallel: auto` takes the first candidate
+layout (auto_layout) whose plan fits.
+
+Parameters, gradients, optimizer state: exact. The model is built on the meta device and put
+through the real pipeline pruning and `parallelize` under a fake process group (the "fake" backend
+with torch's FakeStore, as TorchTitan's memory estimator does), once for the first rank of each
+pipeline stage: the other ranks of a stage hold the same shapes or, with uneven FSDP shards,
+smaller ones (FSDP2 pads every shard to the first rank's size). The local shape of each parameter
+is this rank's share: float32 master weights (4 B), float32 gradients (4 B: FSDP reduces into the
+float32 sharded gradient), AdamW's two float32 moments (8 B).
+
+Activations: an analytic count of the tensors autograd saves per token on the CUDA bf16 path,
+with c the compute bytes (2) and r the residual stream's (4 without FSDP, where float32 master
+weights under autocast keep it float32; c under FSDP's bf16 gathers):
+    RMSNorm of width D                2 r D        its input and the normalised input
+    nn.Linear (attention, router, MLP) c in         its bf16 input
+    attention core                    c H (2 d_qk + 2 d_v) + 4 H d_qk    q, k, v (k, v counted
+                                      with H heads: an upper bound under GQA), the output, q's
+                                      float32 RoPE halves
+    dense SwiGLU MLP of width F       3 c F        gate, up and their product
+    routed experts, top-k A           c A (2 D + 3 F) + 4 E   dispatched rows, [gate | up],
+                                      the SwiGLU output, the expert output; router probabilities
+and, without FSDP, autocast's bf16 copy of each float32 layer weight (2 B per parameter, held
+until backward; a linear's cast is made for each micro-batch). Activation checkpointing keeps
+each layer's input only (full: r D per token) or the layer without its MLP internals
+(selective). One micro-batch is T = micro_batch_size * seq_len / cp tokens per rank. A GPU test
+(tests/test_plan.py, marked gpu) compares the peak with torch.cuda.max_memory_allocated.
+
+Communication buffers. FSDP2: the root's unsharded parameters (embedding, final norm, head:
+FSDP keeps the root gathered between forward and backward), the current and the prefetched
+layer gathered (param dtype), and one layer's unsharded gradients in the compute and reduce
+dtypes (the reduce-scatter input). Expert parallel: one layer's all-to-all send and receive
+buffers (2 c A T D).
+
+Peak: the larger of
+    end of forward   static + in-flight activations + gradients held (all of them when a step has
+                     several micro-batches, else the LM head's, which the fused loss makes in the
+                     forward) + one 4096-row chunk of bf16 logits + comm
+    backward         static + all gradients + one layer's activations (its backward transients)
+                     + the other in-flight micro-batches' activations + comm
+with static = parameters + optimizer state (present from the first step on) + with train.fp8 the
+FP8 weight cache (2 B per unsharded expert weight element, pithtrain/fp8.py). The in-flight
+micro-batches come from the pipeline schedule itself (a chunk's forward holds its activations
+until its weight-gradient or full backward). Not counted: the CUDA context, NCCL workspaces and
+allocator fragmentation; a plan fits when its peak is at most FIT_FRACTION of the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from pithtrain.appliance import GPU_OVERRIDES
+from pithtrain.config import LAYOUT_KEYS, Config, ConfigError, load_config
+from pithtrain.distributed import pipeline
+from pithtrain.distributed.parallel_dims import ParallelDims
+from pithtrain.distributed.parallelize import moe_blocks, parallelize
+from pithtrain.models import build_model
+from pithtrain.models.common import GroupedExperts, RMSNorm, SwiGLUMLP
+
+GIB = 2 ** 30
+# Memory per GPU as torch.cuda.get_device_properties().total_memory reports it, in GiB
+# (H100 SXM 80 GB, H200 141 GB, B200 180 GB, B300 288 GB of HBM).
+GPU_GIB = {"h100": 79.6, "h200": 140.4, "b200": 179.1, "b300": 268.0}
+FIT_FRACTION = 0.92  # the rest: CUDA context, NCCL, allocator fragmentation
+LOSS_CHUNK = 4096  # rows of logits at a time (models.common.cross_entropy_sum)
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank's model on the meta device, under a fake process group
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int):
+    """A process group whose collectives do nothing, so DeviceMeshes and fully_shard can be built
+    for any world size in this one process. World size 1 needs none."""
+    if world_size == 1:
+        yield
+        return
+    if dist.is_initialized():
+        raise RuntimeError("the memory plan builds a fake process group; this process already has one")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_model(cfg: Config, dims: ParallelDims) -> tuple[nn.Module, list | None]:
+    """This rank's piece of the model on meta, exactly as train.py builds it (run in fake_world)."""
+    model = build_model(cfg.model, init=False)
+    chunks = pipeline.prepare(model, cfg, dims) if dims.pp_enabled else None
+    if dims.distributed:
+        dims.build_meshes("cpu")
+    parallelize(model, dims, cfg.train, torch.device("meta"))
+    return model, chunks
+
+
+def local_numel(p: torch.Tensor) -> int:
+    return (p.to_local() if isinstance(p, DTensor) else p).numel()
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations (the module docstring's table)
+
+
+def layer_activations(layer: nn.Module, i: int, cfg: Config, c: int, r: int, copies: bool):
+    """Bytes a decoder layer saves for backward on one micro-batch of T tokens, as
+    (attention part per token, MLP part per token, attention part fixed, MLP part fixed)."""
+    m = cfg.model
+    per_tok, fixed = [0, 0], [0, 0]
+    for name, mod in layer.named_modules():
+        part = 1 if name.split(".")[0] in ("mlp", "post_attention_layernorm") else 0
+        if isinstance(mod, RMSNorm) and mod.weight.shape[0] == m.hidden_size:
+            per_tok[part] += 2 * r * m.hidden_size
+        elif isinstance(mod, nn.Linear):
+            per_tok[part] += c * mod.in_features
+        elif isinstance(mod, SwiGLUMLP):
+            per_tok[part] += 3 * c * mod.gate_proj.out_features
+        elif isinstance(mod, GroupedExperts):
+            per_tok[part] += c * m.top_k * (2 * mod.dim + 3 * mod.hidden) + 4 * mod.num_experts
+    _, d_qk, d_v, heads = m.attention_shapes(i)
+    per_tok[0] += c * heads * (2 * d_qk + 2 * d_v) + 4 * heads * d_qk
+    if copies:  # autocast's bf16 casts of float32 weights, saved for backward
+        for name, p in layer.named_parameters():
+            fixed[1 if name.startswith("mlp.") else 0] += 2 * local_numel(p)
+    return per_tok[0], per_tok[1], fixed[0], fixed[1]
+
+
+def saved_per_layer(layer, i, cfg, c, r, copies, T) -> tuple[int, int]:
+    """(bytes kept between forward and backward under train.activation_checkpoint, bytes of the
+    layer's whole activations: what its backward (or recompute) holds at once)."""
+    a_tok, m_tok, a_fix, m_fix = layer_activations(layer, i, cfg, c, r, copies)
+    whole = T * (a_tok + m_tok) + a_fix + m_fix
+    mode = cfg.train.activation_checkpoint
+    if mode == "full":
+        return T * r * cfg.model.hidden_size, whole
+    if mode == "selective":
+        return T * (a_tok + r * cfg.model.hidden_size) + a_fix, whole
+    return whole, whole
+
+
+def in_flight(cfg: Config, dims: ParallelDims, chunk_bytes: list[int]) -> int:
+    """The most activation bytes held at once over the step: one micro-batch without a pipeline;
+    with one, replay this rank's op list (F holds a chunk's activations, W or BW releases them)."""
+    if not dims.pp_enabled:
+        return chunk_bytes[0]
+    ops = pipeline.build_schedule(cfg.parallel.pp_schedule, dims.pp, cfg.train.grad_accum)[dims.pp_rank]
+    held, most = [0] * len(chunk_bytes), 0
+    for op in ops:
+        if op.kind in ("F", "FB"):
+            held[op.chunk] += 1
+        if op.kind in ("W", "BW"):
+            held[op.chunk] -= 1
+        most = max(most, sum(h * b for h, b in zip(held, chunk_bytes)))
+        if op.kind == "FB":
+            held[op.b_chunk] -= 1
+    return most
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank's plan
+
+
+def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks) -> dict:
+    t, m = cfg.train, cfg.model
+    c = 4 if t.dtype == "float32" else 2
+    fsdp = dims.fsdp_enabled
+    r = c if fsdp else 4
+    pbytes = c if fsdp else 4  # the gathered parameters' dtype (parallelize.mp_policy)
+    rbytes = 4 if t.reduce_dtype == "float32" else 2
+    params = list({id(p): p for p in model.parameters()}.values())
+    n = sum(local_numel(p) for p in params)
+    T = t.micro_batch_size * t.seq_len // dims.cp
+    D, V = m.hidden_size, m.vocab_size
+
+    layers = {int(k): v for k, v in (model.layers.items() if isinstance(model.layers, nn.ModuleDict)
+                                     else enumerate(model.layers))}
+    saved, whole = {}, {}
+    for i, layer in layers.items():
+        saved[i], whole[i] = saved_per_layer(layer, i, cfg, c, r, not fsdp and c == 2, T)
+    head = getattr(model, "lm_head", None) is not None
+    ends = T * (2 * r * D + 2 * c * D) if head else 0  # final norm; the loss's bf16 h and dh
+    chunks = chunks or [pipeline.Chunk(0, sorted(layers), True, True)]
+    chunk_bytes = [sum(saved[i] for i in ch.layer_ids) + (ends if ch.last else 0) for ch in chunks]
+    acts = in_flight(cfg, dims, chunk_bytes)
+
+    # Unsharded sizes: every dense parameter whole, experts as the ep split leaves them (E / ep).
+    def unsharded(mod):
+        ex = {id(p) for b in moe_blocks(mod) for p in b.experts.parameters()}
+        return sum(p.numel() // (dims.ep if id(p) in ex else 1) for p in mod.parameters())
+    layer_full = max((unsharded(x) for x in layers.values()), default=0)
+    root_full = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("layers."))
+    comm = 0
+    if fsdp:
+        comm += root_full * pbytes + 2 * layer_full * pbytes + layer_full * (pbytes + rbytes)
+    if dims.ep_enabled:
+        comm += 2 * c * m.top_k * T * D
+    # train.fp8: each expert weight's unsharded FP8 copies (q and q^T, 1 B each) live for the step.
+    cache = sum(2 * p.numel() // dims.ep for x in layers.values() for b in moe_blocks(x)
+                for p in b.experts.parameters()) if t.fp8 else 0
+    head_grad = m.vocab_size * D * pbytes if head else 0  # linear_ce's dW, made in the forward
+    grads = 4 * n
+    held = grads + head_grad if t.grad_accum > 1 else head_grad
+    logits = c * min(LOSS_CHUNK, T) * V if head else 0
+    static = 4 * n + 8 * n + cache
+    largest = max(whole.values(), default=0)
+    fwd = static + acts + held + logits + comm
+    bwd = static + grads + max(acts - max(chunk_bytes), 0) + largest + comm
+    fsdp_traffic = {k: fsdp_bytes(model, dims, t.grad_accum, pb, rb)
+                    for k, (pb, rb) in (("float32", (4, 4)), ("policy", (pbytes, rbytes)))}
+    return {"rank": dims.rank, "stage": dims.pp_rank, "params": 4 * n, "grads": grads,
+            "optimizer": 8 * n, "activations": acts, "comm": comm, "fp8_cache": cache, "peak": max(fwd, bwd),
+            "fsdp_bytes_per_step": fsdp_traffic}
+
+
+def fsdp_bytes(model: nn.Module, dims: ParallelDims, micro_batches: int, pbytes: int, rbytes: int) -> int:
+    """Bytes one rank sends per optimizer step in FSDP collectives (ring: (n-1)/n of each
+    collective's unsharded buffer): per micro-batch each layer is gathered twice (forward,
+    backward) and the root once, and every gradient is reduce-scattered once; HSDP (dp > 1) adds
+    an all-reduce of the shards over dp. Experts over efsdp ranks, the rest over fsdp * cp."""
+    if not dims.fsdp_enabled:
+        return 0
+    experts = {id(p) for b in moe_blocks(model) for p in b.experts.parameters()}
+    total = 0.0
+    for name, p in {id(p): (n, p) for n, p in model.named_parameters()}.values():
+        is_expert = id(p) in experts
+        k = dims.efsdp if is_expert else dims.fsdp * dims.cp
+        full = p.numel() // (dims.ep if is_expert else 1)
+        gathers = 2 if name.startswith("layers.") else 1
+        total += micro_batches * full * (k - 1) / k * (gathers * pbytes + rbytes)
+        total += micro_batches * 2 * (dims.dp - 1) / dims.dp * full / k * rbytes
+    return int(total)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole plan, and the automatic layout
+
+
+def plan(cfg: Config, world_size: int, gpu_gib: float, gpu: str = "") -> dict:
+    """The plan of cfg's layout on `world_size` GPUs of `gpu_gib` GiB (ConfigError if the layout
+    is invalid): one entry per pipeline stage, the peak of the largest."""
+    ranks = []
+    pp = ParallelDims.from_config(cfg, world_size, 0).pp
+    for stage in range(pp):
+        dims = ParallelDims.from_config(cfg, world_size, stage * world_size // pp)
+        with fake_world(world_size, dims.rank):
+            ranks.append(rank_plan(cfg, dims, *rank_model(cfg, dims)))
+    peak = max(x["peak"] for x in ranks) / GIB
+    return {"gpu": gpu, "gpu_gib": gpu_gib, "usable_gib": FIT_FRACTION * gpu_gib, "world_size": world_size,
+            "layout": {k: getattr(cfg.parallel, k) for k in LAYOUT_KEYS},
+            "activation_checkpoint": cfg.train.activation_checkpoint, "ranks": ranks,
+            "peak_gib": peak, "fits": peak <= FIT_FRACTION * gpu_gib}
+
+
+def candidates(cfg: Config, world_size: int) -> list[dict]:
+    """Layouts `parallel: auto` tries, in order: no pipeline first, then 2, 3, ... stages (only
+    when the plan needs them); the sizes the recipe gives are kept; fsdp (or dp, when fsdp is
+    given) takes the remaining ranks; ep is the largest that divides the experts and fsdp * cp and
+    leaves the expert widths divisible by the remaining FSDP shards (parallel_dims.validate)."""
+    p, m = cfg.parallel, cfg.model
+    given = {k: getattr(p, k) for k in LAYOUT_KEYS if getattr(p, k) is not None}
+    out = []
+    # A pipeline with fewer micro-batches than stages leaves most stages idle most of the step.
+    for pp in [given["pp"]] if "pp" in given else range(1, min(world_size, m.num_layers, cfg.train.grad_accum) + 1):
+        lay = {"pp": pp, "cp": given.get("cp", 1)}
+        rest = world_size // (pp * lay["cp"]) if world_size % (pp * lay["cp"]) == 0 else 0
+        lay["dp"] = given.get("dp", rest // given["fsdp"] if "fsdp" in given else 1)
+        lay["fsdp"] = given.get("fsdp", rest // lay["dp"] if lay["dp"] else 0)
+        if lay["fsdp"] < 1 or lay["dp"] < 1 or pp * lay["dp"] * lay["fsdp"] * lay["cp"] != world_size:
+            continue
+        ranks = lay["fsdp"] * lay["cp"]
+        width = getattr(m, "moe_intermediate_size", getattr(m, "intermediate_size", 1))
+        eps = [e for e in range(ranks, 0, -1) if ranks % e == 0 and getattr(m, "num_experts", 1) % e == 0
+               and m.hidden_size % (ranks // e) == 0 and width % (ranks // e) == 0]
+        lay["ep"] = given.get("ep", eps[0] if getattr(m, "num_experts", None) else 1)
+        out.append(lay)
+    return out
+
+
+def auto_layout(cfg: Config, world_size: int, gpu_gib: float | None, gpu: str = "") -> dict | None:
+    """Fill cfg.parallel's unset sizes with the first candidate that is valid and, given the GPU's
+    memory, whose plan fits (else the valid one with the smallest peak); returns its plan (None
+    without gpu_gib: then nothing is planned)."""
+    tried, options = [], candidates(cfg, world_size)
+    for lay in options:
+        for k, v in lay.items():
+            setattr(cfg.parallel, k, v)
+        try:
+            ParallelDims.from_config(cfg, world_size, 0)
+            if gpu_gib is None:
+                return None
+            result = plan(cfg, world_size, gpu_gib, gpu)
+        except ConfigError:
+            continue
+        if result["fits"]:
+            return result
+        tried.append(result)
+    if not tried:
+        raise ConfigError(f"{cfg.source}: parallel: auto found no valid layout for {world_size} processes "
+                          f"(tried {options}); give the sizes explicitly")
+    best = min(tried, key=lambda x: x["peak_gib"])
+    for k, v in best["layout"].items():
+        setattr(cfg.parallel, k, v)
+    return best
+
+
+def describe(result: dict) -> str:
+    lay = " ".join(f"{k}={v}" for k, v in result["layout"].items())
+    return (f"{lay} on {result['world_size']} x {result['gpu'] or 'GPU'}: peak {result['peak_gib']:.1f} GiB "
+            f"of {result['usable_gib']:.1f} usable ({FIT_FRACTION:.0%} of {result['gpu_gib']:.1f})")
+
+
+def refusal(cfg: Config, result: dict, world_size: int) -> str:
+    """One line: by how much the plan is over, and what to change."""
+    over = result["peak_gib"] - result["usable_gib"]
+    hints = []
+    if cfg.train.activation_checkpoint != "full":
+        hints.append("train.activation_checkpoint=full")
+    if cfg.train.micro_batch_size > 1:
+        hints.append(f"a smaller train.micro_batch_size (now {cfg.train.micro_batch_size})")
+    if not cfg.parallel.auto:
+        hints.append("parallel: auto (it adds pipeline stages when needed)")
+    hints.append(f"more GPUs than {world_size}")
+    return (f"{cfg.source}: parallel: the memory plan does not fit: {describe(result)}, over by "
+            f"{over:.1f} GiB (`invoke plan` shows each part); try {', or '.join(hints)}")
+
+
+def check_launch(cfg: Config, device: torch.device, world_size: int, rank: int = 0):
+    """train.py, before any process group or model exists: resolve `parallel: auto` and, on CUDA,
+    refuse a layout whose plan does not fit this GPU; rank 0 prints the layout and plan in one line."""
+    gpu_gib = torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None
+    if gpu_gib is not None and dist.is_initialized():
+        print("pithtrain: memory plan skipped: this process already has a process group (the plan "
+              "needs its own fake one)", flush=True)
+        gpu_gib = None
+    name = torch.cuda.get_device_name(device) if gpu_gib else ""
+    if cfg.parallel.auto:
+        result = auto_layout(cfg, world_size, gpu_gib, name)
+    elif gpu_gib is not None:
+        result = plan(cfg, world_size, gpu_gib, name)
+    else:
+        return
+    if result is not None and not result["fits"]:
+        raise ConfigError(refusal(cfg, result, world_size))
+    if rank == 0:
+        lay = " ".join(f"{k}={getattr(cfg.parallel, k)}" for k in LAYOUT_KEYS)
+        print(f"pithtrain: parallel {'auto' if cfg.parallel.auto else 'layout'}: {lay} " + (
+              f"(memory plan: peak {result['peak_gib']:.1f} GiB of {result['usable_gib']:.1f} usable)"
+              if result else "(no GPU memory to plan against)"), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def table(result: dict) -> str:
+    cols = ("params", "grads", "optimizer", "activations", "comm", "fp8_cache", "peak")
+    lines = [f"plan: {describe(result)}, activation checkpointing {result['activation_checkpoint']}",
+             f"{'rank':>5} {'stage':>5} " + " ".join(f"{c:>11}" for c in cols) + "   (GiB)"]
+    for x in result["ranks"]:
+        lines.append(f"{x['rank']:>5} {x['stage']:>5} " + " ".join(f"{x[c] / GIB:>11.2f}" for c in cols))
+    traffic = result["ranks"][0]["fsdp_bytes_per_step"]
+    if traffic["float32"]:
+        lines.append(f"FSDP traffic per step, rank 0: {traffic['float32'] / GIB:.2f} GiB with float32 "
+                     f"gathers and reductions, {traffic['policy'] / GIB:.2f} GiB with the mixed-precision policy")
+    lines.append(f"fits: {'yes' if result['fits'] else 'no'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pithtrain.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="recipe file or embedded recipe name (default: the tiny default)")
+    p.add_argument("--gpu", required=True, choices=sorted(GPU_GIB))
+    p.add_argument("--gpus", type=int, default=1, help="GPUs per node")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--set", action="append", default=[], help="section.key=value (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    world = args.gpus * args.nodes
+    try:
+        # What `invoke train --gpu` runs: the recipe, the GPU's overrides, then the user's.
+        cfg = load_config(args.model, [*GPU_OVERRIDES[args.gpu], *args.set])
+        if cfg.parallel.auto:
+            result = auto_layout(cfg, world, GPU_GIB[args.gpu], args.gpu)
+        else:
+            result = plan(cfg, world, GPU_GIB[args.gpu], args.gpu)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1) if args.json else table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
