@@ -1,29 +1,46 @@
-"""Phased chunk execution (distributed/overlap.py) equals the model's own forward and backward:
-full backward, input-only + weight backward (B + W), and the interleaved forward-backward pair,
-on CPU; on a GPU (marked) the two-stream overlapped step equals the sequential one."""
+"""A layer's phases (common.DecoderLayer.phases, which its `forward` runs) executed one by one with
+autograd cut between them (distributed/overlap.py) equal the model's own forward and backward, for
+every family: full backward, input-only + weight backward (B + W), and the interleaved
+forward-backward pair, on CPU; on a GPU (marked) the two-stream overlapped step equals the
+sequential one at full width for the three families (and writes the per-phase costs the pipeline
+cost model reads)."""
+
+import dataclasses
 
 import pytest
 import torch
 
 from pithtrain.distributed import overlap
 from pithtrain.distributed.pipeline import Chunk
-from pithtrain.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from pithtrain.models import FAMILIES
 
-CFG = dict(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
-           intermediate_size=48, moe_intermediate_size=16, num_experts=4, top_k=2, mlp_only_layers=[1],
-           aux_loss_coeff=0.01)
+# Tiny widths that still exercise each family's features: Qwen3 with a dense layer; DeepSeek-V2
+# with MLA, shared experts and a dense first layer; GPT-OSS with sinks, a sliding window shorter
+# than the sequence and biased experts.
+TINY = {
+    "qwen3_moe": dict(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+                      intermediate_size=48, moe_intermediate_size=16, num_experts=4, top_k=2,
+                      mlp_only_layers=[1], aux_loss_coeff=0.01),
+    "deepseek_v2": dict(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, first_k_dense_replace=1,
+                        intermediate_size=48, moe_intermediate_size=16, num_experts=4, n_shared_experts=1,
+                        top_k=2, aux_loss_coeff=0.01),
+    "gpt_oss": dict(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+                    intermediate_size=16, num_experts=4, top_k=2, sliding_window=4, aux_loss_coeff=0.01),
+}
 
 
-def build(device="cpu", seed=0):
+def build(family, device="cpu", seed=0, **over):
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**CFG)).to(device)
+    cfg_cls, model_cls = FAMILIES[family][0], FAMILIES[family][1]
+    model = model_cls(cfg_cls(**{**TINY[family], **over})).to(device)
     model.init_weights()
     return model
 
 
-def batch(i, device="cpu", B=2, S=12):
+def batch(i, vocab, device="cpu", B=2, S=12):
     g = torch.Generator().manual_seed(100 + i)
-    ids = torch.randint(0, CFG["vocab_size"], (B, S + 1), generator=g)
+    ids = torch.randint(0, vocab, (B, S + 1), generator=g)
     return ids[:, :-1].to(device), ids[:, 1:].to(device)
 
 
@@ -31,8 +48,8 @@ def grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def whole_chunk():
-    return Chunk(0, list(range(CFG["num_layers"])), first=True, last=True)
+def whole_chunk(model):
+    return Chunk(0, list(range(model.cfg.num_layers)), first=True, last=True)
 
 
 def positions(x):
@@ -50,14 +67,44 @@ def reference(model, mbs):
 
 
 def run_chunk(model, x, y):
-    run = overlap.start(overlap.chunk_phases(model, whole_chunk(), positions(x), y), x)
+    run = overlap.start(overlap.chunk_phases(model, whole_chunk(model), positions(x), y), x)
     overlap.forward(run)
     return run
 
 
-def test_phased_full_and_split_backward_match_the_model():
-    model = build()
-    mbs = [batch(0), batch(1)]
+def batch_pos(V):
+    x, y = batch(0, V)
+    return positions(x), y
+
+
+def check_grads(got, ref, rtol=1e-5, atol=1e-7):
+    assert got.keys() == ref.keys()
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=rtol, atol=atol, msg=n)
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_every_family_splits_into_phases(family):
+    """A MoE layer of every family has the six phases, dispatch and combine marked communication;
+    a dense layer (Qwen3 mlp_only_layers, DeepSeek's first layer) has two."""
+    model = build(family)
+    x, y = batch(0, model.cfg.vocab_size)
+    names = [(ph.name, ph.comm) for ph in overlap.chunk_phases(model, whole_chunk(model), positions(x), y)]
+    moe = ["attn", "route", "dispatch", "experts", "combine", "residual"]
+    kinds = {"qwen3_moe": ["moe", "dense", "moe"], "deepseek_v2": ["dense", "moe", "moe"],
+             "gpt_oss": ["moe", "moe", "moe"]}[family]
+    want = [("embed", False)]
+    for i, kind in enumerate(kinds):
+        want += [(f"{n}{i}", n in ("dispatch", "combine")) for n in (moe if kind == "moe" else ["attn", "mlp"])]
+    assert names == want + [("head", False)]
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_phased_full_and_split_backward_match_the_model(family):
+    """forward vs phases: the same losses (bit-equal: the same calls) and every gradient, with
+    the full backward and with B then W."""
+    model = build(family)
+    mbs = [batch(0, model.cfg.vocab_size), batch(1, model.cfg.vocab_size)]
     ref_losses, ref = reference(model, mbs)
     for split in (False, True):
         model.zero_grad()
@@ -70,51 +117,60 @@ def test_phased_full_and_split_backward_match_the_model():
             assert all(p.grad is None for p in model.parameters())
             for run in runs:
                 overlap.weight_backward(run)
-        got = grads(model)
-        assert got.keys() == ref.keys()
-        for n in ref:
-            torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=n)
+        check_grads(grads(model), ref)
 
 
 def overlapped_step(model, streams):
     """F(mb0); F(mb1) overlapped with BW(mb0); BW(mb1)."""
     model.zero_grad()
-    (x0, y0), (x1, y1) = batch(0, model.lm_head.weight.device), batch(1, model.lm_head.weight.device)
-    r0 = run_chunk(model, x0, y0)
-    r1 = overlap.start(overlap.chunk_phases(model, whole_chunk(), positions(x1), y1), x1)
-    g = torch.tensor(1 / 100, device=x0.device)
+    dev, V = model.lm_head.weight.device, model.cfg.vocab_size
+    (x0, y0), (x1, y1) = batch(0, V, dev), batch(1, V, dev)
+    timeline = []
+    r0 = overlap.start(overlap.chunk_phases(model, whole_chunk(model), positions(x0), y0), x0, mb=0,
+                       timeline=timeline)
+    overlap.forward(r0)
+    r1 = overlap.start(overlap.chunk_phases(model, whole_chunk(model), positions(x1), y1), x1, mb=1,
+                       timeline=timeline)
+    g = torch.tensor(1 / 100, device=dev)
     order = overlap.forward_backward(r1, r0, g, streams)
     overlap.backward(r1, g)
-    return [r0.output.detach(), r1.output.detach()], grads(model), order
+    return [r0.output.detach(), r1.output.detach()], grads(model), order, timeline
 
 
-def test_interleaved_forward_backward_matches_the_model_on_cpu():
-    model = build()
-    ref_losses, ref = reference(model, [batch(0), batch(1)])
-    losses, got, order = overlapped_step(model, None)
-    paired = [p for p in order if p[0] and p[1]]
-    assert paired, order  # some communication phase was paired with a compute phase
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_interleaved_forward_backward_matches_the_model_on_cpu(family):
+    """The F&B pair: every dispatch / combine of either micro-batch is paired with a compute
+    phase of the other; losses and gradients are the model's."""
+    model = build(family)
+    V = model.cfg.vocab_size
+    ref_losses, ref = reference(model, [batch(0, V), batch(1, V)])
+    losses, got, order, timeline = overlapped_step(model, None)
+    fb = [e for e in timeline if (e["pass_"], e["mb"]) in (("F", 1), ("BW", 0))]
+    comm = [e for e in fb if e["comm"]]
+    n_moe = sum(1 for ph in overlap.chunk_phases(model, whole_chunk(model), *batch_pos(V)) if ph.name.startswith("dispatch"))
+    assert len(comm) == 2 * 2 * n_moe  # dispatch and combine of both micro-batches
+    for e in comm:
+        partner = [o for o in fb if e["pair"] is not None and o["pair"] == e["pair"] and o is not e]
+        assert len(partner) == 1 and not partner[0]["comm"] and partner[0]["mb"] != e["mb"], (e, order)
     for a, b in zip(losses, ref_losses):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    for n in ref:
-        torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=n)
+    check_grads(got, ref)
 
 
 @pytest.mark.gpu
-def test_two_stream_overlapped_step_equals_sequential_on_gpu():
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_two_stream_overlapped_step_equals_sequential_on_gpu(family):
     """On one GPU the dispatch / combine phases run on the communication stream while the other
     micro-batch's compute runs on the compute stream. Same losses and gradients as the one-stream
-    run of the same interleaving and as the plain model (float32; TF32 off). On one GPU without
-    expert parallelism there is no all-to-all to hide, so this proves correctness, not speed:
-    with EP over several GPUs the dispatch/combine all-to-all is what runs under the other
-    micro-batch's attention and expert matmuls (see pipeline.py's docstring)."""
+    run of the same interleaving and as the plain model (float32; TF32 off)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = torch.device("cuda")
-    model = build(dev)
-    ref_losses, ref = reference(model, [batch(0, dev), batch(1, dev)])
-    seq_losses, seq, _ = overlapped_step(model, None)
-    two_losses, two, order = overlapped_step(model, overlap.Streams(dev))
+    model = build(family, dev)
+    V = model.cfg.vocab_size
+    ref_losses, ref = reference(model, [batch(0, V, dev), batch(1, V, dev)])
+    seq_losses, seq, _, _ = overlapped_step(model, None)
+    two_losses, two, order, _ = overlapped_step(model, overlap.Streams(dev))
     torch.cuda.synchronize()
     assert any(p[0] and p[1] for p in order)
     # index_add (combine) uses atomics on CUDA, so sums may reassociate between runs: float32
@@ -122,33 +178,5 @@ def test_two_stream_overlapped_step_equals_sequential_on_gpu():
     for a, b, c in zip(two_losses, seq_losses, ref_losses):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
-    for n in ref:
-        torch.testing.assert_close(two[n], seq[n], rtol=1e-5, atol=1e-6, msg=n)
-        torch.testing.assert_close(two[n], ref[n], rtol=1e-4, atol=1e-5, msg=n)
-
-
-class CallOnlyDispatcher:
-    """A dispatcher with one call (like the expert-parallel one): the layer gets a single "moe"
-    communication phase instead of dispatch / experts / combine."""
-
-    def __init__(self):
-        from pithtrain.models.common import LocalDispatcher
-        self.inner = LocalDispatcher()
-
-    def __call__(self, x_TD, idx_TA, w_TA, experts):
-        return self.inner(x_TD, idx_TA, w_TA, experts)
-
-
-def test_one_call_dispatcher_phase_matches_the_model():
-    model = build()
-    for layer in model.layers:
-        if hasattr(layer.mlp, "dispatcher"):
-            layer.mlp.dispatcher = CallOnlyDispatcher()
-    ref_losses, ref = reference(model, [batch(0), batch(1)])
-    losses, got, order = overlapped_step(model, None)
-    names = {n for pair in order for n in pair if n}
-    assert "moe0" in names and "dispatch0" not in names
-    for a, b in zip(losses, ref_losses):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    for n in ref:
-        torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=n)
+    check_grads(two, seq, rtol=1e-5, atol=1e-6)
+    check_grads(two, ref, rtol=1e-4, atol=1e-5)

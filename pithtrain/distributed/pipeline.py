@@ -80,7 +80,6 @@ import torch
 import torch.distributed as dist
 
 from pithtrain.distributed import overlap
-from pithtrain.models.common import cross_entropy_sum
 
 # ---------------------------------------------------------------------------------------------
 # Partitioning
@@ -175,31 +174,19 @@ def _pipeline_begin(self):
     return None
 
 
-def _pipeline_embed(self, input_ids_BS):
-    return self.embed_tokens(input_ids_BS)
-
-
-def _pipeline_head(self, h_BSD, labels_BS):
-    return cross_entropy_sum(self.norm(h_BSD).flatten(0, 1), self.lm_head.weight, labels_BS.flatten())
-
-
 def attach_ends(model: torch.nn.Module) -> torch.nn.Module:
-    """The pipeline never calls the model's forward; it calls the layers, and these methods for
-    the ends (overlap.chunk_phases). Under FSDP the embedding, final norm and head belong to the
-    root unit, whose hooks run around forward only, so `register_fsdp_methods` hooks these
-    methods too; `pipeline_begin` (called at each step start) lets the root initialise first."""
+    """The pipeline never calls the model's forward; it calls the layers' phases and the ends
+    (overlap.chunk_phases), driving FSDP's gathers itself. `pipeline_begin` (called at each step
+    start), hooked by FSDP (`register_fsdp_methods`), lets the root FSDP unit initialise first."""
     model.pipeline_begin = types.MethodType(_pipeline_begin, model)
-    model.pipeline_embed = types.MethodType(_pipeline_embed, model)
-    model.pipeline_head = types.MethodType(_pipeline_head, model)
     return model
 
 
 def register_fsdp_methods(model: torch.nn.Module):
-    """After `parallelize`: FSDP's gather / reduce-scatter hooks around the pipeline's end methods."""
+    """After `parallelize`: FSDP's root hooks around `pipeline_begin`."""
     from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
     if isinstance(model, FSDPModule):
-        for name in ("pipeline_begin", "pipeline_embed", "pipeline_head"):
-            register_fsdp_forward_method(model, name)
+        register_fsdp_forward_method(model, "pipeline_begin")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,15 +469,14 @@ class PipelineRunner:
         self.holds_loss = any(c.last for c in chunks)
         self.V = num_virtual_stages(pp, schedule)
         self.timeline = None
-        # FSDP gathers a layer's weights around the layer's own call and reduce-scatters their
-        # gradients when its backward finishes, so under FSDP layers run whole and B runs the full
-        # backward (W is then empty): the schedule is unchanged, only its weight-gradient delay
-        # is given up. Deferring FSDP's reduce-scatter to W is the missing piece.
+        # Layers run as their phases (overlap.py), and under FSDP the runner drives each layer's
+        # gather / reduce-scatter itself, so B defers the weight gradient and its reduce-scatter
+        # to W. Activation checkpointing wraps a layer's own call, so checkpointed layers run
+        # whole; under FSDP their hooks then reduce in B, so B is a full backward there.
         from torch.distributed.fsdp import FSDPModule
-        self.split = not any(isinstance(m, FSDPModule) for m in model.modules())
-        # Activation checkpointing wraps each layer's (or MoE block's) own forward; the five-phase
-        # split calls the blocks' parts directly and would skip it, so checkpointed layers run whole.
-        self.split_layers = self.split and not checkpointed
+        self.fsdp = isinstance(model, FSDPModule)
+        self.split_layers = not checkpointed
+        self.split = not (self.fsdp and checkpointed)
 
     # --- helpers
     def _global(self, group, pp_peer):
@@ -514,7 +500,7 @@ class PipelineRunner:
             x = self.f_in.pop((c, mb))
         phases = overlap.chunk_phases(self.model, chunk, positions_BS, y_BS if chunk.last else None,
                                       split_layers=self.split_layers)
-        run = overlap.start(phases, x)
+        run = overlap.start(phases, x, fsdp=self.fsdp, mb=mb, chunk=c, timeline=self.phase_log)
         self.runs[(c, mb)] = run
         return run
 
@@ -558,6 +544,11 @@ class PipelineRunner:
             self.model.pipeline_begin()
         t0 = time.perf_counter()
         cuda = self.device.type == "cuda"
+        self.phase_log = [] if self.timeline is not None else None
+        origin = None
+        if cuda and self.timeline is not None:
+            origin = torch.cuda.Event(enable_timing=True)
+            origin.record()
         for op in self.ops:
             k, c, mb = op.kind, op.chunk, op.mb
             if k in ("RECV_F", "RECV_B"):
@@ -579,7 +570,7 @@ class PipelineRunner:
                 pending.append((dist.isend(t, dst=self._global(group, op.peer), group=group,
                                            tag=self._tag(dest, mb)), t))
                 continue
-            start = time.perf_counter() - t0
+            start, n_logged = time.perf_counter() - t0, len(self.phase_log or ())
             with self.autocast if self.autocast is not None else _null():
                 self._compute(op)
             if self.timeline is not None:
@@ -587,8 +578,17 @@ class PipelineRunner:
                     torch.cuda.synchronize(self.device)
                 self.timeline.append({"op": str(op), "kind": k, "start": start,
                                       "end": time.perf_counter() - t0})
+                for e in self.phase_log[n_logged:]:
+                    e["op"] = str(op)
         for work, _ in pending:
             work.wait()
+        if self.fsdp:
+            overlap.finish_fsdp(self.model)
+        if self.timeline is not None:
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            overlap.resolve_timeline(self.phase_log, t0, origin)
+            self.phases_timeline = self.phase_log
         assert not self.runs and not self.f_in and not self.b_in and not self.b_out, "schedule left work"
         return float(self.loss_sum)
 
@@ -660,19 +660,24 @@ def run_step(runner: "PipelineRunner", micro_batches, denom: float, cfg, dims, s
     runner.timeline = [] if record else None
     loss = runner.step(micro_batches, denom)
     if record:
-        save_timeline(runner.timeline, cfg.log.run_dir, dims.rank, dims.pp_rank, step + 1)
+        save_timeline(runner.timeline, cfg.log.run_dir, dims.rank, dims.pp_rank, step + 1,
+                      runner.phases_timeline)
     n_tokens = sum(mb[1].numel() for mb in micro_batches) if runner.holds_loss else 0
     return loss, n_tokens
 
 
-def save_timeline(timeline: list, run_dir, rank: int, pp_rank: int, step: int):
-    """<run_dir>/pipeline_timeline/rank<R>.json, read by `python -m pithtrain.pipeline_viz`."""
+def save_timeline(timeline: list, run_dir, rank: int, pp_rank: int, step: int, phases: list = ()):
+    """<run_dir>/pipeline_timeline/rank<R>.json, read by `python -m pithtrain.pipeline_viz`:
+    "ops" one entry per schedule op (op, kind, start, end: seconds from the step start), "phases"
+    one per phase run (overlap.py's timeline: phase, comm, mb, chunk, pass_, stream, pair, op,
+    start, end)."""
     import json
     from pathlib import Path
     d = Path(run_dir) / "pipeline_timeline"
     d.mkdir(parents=True, exist_ok=True)
     (d / f"rank{rank}.json").write_text(json.dumps(
-        {"rank": rank, "pp_rank": pp_rank, "step": step, "ops": timeline}, indent=0))
+        {"rank": rank, "pp_rank": pp_rank, "step": step, "ops": timeline, "phases": list(phases)},
+        indent=0))
 
 
 class _null:
