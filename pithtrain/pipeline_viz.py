@@ -43,6 +43,19 @@ def comm_phases(rank: dict) -> list[dict]:
     return [p for p in rank.get("phases", ()) if p["comm"]]
 
 
+def overlapped(rank: dict) -> int:
+    """How many of the rank's communication phases were issued in one F&B pairing step with a
+    compute phase of the other micro-batch (overlap.forward_backward), i.e. ran under it."""
+    phases = rank.get("phases", ())
+    n = 0
+    for e in comm_phases(rank):
+        if e["pair"] is None:
+            continue
+        partner = [o for o in phases if o is not e and o["op"] == e["op"] and o["pair"] == e["pair"]]
+        n += len(partner) == 1 and not partner[0]["comm"] and partner[0]["mb"] != e["mb"]
+    return n
+
+
 def text(ranks: list[dict], width: int = 100) -> str:
     end = max(op["end"] for r in ranks for op in r["ops"])
     lines = [f"step {ranks[0]['step']}: {end * 1e3:.1f} ms, {width} slots of {end / width * 1e3:.2f} ms"]
@@ -60,7 +73,8 @@ def text(ranks: list[dict], width: int = 100) -> str:
                 comm[i] = "^"
         if "^" in comm:
             lines.append(f"{'  all-to-all':<16} |{''.join(comm)}|")
-        lines.append(f"rank {r['rank']:>3} (pp {r['pp_rank']}) |{''.join(row)}| idle {idle:.0%}")
+        lines.append(f"rank {r['rank']:>3} (pp {r['pp_rank']}) |{''.join(row)}| idle {idle:.0%}"
+                     + (f", {overlapped(r)} all-to-all overlapped" if comm_phases(r) else ""))
     lines.append("F forward  B input-backward  W weight-backward  X full backward  "
                  "O forward+backward overlapped  . idle  ^ all-to-all (dispatch / combine)")
     return "\n".join(lines)

@@ -126,3 +126,58 @@ def test_dualpipev_overlap_matches_one_process_for_every_family(tmp_path, layout
             assert (run_dir / "timeline.png").stat().st_size > 0
         print(f"{family} pp=2 x {layout}=2 x ep=2: losses {[h['loss'] for h in got[0]['hist']]}, "
               f"max |param - ref| {worst:.1e}, overlapped all-to-all phases per rank {pairs}")
+
+
+def _fsdp_w_worker(rank, world, port, out_dir):
+    """fsdp=2 on one chunk holding every layer: B leaves every gradient unreduced, W reduce-scatters
+    each layer's (and the root's) into the sharded `.grad`, before the step's end."""
+    from torch.distributed.tensor import DTensor
+
+    from pithtrain.distributed import overlap, pipeline
+    from pithtrain.distributed.parallel_dims import ParallelDims
+    from pithtrain.distributed.parallelize import materialize, parallelize
+    from pithtrain.distributed.schedule import Chunk
+    from pithtrain.models import build_model
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cfg = cfg_for("deepseek_v2", dict(fsdp=2, ep=2), out_dir)
+        dims = ParallelDims.from_config(cfg, world_size=world, rank=rank).build_meshes("cpu")
+        model = pipeline.attach_ends(build_model(cfg.model, init=False))
+        parallelize(model, dims, cfg.train, torch.device("cpu"))
+        pipeline.register_fsdp_methods(model)
+        materialize(model, build_model(cfg.model, init=False), torch.device("cpu"), cfg.train.seed)
+        g = torch.Generator().manual_seed(5)
+        ids = torch.randint(0, 264, (2, MBS, SEQ + 1), generator=g)[rank]  # each rank its own rows
+        x, y = ids[:, :-1], ids[:, 1:]
+        model.pipeline_begin()
+        chunk = Chunk(0, list(range(cfg.model.num_layers)), first=True, last=True)
+        run = overlap.start(overlap.chunk_phases(model, chunk, torch.arange(SEQ).expand_as(x), y), x, fsdp=True)
+        overlap.forward(run)
+        overlap.backward(run, torch.tensor(1.0), input_only=True)
+        after_b = sum(p.grad is not None for p in model.parameters())
+        overlap.weight_backward(run)
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if isinstance(p.grad, DTensor)}
+        overlap.finish_fsdp(model)
+        torch.save({"after_b": after_b, "n": len(list(model.parameters())), "grads": grads},
+                   os.path.join(out_dir, f"w.{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_reduce_scatter_is_deferred_to_w(tmp_path):
+    from pithtrain.distributed.parallelize import materialize
+    from pithtrain.models import build_model
+    mp.spawn(_fsdp_w_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    cfg = cfg_for("deepseek_v2", {}, str(tmp_path))
+    ref = build_model(cfg.model, init=False)
+    materialize(ref, build_model(cfg.model, init=False), torch.device("cpu"), cfg.train.seed)
+    ids = torch.randint(0, 264, (2, MBS, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    for r in range(2):
+        ref(ids[r, :, :-1], labels_BS=ids[r, :, 1:]).backward()
+    res = torch.load(tmp_path / "w.0.pt")
+    assert res["after_b"] == 0  # B: no gradient reached any (sharded) parameter
+    assert res["grads"].keys() == {n for n, _ in ref.named_parameters()}  # W: every one reduced
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(res["grads"][n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
