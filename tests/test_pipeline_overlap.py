@@ -181,3 +181,20 @@ def test_fsdp_reduce_scatter_is_deferred_to_w(tmp_path):
     assert res["grads"].keys() == {n for n, _ in ref.named_parameters()}  # W: every one reduced
     for n, p in ref.named_parameters():
         torch.testing.assert_close(res["grads"][n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_pp_overlap_where_it_cannot_apply_is_a_config_error():
+    from pithtrain.config import ConfigError
+    from pithtrain.distributed import pipeline
+    from pithtrain.distributed.parallel_dims import ParallelDims
+    from pithtrain.models import build_model
+    for parallel, why in ((dict(fsdp=2, ep=2), "needs a pipeline"),
+                          (dict(pp=2, fsdp=2, ep=2, pp_schedule="1f1b"), "needs pp_schedule=dualpipev"),
+                          (dict(pp=2, pp_schedule="dualpipev"), r"needs expert parallelism \(ep > 1\)")):
+        with pytest.raises(ConfigError, match=f"parallel.pp_overlap: {why}.*; set parallel.pp_overlap=false"):
+            cfg_for("qwen3_moe", dict(parallel, pp_overlap=True), "/tmp/unused")
+    cfg = cfg_for("qwen3_moe", dict(LAYOUTS["fsdp"], pp_schedule="dualpipev", pp_overlap=True), "/tmp/unused")
+    cfg.train.activation_checkpoint = "full"
+    dims = ParallelDims.from_config(cfg, world_size=4, rank=0)
+    with pytest.raises(ConfigError, match="pp_overlap: activation checkpointing runs each layer whole"):
+        pipeline.prepare(build_model(cfg.model, init=False), cfg, dims)

@@ -234,7 +234,10 @@ def backward_phase(run: ChunkRun, k: int, input_only: bool = False, hold: list |
 def weight_backward(run: ChunkRun):
     """W: the parameter gradients of an earlier input-only backward (then, under FSDP, each
     unit's reduce-scatter once its last phase is done)."""
-    t0 = time.perf_counter()
+    cuda = run.state["in"].is_cuda
+    t0 = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+    if cuda:
+        t0.record()
     for k, ts, gs in run.saved:
         ph = run.phases[k]
         if run.fsdp:
@@ -245,8 +248,11 @@ def weight_backward(run: ChunkRun):
         if run.fsdp and run.first_of_unit(k):
             reduce_grads(ph.unit)
     if run.timeline is not None and run.saved:
+        t1 = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+        if cuda:
+            t1.record()
         run.timeline.append(dict(phase="W", comm=False, mb=run.mb, chunk=run.chunk, pass_="W",
-                                 stream="compute", pair=None, start=t0, end=time.perf_counter()))
+                                 stream="compute", pair=None, start=t0, end=t1))
     run.saved.clear()
     run.records.clear()
 
@@ -257,12 +263,14 @@ def _record(run: ChunkRun, k: int, pass_: str, fn, streams=None, stream=None, pa
         fn()
         return
     ph = run.phases[k]
-    name = "compute" if stream is None or stream is streams.compute else "comm"
-    if streams is None:
+    name = "comm" if streams is not None and stream is streams.comm else "compute"
+    x = run.state["in"]
+    if not x.is_cuda:
         t0 = time.perf_counter()
         fn()
         start, end = t0, time.perf_counter()
-    else:
+    else:  # device time: events on the stream the phase runs on (one stream: the current one)
+        stream = stream or torch.cuda.current_stream(x.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
         fn()
