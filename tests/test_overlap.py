@@ -147,7 +147,8 @@ def test_interleaved_forward_backward_matches_the_model_on_cpu(family):
     losses, got, order, timeline = overlapped_step(model, None)
     fb = [e for e in timeline if (e["pass_"], e["mb"]) in (("F", 1), ("BW", 0))]
     comm = [e for e in fb if e["comm"]]
-    n_moe = sum(1 for ph in overlap.chunk_phases(model, whole_chunk(model), *batch_pos(V)) if ph.name.startswith("dispatch"))
+    phases = overlap.chunk_phases(model, whole_chunk(model), *batch_pos(V))
+    n_moe = sum(1 for ph in phases if ph.name.startswith("dispatch"))
     assert len(comm) == 2 * 2 * n_moe  # dispatch and combine of both micro-batches
     for e in comm:
         partner = [o for o in fb if e["pair"] is not None and o["pair"] == e["pair"] and o is not e]

@@ -49,9 +49,9 @@ class AllToAll(torch.autograd.Function):
 
 
 class ExpertParallelDispatcher:
-    """Same methods as LocalDispatcher (dispatch, combine, and the call doing both around the
-    experts), each of dispatch and combine one communication phase (common.DecoderLayer.phases): (x_TD, idx_TA, w_TA, experts) -> y_TD. `experts` holds this
-    rank's E/ep experts (its parameters are DTensors sharded by expert; see parallelize.py).
+    """Same methods as LocalDispatcher: dispatch and combine (each one communication phase of
+    common.DecoderLayer.phases) and the call (x_TD, idx_TA, w_TA, experts) -> y_TD doing both
+    around the experts. `experts` holds this rank's E/ep experts (its parameters are DTensors sharded by expert; see parallelize.py).
     Counters `rows_sent` / `rows_sent_remote` (rows leaving this rank in total / to other ranks)
     accumulate over calls, for tests and profiling."""
 

@@ -76,7 +76,8 @@ def chunk_phases(model, chunk, positions_BS, labels_BS=None, split_layers: bool 
         if split_layers and isinstance(layer, DecoderLayer):
             phases += [_renamed(ph, i, cur) for ph in layer.phases(rope)]
         else:
-            phases.append(Phase(f"layer{i}", False, lambda h_in=cur, layer=layer, **s: {f"{i}.out": layer(s[h_in], rope)},
+            phases.append(Phase(f"layer{i}", False,
+                                lambda h_in=cur, out=f"{i}.out", layer=layer, **s: {out: layer(s[h_in], rope)},
                                 (cur,), lambda layer=layer: list(layer.parameters()), None))
         cur = f"{i}.out"
     if chunk.last:

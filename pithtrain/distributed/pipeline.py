@@ -1,23 +1,27 @@
 """Pipeline parallelism: a rank's stages (the pruned model) and the executor that runs its op list
 (the schedules themselves, torch-free, are schedule.py).
 
-The executor (`PipelineRunner`) runs one rank's list with torch.distributed point-to-point
-   sends and receives. Every chunk runs as a list of phases (overlap.py): the forward records each
-   phase's detached inputs and outputs, B walks the phases backwards with torch.autograd.grad
-   w.r.t. the phase inputs only (retain_graph), W then calls torch.autograd.backward w.r.t. the
-   phase's parameters with the output gradients B saved. That is the split of backward into
-   input- and weight-gradient the schedules assume; it re-traverses each phase's graph once more
-   in W (DualPipe's WeightGradStore avoids that by deferring only the weight matmuls: a later
-   optimisation that changes no schedule). Loss scaling: the last stage backpropagates
-   loss_sum / (target tokens of the global batch), gradients accumulate over micro-batches in
-   `.grad`, and the MoE auxiliary loss is scaled by 1 / M through `AuxLoss.loss_scale`, so the
-   gradients equal a single process running the same micro-batches (tests/test_pipeline.py).
+The executor (`PipelineRunner`) runs one rank's list with torch.distributed point-to-point sends
+and receives. Every chunk runs as a list of phases (overlap.py: each layer's own
+`DecoderLayer.phases`): the forward records each phase's detached inputs and outputs, B walks the
+phases backwards with torch.autograd.grad w.r.t. the phase inputs only (retain_graph), W then
+calls torch.autograd.backward w.r.t. the phase's parameters with the output gradients B saved.
+That is the split of backward into input- and weight-gradient the schedules assume; it
+re-traverses each phase's graph once more in W (DualPipe's WeightGradStore avoids that by
+deferring only the weight matmuls: a later optimisation that changes no schedule). Under FSDP the
+chunk drives each layer's all-gather and reduce-scatter (the latter in W; overlap.py). An FB op
+interleaves its two micro-batches' phases when `parallel.pp_overlap` is on, else runs F then BW.
+Loss scaling: the last stage backpropagates loss_sum / (target tokens of the global batch),
+gradients accumulate over micro-batches in `.grad`, and the MoE auxiliary loss is scaled by 1 / M
+through `AuxLoss.loss_scale`, so the gradients equal a single process running the same
+micro-batches (tests/test_pipeline.py, tests/test_pipeline_overlap.py).
 
-   Communication: sends are asynchronous (isend, waited at the end of the step), receives block
-   right before the op that needs them, so a schedule that `simulate` can finish cannot deadlock.
-   Activations travel on one process group and gradients on a second one over the same ranks, so
-   that between two ranks each (group, direction) carries one stream of micro-batches in order:
-   NCCL matches point-to-point messages by order, gloo also by tag (set explicitly here).
+Communication: sends are asynchronous (isend, waited at the end of the step), receives block
+right before the op that needs them, so a schedule that `simulate` can finish cannot deadlock.
+Activations travel on one process group and gradients on a second one over the same ranks, so
+that between two ranks each (group, direction) carries one stream of micro-batches in order:
+NCCL matches point-to-point messages by order, gloo also by tag (set explicitly here). The last
+step's op and phase timeline is written for `python -m pithtrain.pipeline_viz` (run_step).
 """
 
 from __future__ import annotations
