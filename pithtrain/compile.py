@@ -15,9 +15,12 @@ What is compiled (fullgraph=True: a graph break is an error, not a silent slow p
 
 Activation checkpointing (`train.activation_checkpoint`):
   "full"       recompute each whole decoder layer in backward (least memory, ~1/3 more compute);
-  "selective"  recompute only each layer's `mlp` block: the routed-expert activations are top_k
-               copies of the tokens, the largest share of a MoE layer's saved memory, and their
-               recompute is one grouped-GEMM forward; attention's saved tensors are kept.
+  "selective"  recompute only the expert computation: a MoE layer's grouped experts (and shared
+               experts), a dense layer's `mlp`. The routed experts' hidden activations (top_k
+               rows per token, 2F + F wide) are the largest share of a MoE layer's saved memory,
+               and their recompute is one grouped-GEMM forward; attention's saved tensors, and
+               the dispatched rows (the checkpoint's input), are kept. Dispatch and combine stay
+               outside the checkpoint, so expert parallel's all-to-all is never run twice.
 """
 
 from __future__ import annotations
@@ -44,8 +47,15 @@ def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
     if mode == "none":
         return
     for layer in decoder_layers(model):
-        target = layer if mode == "full" else layer.mlp
-        target.forward = functools.partial(_checkpointed, target.forward)
+        mlp = layer.mlp
+        if mode == "full":
+            targets = [layer]
+        elif hasattr(mlp, "dispatcher"):  # a MoE block: its phases call the experts directly
+            targets = [mlp.experts] + ([mlp.shared_experts] if getattr(mlp, "shared_experts", None) else [])
+        else:
+            targets = [mlp]
+        for target in targets:
+            target.forward = functools.partial(_checkpointed, target.forward)
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:

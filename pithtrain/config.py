@@ -127,11 +127,14 @@ class ParallelConfig:
     dp: int | None = None  # replicated data parallel (outer)
     fsdp: int | None = None  # fully-sharded data parallel
     cp: int | None = None  # context parallel (sequence split)
-    ep: int | None = None  # expert parallel (borrowed from fsdp x cp ranks)
+    ep: int | None = None  # expert parallel (borrowed from a stage's fsdp x cp, or dp x fsdp x cp, ranks)
     pp_schedule: Literal["1f1b", "dualpipev"] = "1f1b"
     pp_microbatches: int = 0  # 0: use train.grad_accum
     pp_layers: list | None = None  # layers per stage (virtual stage for dualpipev); None: balanced
-    pp_overlap: bool = True  # CUDA: F&B pairs put communication phases on their own stream
+    # DualPipeV's F&B pairs interleave one micro-batch's forward phases with another's backward,
+    # each expert all-to-all (dispatch, combine) under a compute phase of the other (on CUDA on
+    # its own stream); false: F then B. Errors where there is nothing to overlap.
+    pp_overlap: bool = False
 
     def __post_init__(self):
         if not self.auto:
@@ -143,6 +146,16 @@ class ParallelConfig:
         for k in LAYOUT_KEYS:
             if getattr(self, k) is not None and getattr(self, k) < 1:
                 err(k, f"must be >= 1, got {getattr(self, k)}")
+        if self.pp_overlap:
+            why = ("needs parallel.pp and parallel.ep given explicitly under parallel: auto"
+                   if self.pp is None or self.ep is None else
+                   "needs a pipeline (pp > 1)" if self.pp == 1 else
+                   "needs pp_schedule=dualpipev (1f1b has no forward-backward pairs)"
+                   if self.pp_schedule != "dualpipev" else
+                   "needs expert parallelism (ep > 1): without it dispatch and combine are local "
+                   "permutes, with no communication to hide" if self.ep == 1 else None)
+            if why:
+                err("pp_overlap", f"{why}; set parallel.pp_overlap=false")
 
 
 @dataclass

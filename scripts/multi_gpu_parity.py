@@ -9,7 +9,9 @@ one-process run splits the same global batch into twice as many micro-batches (t
 summed in another order), and its largest loss deviation from the baseline is the noise floor of
 bf16 reduction order on this machine. A layout passes within max(3 x that floor, 0.5%). The
 load-balancing loss is off (its parity across layouts is proven in float32 by the CPU tests).
-The last rows time DualPipeV (pp=2) with the two-stream overlap on and off.
+The last rows time DualPipeV in pp=2 x fsdp=2 x ep=2 (4 processes: skipped with fewer) with the
+overlap on (each micro-batch's expert all-to-all under another's compute) and off, and check in
+each run's pipeline timeline that the overlap ran exactly where the label says.
 """
 
 from __future__ import annotations
@@ -29,16 +31,20 @@ MODEL = ["model.num_layers=4", "model.hidden_size=512", "model.num_heads=8", "mo
          "model.top_k=4", "model.n_shared_experts=1", "model.vocab_size=264",
          "model.aux_loss_coeff=0", "train.compile=false", "train.warmup_steps=5", "train.lr=1e-3"]
 
-# name -> (overrides, micro_batch_size); every layout sees 4 micro-batches per step and the same
-# global batch (fsdp/ep ranks take half the rows of each micro-batch each; cp and pp ranks share).
+# name -> (overrides, micro_batch_size scale, processes); every layout sees 4 micro-batches per step
+# and the same global batch (fsdp/dp ranks take half the rows of each micro-batch each; cp and pp
+# ranks share). The overlap rows need expert parallelism inside a pipeline stage: 4 processes.
 LAYOUTS = {
-    "fsdp=2": (["parallel.fsdp=2"], 0.5),
-    "ep=2 (fsdp=2)": (["parallel.fsdp=2", "parallel.ep=2"], 0.5),
-    "cp=2": (["parallel.cp=2"], 1),
-    "pp=2 1f1b": (["parallel.pp=2", "parallel.pp_schedule=1f1b"], 1),
-    "pp=2 dualpipev": (["parallel.pp=2", "parallel.pp_schedule=dualpipev"], 1),
-    "pp=2 dualpipev, no overlap": (["parallel.pp=2", "parallel.pp_schedule=dualpipev",
-                                    "parallel.pp_overlap=false"], 1),
+    "fsdp=2": (["parallel.fsdp=2"], 0.5, 2),
+    "ep=2 (fsdp=2)": (["parallel.fsdp=2", "parallel.ep=2"], 0.5, 2),
+    "cp=2": (["parallel.cp=2"], 1, 2),
+    "pp=2 1f1b": (["parallel.pp=2", "parallel.pp_schedule=1f1b"], 1, 2),
+    "pp=2 dualpipev": (["parallel.pp=2", "parallel.pp_schedule=dualpipev"], 1, 2),
+    "pp=2 x fsdp=2 x ep=2 dualpipev, overlap": (["parallel.pp=2", "parallel.fsdp=2", "parallel.ep=2",
+                                                 "parallel.pp_schedule=dualpipev", "parallel.pp_overlap=true"], 0.5, 4),
+    "pp=2 x fsdp=2 x ep=2 dualpipev, no overlap": (["parallel.pp=2", "parallel.fsdp=2", "parallel.ep=2",
+                                                    "parallel.pp_schedule=dualpipev", "parallel.pp_overlap=false"],
+                                                   0.5, 4),
 }
 
 
@@ -48,8 +54,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_dir_of(name, args) -> Path:
+    return Path(args.runs or Path(args.out) / "runs") / "".join(c for c in name.replace(" ", "_")
+                                                                 if c.isalnum() or c == "_")
+
+
 def run(name, overrides, nproc, args, log):
-    run_dir = Path(args.runs or Path(args.out) / "runs") / name.replace(" ", "_").replace("=", "").replace(",", "").replace("(", "").replace(")", "")
+    run_dir = run_dir_of(name, args)
     common = [f"train.device={args.device}", f"train.steps={args.steps}", f"train.seq_len={args.seq_len}",
               "train.grad_accum=4", "log.every=1", "checkpoint.final=false", f"log.run_dir={run_dir}"]
     if args.device == "cpu":
@@ -80,7 +91,7 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="directory for run dirs, log.txt and parity.json")
     ap.add_argument("--runs", default=None, help="where the run directories go (default: OUT/runs)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--nproc", type=int, default=2, help="the most processes a layout may use")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--micro-batch", type=int, default=4, help="one-process micro-batch size")
@@ -97,12 +108,22 @@ def main() -> int:
     noise = max_rel(split, base) if split else float("nan")
     band = max(3 * noise, 5e-3)
     rows, ok = [], True
-    for name, (overrides, scale) in LAYOUTS.items():
-        recs = run(name, overrides + [f"train.micro_batch_size={int(mb * scale)}"], args.nproc, args, log)
+    for name, (overrides, scale, nproc) in LAYOUTS.items():
+        if nproc > args.nproc:
+            rows.append({"layout": name, "status": f"SKIPPED (needs {nproc} processes, --nproc {args.nproc})"})
+            continue
+        recs = run(name, overrides + [f"train.micro_batch_size={int(mb * scale)}"], nproc, args, log)
         if recs is None:
             rows.append({"layout": name, "status": "FAILED (see log.txt)"})
             ok = False
             continue
+        if "dualpipev" in name:  # what the label says ran (the last step's pipeline timeline)
+            from pithtrain.pipeline_viz import load, overlapped
+            n = [overlapped(r) for r in load(run_dir_of(name, args))]
+            if (min(n) > 0) != ("pp_overlap=true" in overrides) or ("pp_overlap=true" not in overrides and max(n)):
+                rows.append({"layout": name, "status": f"FAIL (overlapped all-to-all per rank {n})"})
+                ok = False
+                continue
         d = max_rel(recs, base)
         tps = statistics.median(r["tokens_per_s"] for r in recs[len(recs) // 4:])
         mem = max(r["mem_gb"] or 0 for r in recs)

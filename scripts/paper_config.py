@@ -5,9 +5,14 @@ EP=2 (FSDP=2, from which EP borrows its ranks), sequence 2048, global batch 1024
     python scripts/paper_config.py --smoke --out /tmp/paper    # 8 gloo processes on CPU, tiny widths
 
 Runs (torchrun, NVLink multicast off in every process):
-  1. DualPipeV, `--steps` (25) steps: median tokens/s of the last 10, per GPU, MFU, peak memory per rank;
-  2. 1F1B, the same;
-  3. DualPipeV, `--loss-steps` (64) steps: the loss must fall and stay finite (0 skips it).
+  1. DualPipeV with the overlap (parallel.pp_overlap=true: each micro-batch's expert all-to-all runs
+     under another's compute), `--steps` (25) steps: median tokens/s of the last 10, per GPU, MFU,
+     peak memory per rank;
+  2. DualPipeV without it (pp_overlap=false), the same;
+  3. 1F1B, the same;
+  4. DualPipeV with the overlap, `--loss-steps` (64) steps: the loss must fall and stay finite (0 skips it).
+Each run's last-step pipeline timeline must show what its label says: overlapped all-to-all
+phases on every rank for the overlap runs, none for the others (else FAIL).
 Global batch = micro-batch x grad_accum x batch ranks (fsdp = 2): 4 x 128 x 2 = 1024 sequences.
 Writes OUT/log.txt (every command and its output), OUT/paper.json, and prints a table last.
 Published reference: torchtitan's DeepSeek "16B" (the same shape), ~11.6K tokens/s/GPU on 8 x H100.
@@ -57,6 +62,13 @@ def torchrun(name: str, overrides: list[str], steps: int, args, log) -> list[dic
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
+def overlapped_all_to_all(run_dir: Path) -> list[int]:
+    """Per rank, the expert all-to-all phases of the last step that ran under a compute phase of
+    another micro-batch (the run's pipeline timeline, pithtrain.pipeline_viz.overlapped)."""
+    from pithtrain.pipeline_viz import load, overlapped
+    return [overlapped(r) for r in load(run_dir)]
+
+
 def summary(name: str, recs: list[dict]) -> dict:
     last = recs[-10:]
     tps = statistics.median(r["tokens_per_s"] for r in last)
@@ -77,10 +89,12 @@ def main() -> int:
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     log = open(Path(args.out) / "log.txt", "w")
-    runs = [("dualpipev", ["parallel.pp_schedule=dualpipev"], args.steps),
+    overlap_on = ["parallel.pp_schedule=dualpipev", "parallel.pp_overlap=true"]
+    runs = [("dualpipev", overlap_on, args.steps),
+            ("dualpipev-no-overlap", ["parallel.pp_schedule=dualpipev", "parallel.pp_overlap=false"], args.steps),
             ("1f1b", ["parallel.pp_schedule=1f1b"], args.steps)]
     if args.loss_steps:
-        runs.append(("dualpipev-loss", ["parallel.pp_schedule=dualpipev"], args.loss_steps))
+        runs.append(("dualpipev-loss", overlap_on, args.loss_steps))
     rows, ok = [], True
     for name, overrides, steps in runs:
         recs = torchrun(name, overrides, steps, args, log)
@@ -89,6 +103,15 @@ def main() -> int:
             ok = False
             continue
         rows.append(summary(name, recs))
+        # what the label says ran: the expert all-to-alls ran under the other micro-batch's
+        # compute (DualPipeV with overlap) on every rank, or nowhere (the others)
+        n = overlapped_all_to_all(Path(args.out) / "runs" / name)
+        rows[-1]["overlapped_all_to_all_per_rank"] = n
+        want = "pp_overlap=true" in " ".join(overrides)
+        if (min(n) > 0) != want or (not want and max(n) > 0):
+            print(f"paper_config: {name}: overlapped all-to-all phases per rank {n}: not what the label says",
+                  flush=True)
+            ok = False
     loss_run = next((r for r in rows if r["run"] == "dualpipev-loss" and not r.get("failed")), None)
     if loss_run:  # the loss must fall and stay finite
         ok &= loss_run["finite"] and loss_run["loss_last"] < loss_run["loss_first"]

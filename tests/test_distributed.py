@@ -296,9 +296,13 @@ def test_impossible_layouts_rejected_by_arithmetic():
     cfg = make_cfg("qwen3_moe", dict(cp=3), 1, "/tmp/unused")
     with pytest.raises(ConfigError, match=r"train.seq_len: 16 must be divisible by 2\*cp = 6"):
         ParallelDims.from_config(cfg, world_size=3, rank=0)
-    cfg = make_cfg("qwen3_moe", dict(fsdp=1, dp=2, ep=2), 1, "/tmp/unused")
-    with pytest.raises(ConfigError, match=r"ep: 2 must divide fsdp\*cp = 1"):
-        ParallelDims.from_config(cfg, world_size=2, rank=0)
+    cfg = make_cfg("qwen3_moe", dict(fsdp=2, dp=3, ep=4), 1, "/tmp/unused")
+    with pytest.raises(ConfigError, match=r"ep: 4 must divide fsdp\*cp = 2, or be a multiple of it that "
+                                          r"divides dp\*fsdp\*cp = 6"):
+        ParallelDims.from_config(cfg, world_size=6, rank=0)
+    dims = ParallelDims.from_config(make_cfg("qwen3_moe", dict(dp=2, ep=2), 1, "/tmp/unused"), world_size=2,
+                                    rank=1)  # ep over the dp replicas: experts 4..7 on rank 1
+    assert (dims.edp, dims.efsdp, dims.ep_rank) == (1, 1, 1)
     cfg = make_cfg("qwen3_moe", dict(fsdp=3), 1, "/tmp/unused")  # FSDP2 shards experts' dim 1 evenly only
     with pytest.raises(ConfigError, match=r"fsdp\*cp/ep = 3 ranks, which must divide model.hidden_size \(32\)"):
         ParallelDims.from_config(cfg, world_size=3, rank=0)

@@ -63,8 +63,8 @@ def test_permute_unpermute_match_index_add_reference():
     disp = common.LocalDispatcher()
 
     def through_dispatcher(x, w):
-        x_XD, _, order = disp.dispatch(x, idx, E)
-        return disp.combine(x_XD * 1.5, w, order, T)
+        x_XD, w_d, _, info = disp.dispatch(x, idx, w, E)
+        return disp.combine(x_XD * 1.5, w_d, info)
 
     kernels.USE["permute"] = True
     out, (gx, gw), g = grads_of(through_dispatcher, x, w)

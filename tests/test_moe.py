@@ -101,7 +101,7 @@ def test_experts_compute_in_the_autocast_dtype_locally_and_behind_expert_paralle
     idx = torch.stack([torch.randperm(8)[:2] for _ in range(24)])
     w = torch.softmax(torch.randn(24, 2), dim=-1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        x_XD, counts, _ = LocalDispatcher().dispatch(x, idx, 8)
+        x_XD, _, counts, _ = LocalDispatcher().dispatch(x, idx, w, 8)
         assert experts(x_XD, counts).dtype == torch.bfloat16
         y_local = LocalDispatcher()(x, idx, w, experts)
     # the same as handing the experts bf16 rows outside autocast (weights cast, or quantised, alike)

@@ -1,29 +1,46 @@
-"""Phased chunk execution (distributed/overlap.py) equals the model's own forward and backward:
-full backward, input-only + weight backward (B + W), and the interleaved forward-backward pair,
-on CPU; on a GPU (marked) the two-stream overlapped step equals the sequential one."""
+"""A layer's phases (common.DecoderLayer.phases, which its `forward` runs) executed one by one with
+autograd cut between them (distributed/overlap.py) equal the model's own forward and backward, for
+every family: full backward, input-only + weight backward (B + W), and the interleaved
+forward-backward pair, on CPU; on a GPU (marked) the two-stream overlapped step equals the
+sequential one at full width for the three families (and writes the per-phase costs the pipeline
+cost model reads)."""
+
+import dataclasses
 
 import pytest
 import torch
 
 from pithtrain.distributed import overlap
 from pithtrain.distributed.pipeline import Chunk
-from pithtrain.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from pithtrain.models import FAMILIES
 
-CFG = dict(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
-           intermediate_size=48, moe_intermediate_size=16, num_experts=4, top_k=2, mlp_only_layers=[1],
-           aux_loss_coeff=0.01)
+# Tiny widths that still exercise each family's features: Qwen3 with a dense layer; DeepSeek-V2
+# with MLA, shared experts and a dense first layer; GPT-OSS with sinks, a sliding window shorter
+# than the sequence and biased experts.
+TINY = {
+    "qwen3_moe": dict(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+                      intermediate_size=48, moe_intermediate_size=16, num_experts=4, top_k=2,
+                      mlp_only_layers=[1], aux_loss_coeff=0.01),
+    "deepseek_v2": dict(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, first_k_dense_replace=1,
+                        intermediate_size=48, moe_intermediate_size=16, num_experts=4, n_shared_experts=1,
+                        top_k=2, aux_loss_coeff=0.01),
+    "gpt_oss": dict(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+                    intermediate_size=16, num_experts=4, top_k=2, sliding_window=4, aux_loss_coeff=0.01),
+}
 
 
-def build(device="cpu", seed=0):
+def build(family, device="cpu", seed=0, **over):
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**CFG)).to(device)
+    cfg_cls, model_cls = FAMILIES[family][0], FAMILIES[family][1]
+    model = model_cls(cfg_cls(**{**TINY[family], **over})).to(device)
     model.init_weights()
     return model
 
 
-def batch(i, device="cpu", B=2, S=12):
+def batch(i, vocab, device="cpu", B=2, S=12):
     g = torch.Generator().manual_seed(100 + i)
-    ids = torch.randint(0, CFG["vocab_size"], (B, S + 1), generator=g)
+    ids = torch.randint(0, vocab, (B, S + 1), generator=g)
     return ids[:, :-1].to(device), ids[:, 1:].to(device)
 
 
@@ -31,8 +48,8 @@ def grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def whole_chunk():
-    return Chunk(0, list(range(CFG["num_layers"])), first=True, last=True)
+def whole_chunk(model):
+    return Chunk(0, list(range(model.cfg.num_layers)), first=True, last=True)
 
 
 def positions(x):
@@ -50,14 +67,44 @@ def reference(model, mbs):
 
 
 def run_chunk(model, x, y):
-    run = overlap.start(overlap.chunk_phases(model, whole_chunk(), positions(x), y), x)
+    run = overlap.start(overlap.chunk_phases(model, whole_chunk(model), positions(x), y), x)
     overlap.forward(run)
     return run
 
 
-def test_phased_full_and_split_backward_match_the_model():
-    model = build()
-    mbs = [batch(0), batch(1)]
+def batch_pos(V):
+    x, y = batch(0, V)
+    return positions(x), y
+
+
+def check_grads(got, ref, rtol=1e-5, atol=1e-7):
+    assert got.keys() == ref.keys()
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=rtol, atol=atol, msg=n)
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_every_family_splits_into_phases(family):
+    """A MoE layer of every family has the six phases, dispatch and combine marked communication;
+    a dense layer (Qwen3 mlp_only_layers, DeepSeek's first layer) has two."""
+    model = build(family)
+    x, y = batch(0, model.cfg.vocab_size)
+    names = [(ph.name, ph.comm) for ph in overlap.chunk_phases(model, whole_chunk(model), positions(x), y)]
+    moe = ["attn", "route", "dispatch", "experts", "combine", "residual"]
+    kinds = {"qwen3_moe": ["moe", "dense", "moe"], "deepseek_v2": ["dense", "moe", "moe"],
+             "gpt_oss": ["moe", "moe", "moe"]}[family]
+    want = [("embed", False)]
+    for i, kind in enumerate(kinds):
+        want += [(f"{n}{i}", n in ("dispatch", "combine")) for n in (moe if kind == "moe" else ["attn", "mlp"])]
+    assert names == want + [("head", False)]
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_phased_full_and_split_backward_match_the_model(family):
+    """forward vs phases: the same losses (bit-equal: the same calls) and every gradient, with
+    the full backward and with B then W."""
+    model = build(family)
+    mbs = [batch(0, model.cfg.vocab_size), batch(1, model.cfg.vocab_size)]
     ref_losses, ref = reference(model, mbs)
     for split in (False, True):
         model.zero_grad()
@@ -70,51 +117,61 @@ def test_phased_full_and_split_backward_match_the_model():
             assert all(p.grad is None for p in model.parameters())
             for run in runs:
                 overlap.weight_backward(run)
-        got = grads(model)
-        assert got.keys() == ref.keys()
-        for n in ref:
-            torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=n)
+        check_grads(grads(model), ref)
 
 
 def overlapped_step(model, streams):
     """F(mb0); F(mb1) overlapped with BW(mb0); BW(mb1)."""
     model.zero_grad()
-    (x0, y0), (x1, y1) = batch(0, model.lm_head.weight.device), batch(1, model.lm_head.weight.device)
-    r0 = run_chunk(model, x0, y0)
-    r1 = overlap.start(overlap.chunk_phases(model, whole_chunk(), positions(x1), y1), x1)
-    g = torch.tensor(1 / 100, device=x0.device)
+    dev, V = model.lm_head.weight.device, model.cfg.vocab_size
+    (x0, y0), (x1, y1) = batch(0, V, dev), batch(1, V, dev)
+    timeline = []
+    r0 = overlap.start(overlap.chunk_phases(model, whole_chunk(model), positions(x0), y0), x0, mb=0,
+                       timeline=timeline)
+    overlap.forward(r0)
+    r1 = overlap.start(overlap.chunk_phases(model, whole_chunk(model), positions(x1), y1), x1, mb=1,
+                       timeline=timeline)
+    g = torch.tensor(1 / 100, device=dev)
     order = overlap.forward_backward(r1, r0, g, streams)
     overlap.backward(r1, g)
-    return [r0.output.detach(), r1.output.detach()], grads(model), order
+    return [r0.output.detach(), r1.output.detach()], grads(model), order, timeline
 
 
-def test_interleaved_forward_backward_matches_the_model_on_cpu():
-    model = build()
-    ref_losses, ref = reference(model, [batch(0), batch(1)])
-    losses, got, order = overlapped_step(model, None)
-    paired = [p for p in order if p[0] and p[1]]
-    assert paired, order  # some communication phase was paired with a compute phase
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_interleaved_forward_backward_matches_the_model_on_cpu(family):
+    """The F&B pair: every dispatch / combine of either micro-batch is paired with a compute
+    phase of the other; losses and gradients are the model's."""
+    model = build(family)
+    V = model.cfg.vocab_size
+    ref_losses, ref = reference(model, [batch(0, V), batch(1, V)])
+    losses, got, order, timeline = overlapped_step(model, None)
+    fb = [e for e in timeline if (e["pass_"], e["mb"]) in (("F", 1), ("BW", 0))]
+    comm = [e for e in fb if e["comm"]]
+    phases = overlap.chunk_phases(model, whole_chunk(model), *batch_pos(V))
+    n_moe = sum(1 for ph in phases if ph.name.startswith("dispatch"))
+    assert len(comm) == 2 * 2 * n_moe  # dispatch and combine of both micro-batches
+    for e in comm:
+        partner = [o for o in fb if e["pair"] is not None and o["pair"] == e["pair"] and o is not e]
+        assert len(partner) == 1 and not partner[0]["comm"] and partner[0]["mb"] != e["mb"], (e, order)
     for a, b in zip(losses, ref_losses):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    for n in ref:
-        torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=n)
+    check_grads(got, ref)
 
 
 @pytest.mark.gpu
-def test_two_stream_overlapped_step_equals_sequential_on_gpu():
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_two_stream_overlapped_step_equals_sequential_on_gpu(family):
     """On one GPU the dispatch / combine phases run on the communication stream while the other
     micro-batch's compute runs on the compute stream. Same losses and gradients as the one-stream
-    run of the same interleaving and as the plain model (float32; TF32 off). On one GPU without
-    expert parallelism there is no all-to-all to hide, so this proves correctness, not speed:
-    with EP over several GPUs the dispatch/combine all-to-all is what runs under the other
-    micro-batch's attention and expert matmuls (see pipeline.py's docstring)."""
+    run of the same interleaving and as the plain model (float32; TF32 off)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = torch.device("cuda")
-    model = build(dev)
-    ref_losses, ref = reference(model, [batch(0, dev), batch(1, dev)])
-    seq_losses, seq, _ = overlapped_step(model, None)
-    two_losses, two, order = overlapped_step(model, overlap.Streams(dev))
+    model = build(family, dev)
+    V = model.cfg.vocab_size
+    ref_losses, ref = reference(model, [batch(0, V, dev), batch(1, V, dev)])
+    seq_losses, seq, _, _ = overlapped_step(model, None)
+    two_losses, two, order, _ = overlapped_step(model, overlap.Streams(dev))
     torch.cuda.synchronize()
     assert any(p[0] and p[1] for p in order)
     # index_add (combine) uses atomics on CUDA, so sums may reassociate between runs: float32
@@ -122,33 +179,134 @@ def test_two_stream_overlapped_step_equals_sequential_on_gpu():
     for a, b, c in zip(two_losses, seq_losses, ref_losses):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
-    for n in ref:
-        torch.testing.assert_close(two[n], seq[n], rtol=1e-5, atol=1e-6, msg=n)
-        torch.testing.assert_close(two[n], ref[n], rtol=1e-4, atol=1e-5, msg=n)
+    check_grads(two, seq, rtol=1e-5, atol=1e-6)
+    check_grads(two, ref, rtol=1e-4, atol=1e-5)
 
 
-class CallOnlyDispatcher:
-    """A dispatcher with one call (like the expert-parallel one): the layer gets a single "moe"
-    communication phase instead of dispatch / experts / combine."""
+# ---------------------------------------------------------------------------------------------
+# Per-phase costs at full width (the cost model's input: pithtrain/distributed/schedule.py)
 
-    def __init__(self):
-        from pithtrain.models.common import LocalDispatcher
-        self.inner = LocalDispatcher()
-
-    def __call__(self, x_TD, idx_TA, w_TA, experts):
-        return self.inner(x_TD, idx_TA, w_TA, experts)
+FULL = {"deepseek_v2": "deepseek-v2-lite", "qwen3_moe": "qwen3-30b-a3b", "gpt_oss": "gpt-oss-20b"}
 
 
-def test_one_call_dispatcher_phase_matches_the_model():
-    model = build()
-    for layer in model.layers:
-        if hasattr(layer.mlp, "dispatcher"):
-            layer.mlp.dispatcher = CallOnlyDispatcher()
-    ref_losses, ref = reference(model, [batch(0), batch(1)])
-    losses, got, order = overlapped_step(model, None)
-    names = {n for pair in order for n in pair if n}
-    assert "moe0" in names and "dispatch0" not in names
-    for a, b in zip(losses, ref_losses):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    for n in ref:
-        torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=n)
+def phase_costs(model, full_cfg, B, S, reps=3, autocast=None):
+    """Seconds per phase kind ("moe" / "dense": attn, route, ... {"F", "BW"}), each phase timed
+    alone (synchronised before and after) over `reps` runs after one warm-up, median; averaged
+    over the layers of one kind. Plus what the cost model needs of the full model."""
+    import contextlib
+    import statistics
+    import time
+
+    dev = model.lm_head.weight.device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    x, y = batch(0, model.cfg.vocab_size, dev, B=B, S=S)
+    times = {}
+    for rep in range(reps + 1):
+        with autocast or contextlib.nullcontext():
+            run = overlap.start(overlap.chunk_phases(model, whole_chunk(model), positions(x), y), x)
+            for k in range(len(run.phases)):
+                sync()
+                t0 = time.perf_counter()
+                overlap.forward_phase(run, k)
+                sync()
+                times.setdefault((k, "F"), []).append(time.perf_counter() - t0)
+        run.grads["out"] = torch.ones_like(run.output)
+        for k in reversed(range(len(run.phases))):
+            sync()
+            t0 = time.perf_counter()
+            overlap.backward_phase(run, k)
+            sync()
+            times.setdefault((k, "BW"), []).append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    out = {}
+    for k, ph in enumerate(run.phases):
+        name = ph.name.rstrip("0123456789")
+        if ph.unit is None or name in ("embed", "head"):
+            continue
+        kind = "moe" if hasattr(ph.unit.mlp, "dispatcher") else "dense"
+        for p in ("F", "BW"):
+            out.setdefault(kind, {}).setdefault(name, {}).setdefault(p, []).append(
+                statistics.median(times[(k, p)][1:]))
+    phases = {kind: {n: {p: statistics.mean(v) for p, v in d.items()} for n, d in ph.items()}
+              for kind, ph in out.items()}
+    is_moe = [hasattr(layer.mlp, "dispatcher") for layer in model.layers]
+    moe_layer = model.layers[is_moe.index(True)]
+    dense = sum(p.numel() for n, p in moe_layer.named_parameters() if ".experts." not in f".{n}")
+    full_dense = sum(1 for i in range(full_cfg.num_layers) if not full_cfg.is_moe_layer(i)) \
+        if hasattr(full_cfg, "is_moe_layer") else 0
+    return {"tokens": B * S, "seq_len": S, "phases": phases,
+            "model": {"num_layers": full_cfg.num_layers, "dense_layers": full_dense,
+                      "num_experts": full_cfg.num_experts, "top_k": full_cfg.top_k,
+                      "hidden_size": full_cfg.hidden_size, "dense_params_per_layer": dense}}
+
+
+def test_phase_costs_feed_the_cost_model(tmp_path):
+    """CPU dry run of the GPU measurement on tiny models: the file it writes is what
+    `python -m pithtrain.distributed.schedule simulate` reads, and it predicts a finite step."""
+    import json
+    import subprocess
+    import sys
+
+    data = {"date": "test", "commit": "test", "device": "cpu", "families": {}}
+    for family in sorted(TINY):
+        model = build(family)
+        data["families"][family] = phase_costs(model, model.cfg, B=1, S=8, reps=1)
+        assert {"attn", "route", "dispatch", "experts", "combine", "residual"} == set(
+            data["families"][family]["phases"]["moe"])
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(data))
+    for family in sorted(TINY):
+        p = subprocess.run([sys.executable, "-m", "pithtrain.distributed.schedule", "simulate", "--costs",
+                            str(path), "--family", family, "--json"], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        res = json.loads(p.stdout)
+        assert 0 < res["overlap_on"]["step_s"] <= res["overlap_off"]["step_s"]
+
+
+@pytest.mark.gpu
+def test_full_width_phases_on_two_streams_match_and_write_phase_costs():
+    """One GPU, the three families at full width (2 layers: DeepSeek-V2-Lite's dense first layer
+    and a MoE layer; two MoE layers for Qwen3-30B-A3B and GPT-OSS-20B, GPT-OSS's sliding and full
+    attention): the two-stream F&B step equals the one-stream one (float32, TF32 off; relative
+    error per gradient tensor < 1e-4: the combine's index_add uses atomics on CUDA). Then per-phase
+    times in bf16 (micro-batch 2 x 2048) are written to $PITHTRAIN_PHASE_COSTS (default
+    docs/phase_costs_h200.json) with date, commit and device, for the cost model:
+        python -m pithtrain.distributed.schedule simulate --costs docs/phase_costs_h200.json"""
+    import datetime
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from pithtrain.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    dest = Path(os.environ.get("PITHTRAIN_PHASE_COSTS", root / "docs" / "phase_costs_h200.json"))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=root).stdout.strip()
+    data = {"date": datetime.date.today().isoformat(), "commit": commit, "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "dtype": "bfloat16", "families": {}}
+    dev = torch.device("cuda")
+    for family, recipe in FULL.items():
+        full = load_config(recipe, []).model
+        small = dataclasses.replace(full, num_layers=2)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.manual_seed(0)
+        model = FAMILIES[family][1](small).to(dev)
+        model.init_weights()
+        _, seq, _, _ = overlapped_step(model, None)
+        _, two, order, _ = overlapped_step(model, overlap.Streams(dev))
+        torch.cuda.synchronize()
+        assert any(p[0] and p[1] for p in order)
+        for n in seq:
+            err = ((two[n] - seq[n]).norm() / seq[n].norm().clamp_min(1e-30)).item()
+            assert err < 1e-4, (family, n, err)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        data["families"][family] = phase_costs(model, full, B=2, S=2048,
+                                               autocast=torch.autocast("cuda", dtype=torch.bfloat16))
+        del model
+        torch.cuda.empty_cache()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {dest}")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pithtrain.distributed import pipeline as P
+from pithtrain.distributed import schedule as P
 
 
 def test_balanced_split_and_override():
@@ -131,3 +131,43 @@ def test_pipeline_viz_draws_a_simulated_timeline(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "rank   0 (pp 0) |FFFFB" in out and "idle 8%" in out  # 2 of 26 units, as simulated
     assert (d / "timeline.png").stat().st_size > 1000  # matplotlib is a dev dependency: always drawn
+
+
+def synthetic_costs(attn=4e-3, experts=6e-3):
+    """A cost file entry as tests/test_overlap.py's GPU test writes it, with made-up times."""
+    ph = {"attn": {"F": attn, "BW": 2 * attn}, "route": {"F": 1e-4, "BW": 2e-4},
+          "dispatch": {"F": 2e-4, "BW": 2e-4}, "experts": {"F": experts, "BW": 2 * experts},
+          "combine": {"F": 2e-4, "BW": 2e-4}, "residual": {"F": 1e-5, "BW": 1e-5}}
+    return {"tokens": 8192, "seq_len": 2048, "phases": {"moe": ph, "dense": {"attn": ph["attn"], "mlp": ph["experts"]}},
+            "model": {"num_layers": 27, "dense_layers": 1, "num_experts": 64, "top_k": 6, "hidden_size": 2048,
+                      "dense_params_per_layer": 30_000_000}}
+
+
+def test_remote_rows_per_token_matches_enumeration():
+    from itertools import combinations
+    for E, k, ep in ((8, 2, 2), (8, 3, 4), (64, 6, 2)):
+        if E > 16:
+            continue
+        sets = list(combinations(range(E), k))
+        mean = sum(len({e // (E // ep) for e in s} - {0}) for s in sets) / len(sets)  # ranks other than 0
+        assert P.remote_rows_per_token(E, k, ep) == pytest.approx(mean)
+    assert P.remote_rows_per_token(64, 6, 1) == 0
+
+
+def test_cost_model_overlap_hides_communication_and_ib_costs_more():
+    costs = synthetic_costs()
+    paper = P.Layout()  # DeepSeek-V2-Lite, pp=4 x fsdp=2 x ep=2, seq 2048, global batch 1024
+    assert paper.world == 8 and paper.grad_accum == 128
+    res = P.predict(costs, paper)
+    on, off = res["overlap_on"], res["overlap_off"]
+    assert on["step_s"] < off["step_s"]
+    assert on["tokens_per_s"] == pytest.approx(1024 * 2048 / on["step_s"])
+    c = res["chunk"]
+    assert c["comm_F"] > 0 and c["F"] == pytest.approx(c["compute_F"] + c["comm_F"])
+    # infinitely fast links: nothing to hide, on == off
+    fast = P.predict(costs, P.Layout(nvlink_gbs=1e12, latency_us=0.0))
+    assert fast["overlap_on"]["step_s"] == pytest.approx(fast["overlap_off"]["step_s"], rel=1e-6)
+    # the same all-to-all over InfiniBand (spanning two nodes) costs more, and overlap saves more
+    ib = P.predict(costs, paper, ep_span=16)
+    assert ib["chunk"]["comm_F"] > c["comm_F"]
+    assert ib["overlap_off"]["step_s"] - ib["overlap_on"]["step_s"] > off["step_s"] - on["step_s"]

@@ -9,7 +9,7 @@ Every rank routes its own tokens; a token's top-k experts may live on other rank
                all-to-all #1 the row counts, #2 rows+weights (autograd), #3 expert ids.
     expand     on the receiving rank: one pair per (row, local slot), sorted by local expert
                (stable) = the expert-contiguous layout the grouped matmul wants.
-    experts    experts(x_PD, counts_E) -- the module call, so FSDP's hooks gather the weights.
+    experts    experts(x_PD, counts_E) -- the module call, between the two (a phase of its own).
     combine    weighted sum of a row's pairs on the receiving rank (index_add), then all-to-all
                #4 back in reverse splits, and index_add into the token positions (a token sent
                to two ranks sums two partial mixtures).
@@ -49,8 +49,9 @@ class AllToAll(torch.autograd.Function):
 
 
 class ExpertParallelDispatcher:
-    """Same call as LocalDispatcher: (x_TD, idx_TA, w_TA, experts) -> y_TD. `experts` holds this
-    rank's E/ep experts (its parameters are DTensors sharded by expert; see parallelize.py).
+    """Same methods as LocalDispatcher: dispatch and combine (each one communication phase of
+    common.DecoderLayer.phases) and the call (x_TD, idx_TA, w_TA, experts) -> y_TD doing both
+    around the experts. `experts` holds this rank's E/ep experts (its parameters are DTensors sharded by expert; see parallelize.py).
     Counters `rows_sent` / `rows_sent_remote` (rows leaving this rank in total / to other ranks)
     accumulate over calls, for tests and profiling."""
 
@@ -61,7 +62,10 @@ class ExpertParallelDispatcher:
         self.dedup = dedup
         self.rows_sent = self.rows_sent_remote = 0
 
-    def __call__(self, x_TD, idx_TA, w_TA, experts):
+    def dispatch(self, x_TD, idx_TA, w_TA, num_experts):
+        """-> (x_PD: the received (row, local slot) pairs in expert-contiguous order, w_NA: the
+        received rows' weights, counts_E per local expert, info for combine). One communication
+        phase: the row counts, then the rows with their weights (differentiable) and their ids."""
         T, A = idx_TA.shape
         R, El = self.ep_size, self.local_experts
         dest_TA = idx_TA // El
@@ -94,7 +98,7 @@ class ExpertParallelDispatcher:
         idx_NA = idx_XA.new_empty((sum(out_splits), A))
         dist.all_to_all_single(idx_NA, idx_XA.contiguous(), out_splits, in_splits, group=self.group)
 
-        # --- expand to (row, local expert) pairs in expert-contiguous order, run the experts
+        # --- expand to (row, local expert) pairs in expert-contiguous order
         local_NA = idx_NA - self.ep_rank * El
         mine_NA = (idx_NA >= 0) & (local_NA >= 0) & (local_NA < El)
         n_P, a_P = mine_NA.nonzero(as_tuple=True)
@@ -102,10 +106,16 @@ class ExpertParallelDispatcher:
         order_P = torch.argsort(e_P, stable=True)
         n_P, a_P, e_P = n_P[order_P], a_P[order_P], e_P[order_P]
         counts_E = torch.bincount(e_P, minlength=El)
-        y_PD = experts(x_ND[n_P], counts_E)
+        return x_ND[n_P], w_NA, counts_E, (n_P, a_P, in_splits, out_splits, t_X, T)
 
-        # --- combine: weighted sum per received row, send back, sum into token positions
+    def combine(self, y_PD, w_NA, info):
+        """Weighted sum per received row, the one all-to-all back, sum into token positions."""
+        n_P, a_P, in_splits, out_splits, t_X, T = info
         w_P1 = w_NA[n_P, a_P][:, None].to(y_PD.dtype)  # experts compute in the autocast dtype
-        y_ND = y_PD.new_zeros(x_ND.shape[0], D).index_add(0, n_P, y_PD * w_P1)
+        y_ND = y_PD.new_zeros(w_NA.shape[0], y_PD.shape[1]).index_add(0, n_P, y_PD * w_P1)
         back_XD = AllToAll.apply(y_ND, in_splits, out_splits, self.group)
-        return back_XD.new_zeros(T, D).index_add(0, t_X, back_XD)
+        return back_XD.new_zeros(T, y_PD.shape[1]).index_add(0, t_X, back_XD)
+
+    def __call__(self, x_TD, idx_TA, w_TA, experts):
+        x_PD, w_NA, counts_E, info = self.dispatch(x_TD, idx_TA, w_TA, experts.num_experts)
+        return self.combine(experts(x_PD, counts_E), w_NA, info)

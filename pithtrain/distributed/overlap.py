@@ -1,24 +1,18 @@
 """A pipeline chunk as a list of phases, and the overlapped forward-backward step (DualPipeV's F&B).
 
 A chunk (embedding?, some decoder layers, norm + head + loss?) runs as a flat list of `Phase`s.
-A Qwen3-MoE layer has five:
+Each decoder layer contributes its own `DecoderLayer.phases` (models/common.py, the code its
+`forward` runs, so the two cannot drift); a MoE layer of any family has six:
 
-    attn      compute  h -> h1 = h + attention(norm(h)); x = norm(h1); router (weights, top-k ids)
-    dispatch  comm     x, ids -> expert-contiguous rows (expert parallel: the all-to-all)
-    experts   compute  rows -> grouped SwiGLU experts
-    combine   comm     rows, weights -> tokens (expert parallel: the all-to-all back)
-    post      compute  h1 + moe output
+    attn      compute  h -> h1 = h + attention(norm(h)), x = norm(h1)
+    route     compute  x -> top-k weights and ids (and the load-balancing loss)
+    dispatch  comm     rows to their experts (expert parallel: the all-to-all)
+    experts   compute  grouped experts (+ shared experts)
+    combine   comm     weighted rows back to their tokens (expert parallel: the all-to-all back)
+    residual  compute  h1 + moe output
 
-With the expert-parallel dispatcher (one call: all-to-all, experts, all-to-all back) dispatch +
-experts + combine are one communication phase "moe" (its experts then run on the communication
-stream too; splitting that dispatcher into dispatch / combine methods would let them move back).
-Today expert parallel always comes with FSDP (ep borrows fsdp ranks), which runs layers whole, so
-the five-phase split runs with the local dispatcher. Any other layer (dense MLP, other families,
-or any layer under FSDP: split_layers=False) is one compute phase calling `layer(h, rope)`, which is
-always correct and only gives up overlap inside that layer. The phase code restates
-common.DecoderLayer.forward / qwen3_moe.MoE.forward (same calls, in the same order; the load-balancing
-gradient is attached to h1 instead of the MoE output, which is the same gradient because both feed
-the residual stream); tests/test_overlap.py checks it against the model's own forward and backward.
+A dense layer has two (attn, mlp). With activation checkpointing a layer is one phase calling
+`layer(h, rope)` (the checkpoint wraps the layer's own call), which only gives up overlap there.
 
 Autograd is cut at every phase boundary: each phase reads detached copies of its inputs ("leaves")
 and records (leaves, outputs). Backward walks the records in reverse, calling autograd per phase
@@ -26,6 +20,17 @@ with the output gradients collected so far, and hands each leaf's gradient to th
 produced it. That gives three backward modes from one mechanism: full (BW), input-only (B: autograd
 .grad w.r.t. the leaves, graph retained, output gradients saved) and weight-only (W: autograd
 .backward w.r.t. the phase's parameters with the saved gradients).
+
+FSDP. The phases call a layer's parts, not the layer, so FSDP2's hooks (around a module's own
+call) never fire; the chunk drives FSDP itself (`fsdp=True`), per layer ("unit": the layer and its
+separately sharded experts, and the root for embedding / head):
+    forward    all-gather (unshard) before the unit's first phase, prefetch the next unit's
+               all-gather (async, FSDP's all-gather stream), free (reshard) after its last phase;
+    backward   all-gather again before the unit's phases; a full backward (BW) reduce-scatters the
+               unit's gradients right after them, an input-only B leaves the weights gathered and
+               the reduce-scatter to W, which runs the weight gradients and then reduce-scatters.
+Gradients are reduce-scattered as they complete (reduce-scatter is linear: partial sums add up), so
+the order of B and W across micro-batches does not matter. `finish_fsdp` ends a step.
 
 `forward_backward(f, b)` runs the forward of one micro-batch and the full backward of another with
 their phases interleaved: when one side's next phase is communication and the other's is compute,
@@ -36,108 +41,108 @@ phase (events are transitive, so every earlier output of the same side is ready)
 backward side frees mid-step are held until the end, where the two streams wait on each other, so
 no memory made on one stream is reused while the other may still read it. On CPU (or
 `streams=None`) the identical interleaving runs in order on one thread.
+
+Timeline: a run given a `timeline` list appends one entry per phase executed: phase name, comm,
+micro-batch, chunk, pass (F, B, W, BW), stream, pair (the index of the F&B pairing step it was
+issued in, or None), start / end in seconds (CUDA: from events, resolved by `resolve_timeline`).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-from pithtrain.models import qwen3_moe
-from pithtrain.models.common import AuxLoss, DecoderLayer, cross_entropy_sum, route_tokens
-
+from pithtrain.models.common import DecoderLayer, Phase, head_loss
 
 # ---------------------------------------------------------------------------------------------
 # Phases
 
 
-@dataclass
-class Phase:
-    name: str
-    comm: bool  # communication: runs on the communication stream in forward_backward
-    fn: Callable  # (**inputs) -> dict of outputs
-    inputs: tuple
-    params: list  # parameters whose gradient this phase produces (for W)
-
-
 def chunk_phases(model, chunk, positions_BS, labels_BS=None, split_layers: bool = True) -> list[Phase]:
     """The phases of one chunk (pipeline.Chunk) on one micro-batch. State names: 'in' is the
     chunk input (token ids or hidden states), 'out' its output (hidden states, or the summed token
-    loss on the last stage). split_layers=False: one phase per layer (`layer(h, rope)`), which
-    FSDP needs: its hooks gather a layer's weights around the layer's own forward call."""
+    loss on the last stage); layer i's values are named "i.<name>". split_layers=False (activation
+    checkpointing): one phase per layer, `layer(h, rope)`."""
     rope = model.rotary(positions_BS)
     phases, cur = [], "in"
-    embed = getattr(model, "pipeline_embed", None) or model.embed_tokens  # pipeline.attach_ends
     if chunk.first:
-        phases.append(Phase("embed", False, lambda **s: {"h.e": embed(s["in"])}, ("in",),
-                            list(model.embed_tokens.parameters())))
+        phases.append(Phase("embed", False, lambda **s: {"h.e": model.embed_tokens(s["in"])}, ("in",),
+                            lambda: list(model.embed_tokens.parameters()), model))
         cur = "h.e"
     for i in chunk.layer_ids:
         layer = model.layers[str(i)] if isinstance(model.layers, torch.nn.ModuleDict) else model.layers[i]
-        layer_phases, cur = _layer_phases(layer, i, cur, rope, split_layers)
-        phases += layer_phases
+        if split_layers and isinstance(layer, DecoderLayer):
+            phases += [_renamed(ph, i, cur) for ph in layer.phases(rope)]
+        else:
+            phases.append(Phase(f"layer{i}", False,
+                                lambda h_in=cur, out=f"{i}.out", layer=layer, **s: {out: layer(s[h_in], rope)},
+                                (cur,), lambda layer=layer: list(layer.parameters()), None))
+        cur = f"{i}.out"
     if chunk.last:
         def head(h_in=cur, **s):
-            if hasattr(model, "pipeline_head"):
-                return {"out": model.pipeline_head(s[h_in], labels_BS)}
-            h = model.norm(s[h_in])
-            return {"out": cross_entropy_sum(h.flatten(0, 1), model.lm_head.weight, labels_BS.flatten())}
+            return {"out": head_loss(model, s[h_in], labels_BS)}
         phases.append(Phase("head", False, head, (cur,),
-                            [*model.norm.parameters(), *model.lm_head.parameters()]))
+                            lambda: [*model.norm.parameters(), *model.lm_head.parameters()], model))
     else:
-        phases.append(Phase("out", False, lambda h_in=cur, **s: {"out": s[h_in]}, (cur,), []))
+        phases.append(Phase("out", False, lambda h_in=cur, **s: {"out": s[h_in]}, (cur,), list, None))
     return phases
 
 
-def _layer_phases(layer, i, h_in, rope, split):
-    p = f"{i}."
-    if not (split and isinstance(layer, DecoderLayer) and isinstance(layer.mlp, qwen3_moe.MoE)):
-        return [Phase(f"layer{i}", False, lambda **s: {p + "h": layer(s[h_in], rope)}, (h_in,),
-                      list(layer.parameters()))], p + "h"
-    moe = layer.mlp
+def _renamed(ph: Phase, i: int, h_in: str) -> Phase:
+    """Layer i's phase over the chunk's state: its "h" is `h_in`, every other name is "i.name"."""
+    def key(n):
+        return h_in if n == "h" else f"{i}.{n}"
 
-    def attn(**s):
-        h = s[h_in]
-        h1 = h + layer.self_attn(layer.input_layernorm(h), rope)
-        B, S, D = h1.shape
-        x_TD = layer.post_attention_layernorm(h1).reshape(B * S, D)
-        w_TA, idx_TA, aux = route_tokens(moe, x_TD, sequences=B)
-        if aux is not None:
-            h1 = AuxLoss.apply(h1, aux)
-        return {p + "h1": h1, p + "x": x_TD, p + "w": w_TA, p + "idx": idx_TA}
+    def fn(**s):
+        return {key(n): v for n, v in ph.fn(**{n: s[key(n)] for n in ph.inputs}).items()}
+    return Phase(f"{ph.name}{i}", ph.comm, fn, tuple(key(n) for n in ph.inputs), ph.params, ph.unit)
 
-    def dispatch(**s):
-        x_XD, counts_E, *handle = moe.dispatcher.dispatch(s[p + "x"], s[p + "idx"], moe.num_experts)
-        return {p + "xd": x_XD, p + "counts": counts_E, p + "handle": tuple(handle)}
 
-    def experts(**s):
-        return {p + "yd": moe.experts(s[p + "xd"], s[p + "counts"])}
+# ---------------------------------------------------------------------------------------------
+# FSDP units: gather / free / reduce a layer's parameters around its phases
 
-    def combine(**s):
-        T = s[p + "x"].shape[0]
-        return {p + "y": moe.dispatcher.combine(s[p + "yd"], s[p + "w"], *s[p + "handle"], T)}
 
-    def moe_call(**s):  # a dispatcher with one call (expert parallel): all-to-all, experts, back
-        return {p + "y": moe.dispatcher(s[p + "x"], s[p + "idx"], s[p + "w"], moe.experts)}
+def _fsdp_modules(unit):
+    from torch.distributed.fsdp import FSDPModule
+    return [m for m in unit.modules() if isinstance(m, FSDPModule)] if unit is not None else []
 
-    def post(**s):
-        h1 = s[p + "h1"]
-        return {p + "h": h1 + s[p + "y"].view(h1.shape)}
 
-    gate_params = [*layer.self_attn.parameters(), *layer.input_layernorm.parameters(),
-                   *layer.post_attention_layernorm.parameters(), *moe.gate.parameters()]
-    attn_phase = Phase(f"attn{i}", False, attn, (h_in,), gate_params)
-    post_phase = Phase(f"post{i}", False, post, (p + "h1", p + "y"), [])
-    if not hasattr(moe.dispatcher, "dispatch"):
-        return [attn_phase, Phase(f"moe{i}", True, moe_call, (p + "x", p + "idx", p + "w"),
-                                  list(moe.experts.parameters())), post_phase], p + "h"
-    return [attn_phase,
-            Phase(f"dispatch{i}", True, dispatch, (p + "x", p + "idx"), []),
-            Phase(f"experts{i}", False, experts, (p + "xd", p + "counts"), list(moe.experts.parameters())),
-            Phase(f"combine{i}", True, combine, (p + "yd", p + "w", p + "handle", p + "x"), []),
-            post_phase], p + "h"
+def _units(unit):
+    """The FSDP modules whose parameters a unit's phases use: the layer (or root) itself and any
+    module sharded separately inside it (routed experts), but not other layers (the root's
+    modules() holds every layer; its own parameters are embedding, norm and head)."""
+    from torch.distributed.fsdp import FSDPModule
+    if isinstance(unit, DecoderLayer):
+        return _fsdp_modules(unit)
+    return [unit] if isinstance(unit, FSDPModule) else []
+
+
+def gather(unit, async_op: bool = False):
+    for m in _units(unit):
+        m.unshard(async_op=async_op)
+
+
+def free(unit):
+    for m in _units(unit):
+        m.reshard()
+
+
+def reduce_grads(unit):
+    """Reduce-scatter (and, under HSDP, all-reduce) the gathered gradients of the unit into its
+    sharded `.grad`s (accumulating), then free the gathered weights: FSDP's own post-backward."""
+    for m in _units(unit):
+        for group in m._get_fsdp_state()._fsdp_param_groups:
+            group.post_backward()
+
+
+def finish_fsdp(model):
+    """End of a step under driven FSDP: FSDP's end-of-backward callback (waits for the pending
+    reduce-scatters, resets every unit's state for the next step)."""
+    from torch.distributed.fsdp import FSDPModule
+    if isinstance(model, FSDPModule):
+        model._get_fsdp_state()._root_post_backward_final_callback()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,6 +163,10 @@ class ChunkRun:
     records: list = field(default_factory=list)  # per phase: (leaves, outputs)
     grads: dict = field(default_factory=dict)  # name -> gradient collected so far
     saved: list = field(default_factory=list)  # input-only backward: (phase index, outputs, grads)
+    fsdp: bool = False  # drive FSDP's gather / reduce per unit (module docstring)
+    mb: int = 0  # for the timeline
+    chunk: int = 0
+    timeline: list | None = None
 
     @property
     def output(self):
@@ -166,23 +175,39 @@ class ChunkRun:
     def input_grad(self):
         return self.grads.get("in")
 
+    def first_of_unit(self, k):
+        return k == 0 or self.phases[k - 1].unit is not self.phases[k].unit
 
-def start(phases, x) -> ChunkRun:
-    return ChunkRun(phases, {"in": x})
+    def last_of_unit(self, k):
+        return k == len(self.phases) - 1 or self.phases[k + 1].unit is not self.phases[k].unit
+
+
+def start(phases, x, fsdp: bool = False, mb: int = 0, chunk: int = 0, timeline=None) -> ChunkRun:
+    return ChunkRun(phases, {"in": x}, fsdp=fsdp, mb=mb, chunk=chunk, timeline=timeline)
 
 
 def forward_phase(run: ChunkRun, k: int):
     ph = run.phases[k]
+    if run.fsdp and ph.unit is not None:
+        gather(ph.unit)  # a no-op when gathered; also re-gathers what an earlier step freed
+        if run.first_of_unit(k):
+            nxt = next((p.unit for p in run.phases[k + 1:] if p.unit is not ph.unit), None)
+            gather(nxt, async_op=True)  # prefetch: the next unit's all-gather under this unit
     leaves = {n: _leaf(run.state[n]) for n in ph.inputs}
     outs = ph.fn(**leaves)
     run.state.update(outs)
     run.records.append((leaves, outs))
+    if run.fsdp and run.last_of_unit(k):
+        free(ph.unit)
 
 
 def backward_phase(run: ChunkRun, k: int, input_only: bool = False, hold: list | None = None):
     """Backward through phase k (phases are walked from the last). Full: parameter and leaf
     gradients at once. Input-only: leaf gradients, graph retained, output gradients saved for W.
     hold: receives the phase's tensors instead of freeing them (two streams: see forward_backward)."""
+    ph = run.phases[k]
+    if run.fsdp:
+        gather(ph.unit)
     leaves, outs = run.records[k]
     pairs = [(t, run.grads.pop(n)) for n, t in outs.items()
              if n in run.grads and isinstance(t, torch.Tensor) and t.requires_grad]
@@ -203,27 +228,76 @@ def backward_phase(run: ChunkRun, k: int, input_only: bool = False, hold: list |
         hold.append((run.records[k], pairs, want))
     if not input_only:
         run.records[k] = None  # free the phase's graph and activations
+        if run.fsdp and run.first_of_unit(k):
+            reduce_grads(ph.unit)  # the unit's backward is complete
 
 
 def weight_backward(run: ChunkRun):
-    """W: the parameter gradients of an earlier input-only backward."""
+    """W: the parameter gradients of an earlier input-only backward (then, under FSDP, each
+    unit's reduce-scatter once its last phase is done)."""
+    cuda = run.state["in"].is_cuda
+    t0 = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+    if cuda:
+        t0.record()
     for k, ts, gs in run.saved:
-        params = [p for p in run.phases[k].params if p.requires_grad]
+        ph = run.phases[k]
+        if run.fsdp:
+            gather(ph.unit)
+        params = [p for p in ph.params() if p.requires_grad]
         if params:
             torch.autograd.backward(ts, gs, inputs=params)
+        if run.fsdp and run.first_of_unit(k):
+            reduce_grads(ph.unit)
+    if run.timeline is not None and run.saved:
+        t1 = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+        if cuda:
+            t1.record()
+        run.timeline.append(dict(phase="W", comm=False, mb=run.mb, chunk=run.chunk, pass_="W",
+                                 stream="compute", pair=None, start=t0, end=t1))
     run.saved.clear()
     run.records.clear()
 
 
+def _record(run: ChunkRun, k: int, pass_: str, fn, streams=None, stream=None, pair=None):
+    """Run fn (one phase of run) and, when the run keeps a timeline, log it (module docstring)."""
+    if run.timeline is None:
+        fn()
+        return
+    ph = run.phases[k]
+    name = "comm" if streams is not None and stream is streams.comm else "compute"
+    x = run.state["in"]
+    if not x.is_cuda:
+        t0 = time.perf_counter()
+        fn()
+        start, end = t0, time.perf_counter()
+    else:  # device time: events on the stream the phase runs on (one stream: the current one)
+        stream = stream or torch.cuda.current_stream(x.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        fn()
+        end.record(stream)
+    run.timeline.append(dict(phase=ph.name, comm=ph.comm, mb=run.mb, chunk=run.chunk, pass_=pass_,
+                             stream=name, pair=pair, start=start, end=end))
+
+
 def forward(run: ChunkRun):
     for k in range(len(run.phases)):
-        forward_phase(run, k)
+        _record(run, k, "F", lambda k=k: forward_phase(run, k))
 
 
 def backward(run: ChunkRun, grad_out, input_only: bool = False):
     run.grads["out"] = grad_out.to(run.output.dtype)
     for k in reversed(range(len(run.phases))):
-        backward_phase(run, k, input_only)
+        _record(run, k, "B" if input_only else "BW", lambda k=k: backward_phase(run, k, input_only))
+
+
+def resolve_timeline(timeline: list, t0: float, origin=None):
+    """Entries' start / end as seconds from the step start: CPU times are perf_counter values
+    (minus t0); CUDA events are measured from `origin` (an event recorded at the step start)."""
+    for e in timeline:
+        for key in ("start", "end"):
+            v = e[key]
+            e[key] = v - t0 if isinstance(v, float) else origin.elapsed_time(v) / 1e3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,9 +317,10 @@ class _Chain:
 
 
 def _issue(streams, comm: bool, chain: _Chain, fn):
+    """Run fn on its stream after the previous phase of its side; returns that stream."""
     if streams is None:
         fn()
-        return
+        return None
     s = streams.comm if comm else streams.compute
     if chain.event is not None:
         s.wait_event(chain.event)
@@ -253,39 +328,85 @@ def _issue(streams, comm: bool, chain: _Chain, fn):
         fn()
     chain.event = torch.cuda.Event()
     chain.event.record(s)
+    return s
+
+
+def pair_plan(f_comm: list[bool], b_comm: list[bool]) -> list[str]:
+    """The interleaving of a forward (phases in order) and a backward (phases in reverse order),
+    as steps "P" (one phase of each side together: one is communication, the other compute),
+    "F" or "B" (one side alone). Dynamic programming over (forward phases done, backward phases
+    done): the fewest communication phases left alone (not under the other side's compute), then
+    the fewest steps; ties go to the backward side first (its input gradient is what the previous
+    stage waits for)."""
+    n, m = len(f_comm), len(b_comm)
+    INF = (1 << 30, 0)
+    best = [[INF] * (m + 1) for _ in range(n + 1)]  # best[i][j]: cost of finishing from (i, j)
+    move = [[""] * (m + 1) for _ in range(n + 1)]
+    best[n][m] = (0, 0)
+    for i in range(n, -1, -1):
+        for j in range(m, -1, -1):
+            if i == n and j == m:
+                continue
+            options = []
+            if j < m:
+                c = best[i][j + 1]
+                options.append(((c[0] + b_comm[j], c[1] + 1), 0, "B"))
+            if i < n and j < m and f_comm[i] != b_comm[j]:
+                c = best[i + 1][j + 1]
+                options.append(((c[0], c[1] + 1), 1, "P"))
+            if i < n:
+                c = best[i + 1][j]
+                options.append(((c[0] + f_comm[i], c[1] + 1), 2, "F"))
+            cost, _, mv = min(options)
+            best[i][j], move[i][j] = cost, mv
+    plan, i, j = [], 0, 0
+    while (i, j) != (n, m):
+        mv = move[i][j]
+        plan.append(mv)
+        i, j = i + (mv in "PF"), j + (mv in "PB")
+    return plan
 
 
 def forward_backward(f: ChunkRun, b: ChunkRun, grad_out, streams: Streams | None = None):
-    """Forward all phases of `f` and fully backward all phases of `b`, interleaved: a
-    communication phase of one side is paired with a compute phase of the other (greedily; when
-    both next phases are of the same kind the backward side goes alone). Returns the pairing as
-    [(forward phase name or None, backward phase name or None)] for tests and timelines."""
+    """Forward all phases of `f` and fully backward all phases of `b`, interleaved by `pair_plan`:
+    each pair is a communication phase of one side and a compute phase of the other. Returns the
+    steps as [(forward phase name or None, backward phase name or None)] for tests; the timeline
+    records the same pairs."""
     b.grads["out"] = grad_out.to(b.output.dtype)
-    fi, bi, n_f = 0, len(b.phases) - 1, len(f.phases)
     fc, bc, order = _Chain(), _Chain(), []
     # A tensor made on one stream and last read on the other must not return to the allocator
     # before the reader is done: the backward side's tensors are held until the final barrier.
     hold = [] if streams is not None else None
-    while fi < n_f or bi >= 0:
-        fph = f.phases[fi] if fi < n_f else None
-        bph = b.phases[bi] if bi >= 0 else None
-        if fph is not None and bph is not None and fph.comm != bph.comm:
-            k_f, k_b = fi, bi
-            run_f = lambda: _issue(streams, fph.comm, fc, lambda: forward_phase(f, k_f))  # noqa: E731
-            run_b = lambda: _issue(streams, bph.comm, bc, lambda: backward_phase(b, k_b, hold=hold))  # noqa: E731
+
+    def run_f(k, pair):
+        ph = f.phases[k]
+        _record(f, k, "F", lambda: _issue(streams, ph.comm, fc, lambda: forward_phase(f, k)), streams,
+                None if streams is None else (streams.comm if ph.comm else streams.compute), pair)
+
+    def run_b(k, pair):
+        ph = b.phases[k]
+        _record(b, k, "BW", lambda: _issue(streams, ph.comm, bc, lambda: backward_phase(b, k, hold=hold)),
+                streams, None if streams is None else (streams.comm if ph.comm else streams.compute), pair)
+
+    b_order = list(reversed(range(len(b.phases))))
+    fi = bj = 0
+    for step in pair_plan([ph.comm for ph in f.phases], [b.phases[k].comm for k in b_order]):
+        fph = f.phases[fi] if step in "PF" else None
+        bk = b_order[bj] if step in "PB" else None
+        if step == "P":
             # Issue the communication side first so that it starts as early as possible.
-            for run in ((run_f, run_b) if fph.comm else (run_b, run_f)):
-                run()
-            order.append((fph.name, bph.name))
-            fi, bi = fi + 1, bi - 1
-        elif bph is not None:
-            _issue(streams, bph.comm, bc, lambda: backward_phase(b, bi, hold=hold))
-            order.append((None, bph.name))
-            bi -= 1
+            if fph.comm:
+                run_f(fi, len(order))
+                run_b(bk, len(order))
+            else:
+                run_b(bk, len(order))
+                run_f(fi, len(order))
+        elif step == "F":
+            run_f(fi, None)
         else:
-            _issue(streams, fph.comm, fc, lambda: forward_phase(f, fi))
-            order.append((fph.name, None))
-            fi += 1
+            run_b(bk, None)
+        order.append((fph.name if fph is not None else None, b.phases[bk].name if bk is not None else None))
+        fi, bj = fi + (step in "PF"), bj + (step in "PB")
     if streams is not None:
         streams.compute.wait_stream(streams.comm)
         streams.comm.wait_stream(streams.compute)

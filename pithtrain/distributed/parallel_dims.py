@@ -9,11 +9,13 @@ a contiguous block of ranks), cp innermost (its K/V all-gathers run every layer,
 neighbours). world_size must equal pp * dp * fsdp * cp.
 
 Expert parallelism borrows ranks; it is not a factor of the world size. Inside one pipeline stage
-the fsdp * cp ranks are split as (efsdp, ep) with ep innermost, so `ep` must divide `fsdp * cp`:
+the dp * fsdp * cp ranks (row-major) are split as (edp, efsdp, ep) with ep innermost: either `ep`
+divides `fsdp * cp` (efsdp = fsdp*cp/ep, edp = dp), or fsdp*cp divides ep and ep divides
+dp*fsdp*cp, and ep then spans dp replicas too (efsdp = 1, edp = dp*fsdp*cp/ep; e.g. dp=2 ep=2):
 
     dense parameters   sharded over fsdp*cp  (FSDP), replicated over dp   -> dense_mesh (dp, fsdp_cp)
-    routed experts     split by expert over ep, sharded over efsdp = fsdp*cp/ep (FSDP, dim 1),
-                       replicated over dp                                 -> expert_mesh (edp, efsdp, ep)
+    routed experts     split by expert over ep, sharded over efsdp (FSDP, dim 1),
+                       replicated over edp                                -> expert_mesh (edp, efsdp, ep)
 
 Examples (world size in brackets): `fsdp=2 ep=2` [2] experts whole per rank, 4 of 8 each;
 `fsdp=4 ep=2` [4] experts split 2 ways by expert and 2 ways by width; `dp=2 fsdp=2 ep=2` [4];
@@ -90,9 +92,11 @@ class ParallelDims:
                 fail("parallel.ep", f"model family {m.family!r} has no routed experts")
             if experts % self.ep:
                 fail("parallel.ep", f"{self.ep} does not divide model.num_experts ({experts})")
-            if (self.fsdp * self.cp) % self.ep:
-                fail("parallel.ep", f"{self.ep} must divide fsdp*cp = {self.fsdp * self.cp}: expert "
-                                    "parallelism borrows its ranks from the fsdp and cp ranks")
+            shard, stage = self.fsdp * self.cp, self.dp * self.fsdp * self.cp
+            if shard % self.ep and (self.ep % shard or stage % self.ep):
+                fail("parallel.ep", f"{self.ep} must divide fsdp*cp = {shard}, or be a multiple of it "
+                                    f"that divides dp*fsdp*cp = {stage}: expert parallelism borrows "
+                                    "its ranks from a stage's dp, fsdp and cp ranks")
         if self.cp > 1 and t.seq_len % (2 * self.cp):
             # Load balancing cuts the sequence into 2*cp chunks (rank i holds i and 2cp-1-i).
             fail("train.seq_len", f"{t.seq_len} must be divisible by 2*cp = {2 * self.cp}")
@@ -146,7 +150,12 @@ class ParallelDims:
 
     @property
     def efsdp(self) -> int:
-        return self.fsdp * self.cp // self.ep
+        shard = self.fsdp * self.cp
+        return shard // self.ep if shard % self.ep == 0 else 1
+
+    @property
+    def edp(self) -> int:
+        return self.dp * self.fsdp * self.cp // (self.efsdp * self.ep)
 
     # --- coordinates (pure arithmetic; valid before the meshes exist)
 
@@ -180,7 +189,8 @@ class ParallelDims:
     def ep_rank(self) -> int:
         """Position in the expert-parallel group: the rank holds experts
         [ep_rank * E/ep, (ep_rank + 1) * E/ep)."""
-        return (self.coords["fsdp"] * self.cp + self.coords["cp"]) % self.ep
+        c = self.coords
+        return ((c["dp"] * self.fsdp + c["fsdp"]) * self.cp + c["cp"]) % self.ep
 
     # --- process group and meshes (collective: every rank calls this)
 
@@ -222,7 +232,7 @@ class ParallelDims:
                 DeviceMesh(device_type, r, mesh_dim_names=("dp", "fsdp", "cp")),
                 DeviceMesh(device_type, r.reshape(self.dp, self.fsdp * self.cp),
                            mesh_dim_names=("dp", "fsdp_cp")),
-                DeviceMesh(device_type, r.reshape(self.dp, self.efsdp, self.ep),
+                DeviceMesh(device_type, r.reshape(self.edp, self.efsdp, self.ep),
                            mesh_dim_names=("edp", "efsdp", "ep")),
             )
             group = dist.new_group(r.flatten().tolist())

@@ -13,6 +13,8 @@ import functools
 import math
 import re
 import zlib
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -284,21 +286,25 @@ def _local(w):
 
 
 class LocalDispatcher:
-    """Permute tokens to expert-contiguous rows, run the experts, and scatter-add back weighted.
-    The expert-parallel dispatcher has the same three methods and replaces this one.
+    """Permute tokens to expert-contiguous rows (dispatch) and scatter-add the expert outputs back
+    weighted (combine). The expert-parallel dispatcher has the same methods and replaces this one.
+    `dispatch` -> (x_XD rows for the experts, w: the routing weights in the form combine takes
+    (differentiable), counts_E, info: what else combine needs, non-differentiable).
     CUDA with kernels.USE["permute"]: the same maps as gathers only (kernels/permute.py)."""
 
-    def dispatch(self, x_TD, idx_TA, num_experts):
+    def dispatch(self, x_TD, idx_TA, w_TA, num_experts):
         flat_X = idx_TA.reshape(-1)
         order_X = torch.argsort(flat_X, stable=True)
         counts_E = torch.bincount(flat_X, minlength=num_experts)
         if kernels.USE["permute"] and x_TD.is_cuda:
             from pithtrain.kernels.permute import inverse_order, permute
-            return permute(x_TD, order_X, inverse_order(order_X, idx_TA.shape[1])), counts_E, order_X
-        x_XD = x_TD[order_X // idx_TA.shape[1]]
-        return x_XD, counts_E, order_X
+            x_XD = permute(x_TD, order_X, inverse_order(order_X, idx_TA.shape[1]))
+        else:
+            x_XD = x_TD[order_X // idx_TA.shape[1]]
+        return x_XD, w_TA, counts_E, (order_X, x_TD.shape[0])
 
-    def combine(self, y_XD, w_TA, order_X, T):
+    def combine(self, y_XD, w_TA, info):
+        order_X, T = info
         if kernels.USE["permute"] and y_XD.is_cuda:
             from pithtrain.kernels.permute import inverse_order, unpermute
             return unpermute(y_XD, w_TA.to(y_XD.dtype), order_X, inverse_order(order_X, w_TA.shape[1]))
@@ -307,8 +313,8 @@ class LocalDispatcher:
         return out_TD.index_add(0, order_X // w_TA.shape[1], y_XD * w_X[:, None])
 
     def __call__(self, x_TD, idx_TA, w_TA, experts: GroupedExperts):
-        x_XD, counts_E, order_X = self.dispatch(x_TD, idx_TA, experts.num_experts)
-        return self.combine(experts(x_XD, counts_E), w_TA, order_X, x_TD.shape[0])
+        x_XD, w, counts_E, info = self.dispatch(x_TD, idx_TA, w_TA, experts.num_experts)
+        return self.combine(experts(x_XD, counts_E), w, info)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,8 +368,24 @@ def routed_experts(moe, x_TD, sequences: int | None = None):
     return y_TD if aux is None else AuxLoss.apply(y_TD, aux)
 
 
+@dataclass
+class Phase:
+    """One step of a layer's forward over named values: `fn(**{name: value for name in inputs})`
+    returns a dict of new values. `comm`: the step is communication (expert parallel's all-to-all;
+    the pipeline runs it on the communication stream, under another micro-batch's compute).
+    `params()`: the parameters whose gradients the step makes, read when asked (FSDP swaps a
+    layer's parameters between sharded and gathered tensors). `unit`: the layer it belongs to."""
+    name: str
+    comm: bool
+    fn: Callable
+    inputs: tuple
+    params: Callable[[], list]
+    unit: nn.Module | None = None
+
+
 class DecoderLayer(nn.Module):
-    """Pre-norm residual layer: h + attn(norm(h)), then that + mlp(norm(that))."""
+    """Pre-norm residual layer: h + attn(norm(h)), then that + mlp(norm(that)). `forward` runs
+    `phases`, the one description of the layer's computation, in order."""
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, dim: int, eps: float):
         super().__init__()
@@ -373,8 +395,78 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(dim, eps)
 
     def forward(self, x_BSD, rope):
-        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), rope)
-        return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
+        state = {"h": x_BSD}
+        for ph in self.phases(rope):
+            state.update(ph.fn(**{n: state[n] for n in ph.inputs}))
+        return state["out"]
+
+    def phases(self, rope) -> list[Phase]:
+        """The layer as phases from "h" (B, S, D) to "out". Any family: the layer calls its
+        attention module, and a MoE block through the protocol every family's block keeps
+        (`route` via route_tokens, `dispatcher.dispatch / combine`, `experts`, optional
+        `shared_experts`); a block without a dispatcher (dense MLP) is one phase.
+
+            attn      h -> h1 = h + attention(norm(h)), x = norm(h1)
+            route     x -> top-k weights w, ids idx, load-balancing loss aux (or None)
+            dispatch  comm: x, idx, w -> expert rows xd, weights wd, counts, info
+            experts   xd -> yd (grouped experts); x -> ys (shared experts, if any)
+            combine   comm: yd, wd -> y (T, D)
+            residual  out = h1 + (y with aux's gradient attached) (+ ys)
+        """
+        attn, mlp, unit = self.self_attn, self.mlp, self
+
+        def attention(h):
+            h1 = h + attn(self.input_layernorm(h), rope)
+            return {"h1": h1, "x": self.post_attention_layernorm(h1)}
+
+        def attn_params():
+            return [*attn.parameters(), *self.input_layernorm.parameters(),
+                    *self.post_attention_layernorm.parameters()]
+
+        phases = [Phase("attn", False, attention, ("h",), attn_params, unit)]
+        if not hasattr(mlp, "dispatcher"):
+            phases.append(Phase("mlp", False, lambda h1, x: {"out": h1 + mlp(x)}, ("h1", "x"),
+                                lambda: list(mlp.parameters()), unit))
+            return phases
+        shared = getattr(mlp, "shared_experts", None)
+
+        def route(x):
+            w_TA, idx_TA, aux = route_tokens(mlp, x.flatten(0, 1), sequences=x.shape[0])
+            return {"w": w_TA, "idx": idx_TA, "aux": aux}
+
+        def dispatch(x, idx, w):
+            x_XD, w_d, counts_E, info = mlp.dispatcher.dispatch(x.flatten(0, 1), idx, w, mlp.num_experts)
+            return {"xd": x_XD, "wd": w_d, "counts": counts_E, "info": info}
+
+        def experts(xd, counts, x):
+            out = {"yd": mlp.experts(xd, counts)}
+            if shared is not None:
+                out["ys"] = shared(x.flatten(0, 1))
+            return out
+
+        def combine(yd, wd, info):
+            return {"y": mlp.dispatcher.combine(yd, wd, info)}
+
+        def residual(h1, y, aux, ys=None):
+            y_TD = y if aux is None else AuxLoss.apply(y, aux)
+            if ys is not None:
+                y_TD = y_TD + ys
+            return {"out": h1 + y_TD.view(h1.shape)}
+
+        def router_params():
+            return [p for n, p in mlp.named_parameters() if not n.startswith(("experts.", "shared_experts."))]
+
+        def expert_params():
+            return [*mlp.experts.parameters(), *(shared.parameters() if shared is not None else ())]
+
+        none = list
+        return phases + [
+            Phase("route", False, route, ("x",), router_params, unit),
+            Phase("dispatch", True, dispatch, ("x", "idx", "w"), none, unit),
+            Phase("experts", False, experts, ("xd", "counts", "x"), expert_params, unit),
+            Phase("combine", True, combine, ("yd", "wd", "info"), none, unit),
+            Phase("residual", False, residual, ("h1", "y", "aux") + (("ys",) if shared is not None else ()),
+                  none, unit)]
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -393,10 +485,14 @@ def causal_lm_forward(model, input_ids_BS, positions_BS=None, labels_BS=None):
     h_BSD = model.embed_tokens(input_ids_BS)
     for layer in model.layers:
         h_BSD = layer(h_BSD, rope)
-    h_BSD = model.norm(h_BSD)
     if labels_BS is None:
-        return model.lm_head(h_BSD)
-    return cross_entropy_sum(h_BSD.flatten(0, 1), model.lm_head.weight, labels_BS.flatten())
+        return model.lm_head(model.norm(h_BSD))
+    return head_loss(model, h_BSD, labels_BS)
+
+
+def head_loss(model, h_BSD, labels_BS):
+    """Final norm, LM head and the summed token loss (the pipeline's last stage calls this too)."""
+    return cross_entropy_sum(model.norm(h_BSD).flatten(0, 1), model.lm_head.weight, labels_BS.flatten())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,532 @@
+"""Pipeline schedules as plain data, torch-free: partitioning, per-rank op lists, a simulator and
+the overlap cost model (the executor that runs the lists is pipeline.py).
+
+    python -m pithtrain.distributed.schedule dualpipev 4 8            # print a schedule and its bubble
+    python -m pithtrain.distributed.schedule simulate --costs docs/phase_costs_h200.json   # predict
+
+1. Partitioning. The layer stack is cut into V virtual stages. 1F1B: V = pp, rank r holds stage r.
+   DualPipeV: V = 2 pp in a V shape, rank r holds chunk 0 = stage r and chunk 1 = stage 2pp-1-r, so
+   rank 0 holds the first stage (embedding) and the last (norm + head + loss) and the last rank
+   holds the turn of the V (its chunk 0 feeds its chunk 1 locally). `parallel.pp_layers` gives the
+   layers per virtual stage; the balanced default gives every stage L // V layers and hands the
+   remainder to stages that hold neither the embedding nor the head (DualPipeV: balanced per
+   rank, rank 0 last, then halved between the rank's two chunks).
+
+2. Schedules: `schedule_1f1b` and `schedule_dualpipev` return, for every rank, a plain list of `Op`s:
+   F (forward of one chunk on one micro-batch), B (backward for the input only; the weight gradient
+   is deferred), W (the deferred weight gradient of an earlier B), BW (full backward: B then W at
+   once), FB (forward of one micro-batch overlapped with the full backward of another, see
+   overlap.py), and SEND_F / RECV_F / SEND_B / RECV_B (activations forward, input-gradients back).
+   `format_schedule` prints them; `simulate` replays the compute ops with unit costs and reports
+   each rank's idle time, which the tests compare with the formulas below.
+
+   Bubble: the largest idle time of any rank between the start of the step and the end of the
+   last rank's work. F, B, W are the costs of one stage's forward, input-backward and weight-backward on
+   one micro-batch (a full backward is B + W), p = pp ranks, M micro-batches:
+
+     1F1B       (p - 1) (F + B + W)                the PipeDream-flush bubble, on every rank
+     DualPipeV  (p - 1) (F&B + (B + W) - 3W)       DeepSeek's DualPipe table, (PP/2 - 1)(F&B + B - 3W)
+                                                   with its B the full backward and PP/2 = p ranks;
+                                                   F, B, W per chunk (half a rank's layers), F&B one
+                                                   overlapped forward+backward pair: F + B + W when
+                                                   nothing overlaps, less the communication time
+                                                   that overlap hides under the other's compute
+
+   `simulate` reaches both exactly when a chunk's forward and input-backward cost the same and
+   W <= B (the usual assumption: each costs one pass of the matmuls); tests/test_pipeline_schedule.py
+   checks it. With F = B = W = 1 and nothing overlapped DualPipeV idles 2(p - 1) chunk-units against
+   1F1B's 3(p - 1) stage-units = 6(p - 1) chunk-units: the weight-gradient delay fills warm-up and
+   cool-down with W work, and the two arms of the V keep both ends busy. It needs M >= 2p
+   micro-batches and holds two chunks of weights per rank.
+
+   What overlap buys on several GPUs: the F&B pairs hide the expert-parallel all-to-all (dispatch
+   and combine of one micro-batch run on the communication stream while the other micro-batch's
+   attention / experts compute), so each pair costs about max(compute, communication) instead of
+   their sum, and by the formula every unit saved in F&B also shrinks the bubble by p - 1 units.
+   With EP across nodes the DeepSeek-V3 report puts communication near 1:1 with computation, so
+   without overlap up to half of an MoE layer's time is all-to-all; with it, that half hides.
+   On one GPU with no EP there is nothing to hide (the GPU test only shows that the two-stream
+   step computes the same numbers); on CPU the same ops run in order on one thread. Under FSDP
+   the executor drives each layer's gathers and defers its reduce-scatter to W (overlap.py), so
+   the B/W split and the overlap hold in pp x fsdp x ep and pp x dp x ep too.
+
+3. The cost model (`predict`, the `simulate` command): per-phase costs of one full-width layer
+   (measured on a GPU: tests/test_overlap.py's GPU test writes them) and link bandwidths give the
+   F, B, W and F&B costs of a chunk, with the expert all-to-all and FSDP's gathers as transfer
+   time; `simulate` replays the schedule with them and gives step time and tokens/s with the
+   overlap on (an F&B pair costs the larger of its compute and its communication) and off (their
+   sum). See `predict` for what it leaves out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+
+# ---------------------------------------------------------------------------------------------
+# Partitioning
+
+
+def split_layers(num_layers: int, num_stages: int, override: list | None = None,
+                 v_shape: bool = False) -> list[list[int]]:
+    """Layer ids per virtual stage. `override`: layers per stage (parallel.pp_layers).
+    v_shape (DualPipeV): balance per rank, not per stage (rank r holds stages r and V-1-r; the
+    V's turn puts the two middle stages on one rank), then split each rank's share between its
+    two chunks, the first chunk taking the odd layer."""
+    if override is None and v_shape:
+        pp = num_stages // 2
+        base, extra = divmod(num_layers, pp)
+        per_rank = [base + (1 if 0 < r <= extra else 0) for r in range(pp)]  # rank 0 holds both ends
+        override = [0] * num_stages
+        for r, n in enumerate(per_rank):
+            override[r], override[num_stages - 1 - r] = (n + 1) // 2, n // 2
+    if override is not None:
+        if len(override) != num_stages or sum(override) != num_layers or min(override) < 0:
+            raise ValueError(f"parallel.pp_layers: needs {num_stages} non-negative counts summing to "
+                             f"{num_layers} layers, got {override}")
+        counts = list(override)
+    else:
+        base, extra = divmod(num_layers, num_stages)
+        counts = [base] * num_stages
+        # Stages without the embedding or the head take the remainder, middle first; the ends last.
+        middle = sorted(range(1, num_stages - 1), key=lambda s: abs(s - (num_stages - 1) / 2))
+        for s in (middle + [0, num_stages - 1])[:extra]:
+            counts[s] += 1
+    ids, start = [], 0
+    for c in counts:
+        ids.append(list(range(start, start + c)))
+        start += c
+    return ids
+
+
+def num_virtual_stages(pp: int, schedule: str) -> int:
+    return 2 * pp if schedule == "dualpipev" else pp
+
+
+def stage_rank(v: int, pp: int, schedule: str) -> int:
+    """The pipeline rank that holds virtual stage v."""
+    if schedule == "dualpipev":
+        return v if v < pp else 2 * pp - 1 - v
+    return v
+
+
+def rank_stages(rank: int, pp: int, schedule: str) -> list[int]:
+    """Virtual stages held by `rank`, indexed by local chunk id."""
+    return [rank, 2 * pp - 1 - rank] if schedule == "dualpipev" else [rank]
+
+
+@dataclass
+class Chunk:
+    """One virtual stage as held by a rank: which layers, and whether it owns the ends."""
+    stage: int
+    layer_ids: list[int]
+    first: bool  # holds the embedding
+    last: bool  # holds norm + head + loss
+
+
+def rank_chunks(rank: int, pp: int, schedule: str, num_layers: int,
+                override: list | None = None) -> list[Chunk]:
+    V = num_virtual_stages(pp, schedule)
+    layers = split_layers(num_layers, V, override, v_shape=schedule == "dualpipev")
+    return [Chunk(v, layers[v], v == 0, v == V - 1) for v in rank_stages(rank, pp, schedule)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedules
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str  # F B W BW FB SEND_F RECV_F SEND_B RECV_B
+    chunk: int  # local chunk id (0, or 0/1 for dualpipev); for SEND/RECV: the chunk it serves
+    mb: int
+    b_chunk: int = -1  # FB only: the chunk and micro-batch of the backward half
+    b_mb: int = -1
+    peer: int = -1  # SEND/RECV only
+
+    def __str__(self):
+        if self.kind == "FB":
+            return f"F{self.chunk}.{self.mb}+BW{self.b_chunk}.{self.b_mb}"
+        if self.kind.startswith(("SEND", "RECV")):
+            arrow = "->" if self.kind.startswith("SEND") else "<-"
+            return f"{self.kind}{self.chunk}.{self.mb}{arrow}r{self.peer}"
+        return f"{self.kind}{self.chunk}.{self.mb}"
+
+
+def schedule_1f1b(pp: int, M: int) -> list[list[Op]]:
+    """PipeDream-flush 1F1B: p - r - 1 warm-up forwards, then one forward / one full backward,
+    then the cool-down backwards. Bubble (p - 1)(F + B + W) per rank."""
+    out = []
+    for r in range(pp):
+        warm = min(pp - r - 1, M)
+        ops = [Op("F", 0, i) for i in range(warm)]
+        f, b = warm, 0
+        while f < M:
+            ops += [Op("F", 0, f), Op("BW", 0, b)]
+            f, b = f + 1, b + 1
+        ops += [Op("BW", 0, i) for i in range(b, M)]
+        out.append(with_comm(ops, r, pp, "1f1b"))
+    return out
+
+
+def schedule_dualpipev(pp: int, M: int) -> list[list[Op]]:
+    """DualPipeV (DeepSeek's DualPipe cut in half into a V), in its eight steps per rank r:
+      1  2(p-r-1) x F0                    fill the V's left arm
+      2  (r+1)   x F0 F1                  reach the turn
+      3  (p-r-1) x B1(zb) W F1            zero bubble: the W fills the wait for the next F1
+      4  M-2p+r+1 x FB(F0,B1) FB(F1,B0)   steady state: forward of one micro-batch overlapped with
+                                          the backward of another (the last rank's first pair is
+                                          not overlapped: it would lengthen the critical path)
+      5  (p-r-1) x BW1 FB(F1,B0)
+      6  (r+1)   x B1 B0                  the second half of these defer W (zero bubble)
+      7  (p-r-1) x W B0(zb)
+      8  (r+1)   x W                      drain the deferred weight gradients (FIFO)
+    B(zb) is an input-only backward whose W comes later; BW is a full backward.
+    Bubble (p - 1)(F&B + (B + W) - 3W), the most any rank idles (see the module docstring)."""
+    if M < 2 * pp:
+        raise ValueError(f"dualpipev needs at least 2 * pp = {2 * pp} micro-batches, got {M}")
+    out = []
+    for r in range(pp):
+        ops, nf, nb, wq = [], [0, 0], [0, 0], []
+
+        def F(c):
+            ops.append(Op("F", c, nf[c]))
+            nf[c] += 1
+
+        def B(c, zb):
+            if zb:
+                ops.append(Op("B", c, nb[c]))
+                wq.append((c, nb[c]))
+            else:
+                ops.append(Op("BW", c, nb[c]))
+            nb[c] += 1
+
+        def W():
+            c, i = wq.pop(0)
+            ops.append(Op("W", c, i))
+
+        def FB(cf, cb):
+            ops.append(Op("FB", cf, nf[cf], cb, nb[cb]))
+            nf[cf] += 1
+            nb[cb] += 1
+
+        for _ in range(2 * (pp - r - 1)):
+            F(0)
+        for _ in range(r + 1):
+            F(0)
+            F(1)
+        for _ in range(pp - r - 1):
+            B(1, zb=True)
+            W()
+            F(1)
+        for i in range(M - 2 * pp + r + 1):
+            if i == 0 and r == pp - 1:
+                F(0)
+                B(1, zb=False)
+            else:
+                FB(0, 1)
+            FB(1, 0)
+        for _ in range(pp - r - 1):
+            B(1, zb=False)
+            FB(1, 0)
+        zb = False
+        for i in range(r + 1):
+            if i == (r + 1) // 2 and r % 2 == 1:
+                zb = True
+            B(1, zb)
+            if i == (r + 1) // 2 and r % 2 == 0:
+                zb = True
+            B(0, zb)
+        for _ in range(pp - r - 1):
+            W()
+            B(0, zb=True)
+        for _ in range(r + 1):
+            W()
+        assert not wq and nf == [M, M] and nb == [M, M], (r, wq, nf, nb)
+        out.append(with_comm(ops, r, pp, "dualpipev"))
+    return out
+
+
+def with_comm(ops: list[Op], rank: int, pp: int, schedule: str) -> list[Op]:
+    """Insert the receives each compute op needs (just before it) and the sends it produces (just
+    after). A hop between two chunks of the same rank (the turn of the V) needs neither."""
+    stages = rank_stages(rank, pp, schedule)
+    V = num_virtual_stages(pp, schedule)
+    out = []
+
+    def recv_f(c, mb):
+        v = stages[c]
+        if v > 0 and stage_rank(v - 1, pp, schedule) != rank:
+            out.append(Op("RECV_F", c, mb, peer=stage_rank(v - 1, pp, schedule)))
+
+    def send_f(c, mb):
+        v = stages[c]
+        if v < V - 1 and stage_rank(v + 1, pp, schedule) != rank:
+            out.append(Op("SEND_F", c, mb, peer=stage_rank(v + 1, pp, schedule)))
+
+    def recv_b(c, mb):
+        v = stages[c]
+        if v < V - 1 and stage_rank(v + 1, pp, schedule) != rank:
+            out.append(Op("RECV_B", c, mb, peer=stage_rank(v + 1, pp, schedule)))
+
+    def send_b(c, mb):
+        v = stages[c]
+        if v > 0 and stage_rank(v - 1, pp, schedule) != rank:
+            out.append(Op("SEND_B", c, mb, peer=stage_rank(v - 1, pp, schedule)))
+
+    for op in ops:
+        if op.kind == "F":
+            recv_f(op.chunk, op.mb)
+            out.append(op)
+            send_f(op.chunk, op.mb)
+        elif op.kind in ("B", "BW"):
+            recv_b(op.chunk, op.mb)
+            out.append(op)
+            send_b(op.chunk, op.mb)
+        elif op.kind == "FB":
+            recv_f(op.chunk, op.mb)
+            recv_b(op.b_chunk, op.b_mb)
+            out.append(op)
+            send_f(op.chunk, op.mb)
+            send_b(op.b_chunk, op.b_mb)
+        else:
+            out.append(op)
+    return out
+
+
+def build_schedule(schedule: str, pp: int, M: int) -> list[list[Op]]:
+    if schedule == "1f1b":
+        return schedule_1f1b(pp, M)
+    if schedule == "dualpipev":
+        return schedule_dualpipev(pp, M)
+    raise ValueError(f"unknown pipeline schedule {schedule!r} (1f1b, dualpipev)")
+
+
+def format_schedule(sched: list[list[Op]], comm: bool = False) -> str:
+    """One line per rank; compute ops only unless `comm`."""
+    lines = []
+    for r, ops in enumerate(sched):
+        shown = [str(o) for o in ops if comm or not o.kind.startswith(("SEND", "RECV"))]
+        lines.append(f"rank {r}: " + " ".join(shown))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Simulation: unit costs, zero-time communication
+
+
+def simulate(sched: list[list[Op]], schedule: str, F=1.0, B=1.0, W=1.0, FB=None):
+    """Replay the compute ops with costs F, B, W per chunk (BW = B + W; FB = F + B + W unless
+    given). Returns (makespan, per-rank busy time, per-rank op timeline [(op, start, end)]).
+    Raises if the lists deadlock (an op waits on one that can never run)."""
+    pp = len(sched)
+    FB = F + B + W if FB is None else FB
+    cost = {"F": F, "B": B, "W": W, "BW": B + W, "FB": FB}
+    V = num_virtual_stages(pp, schedule)
+    f_done, b_done = {}, {}  # (virtual stage, mb) -> end time
+    ops = [[o for o in s if o.kind in cost] for s in sched]
+    pos, clock, busy = [0] * pp, [0.0] * pp, [0.0] * pp
+    timeline = [[] for _ in range(pp)]
+
+    def ready(r, op):
+        st = rank_stages(r, pp, schedule)
+        deps = []
+        if op.kind in ("F", "FB"):
+            v = st[op.chunk]
+            deps.append(f_done.get((v - 1, op.mb)) if v > 0 else 0.0)
+        if op.kind in ("B", "BW", "FB"):
+            c, mb = (op.b_chunk, op.b_mb) if op.kind == "FB" else (op.chunk, op.mb)
+            v = st[c]
+            deps.append(b_done.get((v + 1, mb)) if v < V - 1 else f_done.get((v, mb)))
+        return None if any(d is None for d in deps) else max(deps, default=0.0)
+
+    while any(pos[r] < len(ops[r]) for r in range(pp)):
+        progress = False
+        for r in range(pp):
+            while pos[r] < len(ops[r]):
+                op = ops[r][pos[r]]
+                t = ready(r, op)
+                if t is None:
+                    break
+                start = max(clock[r], t)
+                end = start + cost[op.kind]
+                st = rank_stages(r, pp, schedule)
+                if op.kind in ("F", "FB"):
+                    f_done[(st[op.chunk], op.mb)] = end
+                if op.kind in ("B", "BW"):
+                    b_done[(st[op.chunk], op.mb)] = end
+                if op.kind == "FB":
+                    b_done[(st[op.b_chunk], op.b_mb)] = end
+                clock[r], busy[r] = end, busy[r] + cost[op.kind]
+                timeline[r].append((op, start, end))
+                pos[r] += 1
+                progress = True
+        if not progress:
+            stuck = {r: str(ops[r][pos[r]]) for r in range(pp) if pos[r] < len(ops[r])}
+            raise RuntimeError(f"schedule deadlocks; ranks wait at {stuck}")
+    return max(clock), busy, timeline
+
+
+def bubble_formula(schedule: str, pp: int, F=1.0, B=1.0, W=1.0, FB=None) -> float:
+    """The idle time the schedule should reach (module docstring): F, B, W per stage for 1F1B,
+    per chunk for DualPipeV."""
+    if schedule == "1f1b":
+        return (pp - 1) * (F + B + W)
+    FB = F + B + W if FB is None else FB
+    return (pp - 1) * (FB + (B + W) - 3 * W)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model: measured per-phase costs + link bandwidths -> step time and tokens/s
+
+
+@dataclass
+class Layout:
+    """What the cost model needs to know about a run (defaults: the paper configuration,
+    DeepSeek-V2-Lite on 8 GPUs, pp=4 x fsdp=2 x ep=2, sequence 2048, global batch 1024)."""
+    family: str = "deepseek_v2"
+    pp: int = 4
+    dp: int = 1
+    fsdp: int = 2
+    ep: int = 2
+    seq_len: int = 2048
+    micro_batch: int = 4
+    global_batch: int = 1024
+    gpus_per_node: int = 8
+    nvlink_gbs: float = 450.0  # GB/s one way per GPU (H200 NVLink 4: 900 GB/s both ways)
+    ib_gbs: float = 50.0  # GB/s per GPU (one 400 Gb/s NDR HCA per GPU)
+    efficiency: float = 0.7  # fraction of link bandwidth a collective of this size reaches
+    latency_us: float = 20.0  # per collective
+    schedule: str = "dualpipev"
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.fsdp
+
+    @property
+    def grad_accum(self) -> int:
+        return self.global_batch // (self.micro_batch * self.dp * self.fsdp)
+
+
+def _link(layout: Layout, span: int) -> float:
+    """Bytes/s of a collective over `span` consecutive ranks (row-major layout: within a node
+    when it fits in one)."""
+    gbs = layout.nvlink_gbs if span <= layout.gpus_per_node else layout.ib_gbs
+    return gbs * 1e9 * layout.efficiency
+
+
+def remote_rows_per_token(E: int, k: int, ep: int) -> float:
+    """Deduplicated rows a token sends to other ep ranks, routing uniform over E experts: each
+    other rank receives one row when it holds at least one of the token's k experts."""
+    if ep == 1:
+        return 0.0
+    miss = math.comb(E - E // ep, k) / math.comb(E, k)
+    return (ep - 1) * (1 - miss)
+
+
+def chunk_costs(costs: dict, layout: Layout, ep_span: int | None = None) -> dict:
+    """F, B, W of one chunk (a rank's half: num_layers / (2 pp) layers) and the compute and
+    communication parts of its F and of its full backward, in seconds. `costs` is one family's
+    entry of the phase-cost file: per phase kind ("moe": attn/route/dispatch/experts/combine/
+    residual; "dense": attn/mlp) {"F": s, "BW": s} measured at `tokens`, scaled linearly to this
+    micro-batch's tokens; the all-to-all is added as transfer time (dispatch rows: D + top_k
+    values in float32, as the dispatcher sends them; combine rows: D in bf16), the input-gradient
+    part of a backward is taken as half of it (the weight-gradient W the other half)."""
+    T = layout.micro_batch * layout.seq_len
+    scale = T / costs["tokens"]
+    m = costs["model"]
+    n_layers, n_dense = m["num_layers"], m["dense_layers"]
+    per_chunk = n_layers / (2 * layout.pp if layout.schedule == "dualpipev" else layout.pp)
+    dense_frac = n_dense / n_layers
+    span = ep_span if ep_span is not None else layout.ep
+    rows = T * remote_rows_per_token(m["num_experts"], m["top_k"], layout.ep)
+    a2a = (rows * (m["hidden_size"] + m["top_k"]) * 4 + rows * m["hidden_size"] * 2) / _link(layout, span) \
+        + 2 * layout.latency_us * 1e-6
+    # FSDP: each layer's dense share is gathered before its forward and its backward and
+    # reduce-scattered after W (fp32), over the stage's fsdp ranks; prefetched under compute.
+    fsdp_bytes = 4 * m["dense_params_per_layer"] * (layout.fsdp - 1) / layout.fsdp
+    fsdp = 3 * fsdp_bytes / _link(layout, layout.dp * layout.fsdp)
+
+    def kind_costs(kind):
+        ph = costs["phases"][kind]
+        comp_f = sum(v["F"] for name, v in ph.items() if name not in ("dispatch", "combine")) * scale
+        local_f = sum(v["F"] for name, v in ph.items() if name in ("dispatch", "combine")) * scale
+        comp_bw = sum(v["BW"] for name, v in ph.items()) * scale
+        return comp_f + local_f, comp_bw, a2a if kind == "moe" else 0.0
+
+    moe = kind_costs("moe")
+    dense = kind_costs("dense") if n_dense else (0.0, 0.0, 0.0)
+    mix = [(1 - dense_frac) * a + dense_frac * b for a, b in zip(moe, dense)]
+    comp_f, comp_bw, comm = (per_chunk * v for v in mix)
+    comm_f = comm  # the all-to-alls of the forward; the backward runs the same two in reverse
+    exposed = max(0.0, per_chunk * fsdp - (comp_f + comp_bw))  # what prefetch cannot hide
+    return {"F": comp_f + comm_f, "B": comp_bw / 2 + comm_f, "W": comp_bw / 2 + exposed,
+            "compute_F": comp_f, "compute_BW": comp_bw, "comm_F": comm_f, "comm_BW": comm_f,
+            "fsdp_exposed": exposed}
+
+
+def predict(costs: dict, layout: Layout, ep_span: int | None = None) -> dict:
+    """Step time and tokens/s with the overlap on and off. Left out (why the prediction is an
+    estimate, README "Pipeline"): the optimizer step, the pipeline's point-to-point transfers
+    (activations of one micro-batch: ~T x D x 4 bytes per hop, small next to a chunk), kernel
+    contention between the two streams (on: communication is taken as fully hidden under the
+    other micro-batch's compute when it is shorter), routing imbalance (uniform routing assumed),
+    and the first-layer/last-layer chunks' embedding and head."""
+    c = chunk_costs(costs, layout, ep_span)
+    sched = build_schedule(layout.schedule, layout.pp, layout.grad_accum)
+    out = {"layout": layout.__dict__, "chunk": c}
+    for name, overlap in (("overlap_on", True), ("overlap_off", False)):
+        comp = c["compute_F"] + c["compute_BW"]
+        comm = c["comm_F"] + c["comm_BW"]
+        # an F&B pair: its communication under its compute (two streams), or after it
+        fb = (max(comp, comm) if overlap else comp + comm) + c["fsdp_exposed"]
+        makespan, _, _ = simulate(sched, layout.schedule, c["F"], c["B"], c["W"], fb)
+        tokens = layout.global_batch * layout.seq_len
+        out[name] = {"step_s": makespan, "tokens_per_s": tokens / makespan,
+                     "tokens_per_s_per_gpu": tokens / makespan / layout.world}
+    return out
+
+
+def _simulate_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pithtrain.distributed.schedule simulate",
+                                 description="Predict step time and tokens/s from measured per-phase costs.")
+    ap.add_argument("--costs", required=True, help="per-phase cost JSON (tests/test_overlap.py's GPU test)")
+    for f in Layout.__dataclass_fields__.values():
+        ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+    ap.add_argument("--ep-span", type=int, default=None,
+                    help="ranks the all-to-all spans (default ep); > gpus-per-node puts it on IB")
+    ap.add_argument("--json", action="store_true", help="print the whole prediction as JSON")
+    args = vars(ap.parse_args(argv))
+    data = json.loads(open(args.pop("costs")).read())
+    ep_span, as_json = args.pop("ep_span"), args.pop("json")
+    layout = Layout(**args)
+    if layout.family not in data["families"]:
+        print(f"error: {layout.family!r} not in the cost file (has {sorted(data['families'])})", file=sys.stderr)
+        return 2
+    res = predict(data["families"][layout.family], layout, ep_span)
+    if as_json:
+        print(json.dumps(res, indent=1))
+        return 0
+    print(f"{layout.family}: pp={layout.pp} x dp={layout.dp} x fsdp={layout.fsdp} x ep={layout.ep} on "
+          f"{layout.world} GPUs, seq {layout.seq_len}, global batch {layout.global_batch} "
+          f"({layout.grad_accum} micro-batches of {layout.micro_batch}); costs from {data.get('device')} "
+          f"at {data.get('commit')} ({data.get('date')})")
+    for name in ("overlap_on", "overlap_off"):
+        r = res[name]
+        print(f"  {name:<12} step {r['step_s']:.2f} s   {r['tokens_per_s']:,.0f} tokens/s   "
+              f"{r['tokens_per_s_per_gpu']:,.0f} per GPU")
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["simulate"]:
+        sys.exit(_simulate_main(sys.argv[2:]))
+    name, pp_, m_ = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    s_ = build_schedule(name, pp_, m_)
+    print(format_schedule(s_, comm="--comm" in sys.argv))
+    mk_, busy_, _ = simulate(s_, name)
+    print(f"F = B = W = 1: makespan {mk_:g}, idle per rank {[round(mk_ - b, 3) for b in busy_]}, "
+          f"formula {bubble_formula(name, pp_):g}")
