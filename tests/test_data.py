@@ -111,14 +111,20 @@ def test_bad_shard_directory_is_a_config_error_naming_the_file(tmp_path, break_i
 def test_too_few_shard_tokens_names_the_directory(tmp_path):
     d = write_shards(tmp_path / "s", [np.arange(50), np.arange(30)])
     cfg = load_config(None, ["data.source=shards", f"data.path={d}", "train.seq_len=64"])
-    with pytest.raises(ConfigError, match=rf"data.path '{d}': only 80 tokens, too few for train.seq_len 64"):
-        build_batches(cfg.data, 64, 4, 0)
+    with pytest.raises(ConfigError, match=rf"data.path '{d}': only 80 tokens, too few for train.seq_len 64 "
+                                          r"\(one window each for training and validation needs >= 131\)"):
+        build_batches(cfg.data, 64, 4, 0, hold_out=True)  # evaluation on: 1% held out
+    build_batches(cfg.data, 64, 4, 0)  # evaluation off: nothing held out, one window of 65 fits
+    with pytest.raises(ConfigError, match=r"only 60 tokens, too few for train.seq_len 64 \(one window each "
+                                          r"for training needs >= 66\)"):
+        build_batches(load_config(None, ["data.source=shards", f"data.path={write_shards(tmp_path / 't', [np.arange(60)])}",
+                                         "train.seq_len=64"]).data, 64, 4, 0)
 
 
 def test_data_errors_end_the_run_with_one_line(tmp_path, capsys, tiny_overrides):
     from pithtrain.train import main
 
-    d = write_shards(tmp_path / "s", [np.arange(100)])
+    d = write_shards(tmp_path / "s", [np.arange(60)])
     assert main([*tiny_overrides, "data.source=shards", f"data.path={d}"]) == 2
     err = capsys.readouterr().err
     assert "error: data.path" in err and "too few for train.seq_len 64" in err and "Traceback" not in err
