@@ -359,8 +359,8 @@ def _cross_checks(cfg: Config, fail):
             fail(f"data.{key}", str(e))
         want = tokenizer_fingerprint(hub_tok) if hub_tok.is_file() else meta["path"].get("tokenizer_sha256")
         if want and meta[key].get("tokenizer_sha256") != want:
-            fail(f"data.{key}", f"{getattr(cfg.data, key)!r} was tokenized with {meta[key].get('tokenizer')!r}, "
-                                f"not with {hub_tok if hub_tok.is_file() else meta['path'].get('tokenizer')!r} "
+            fail(f"data.{key}", f"{getattr(cfg.data, key)!r} was tokenized with {meta[key].get('tokenizer')}, "
+                                f"not with {hub_tok if hub_tok.is_file() else meta['path'].get('tokenizer')} "
                                 "(meta.json tokenizer_sha256 differs); re-run `invoke prepare-data` with that tokenizer")
     if cfg.data.document_mask and cfg.data.source == "shards" and meta["path"].get("eos_id") is None:
         fail("data.document_mask", f"{cfg.data.path!r} has no document separator (meta.json eos_id); "
