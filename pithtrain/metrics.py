@@ -1,10 +1,15 @@
-"""Model FLOPs, MFU, parameter counts and the step log (one human line + one JSON line per report)."""
+"""Model FLOPs, MFU, parameter counts, the step log (one human line + one JSON line per report, plus
+TensorBoard / W&B) and the run's curves as one PNG:
+
+    python -m pithtrain.metrics RUN_DIR          # RUN_DIR/metrics.png (`invoke plot RUN_DIR`)
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -225,3 +230,56 @@ def check_finite(step: int, **values: float):
     if bad:
         raise FloatingPointError(f"step {step}: {bad}; stopped before the update (the weights and "
                                  "the last checkpoint are finite); lower train.lr, or check the data")
+
+
+# ---------------------------------------------------------------------------------------------
+# The run's curves as one picture (`invoke plot RUN_DIR`)
+
+PANELS = (("loss", "training loss"), ("val_loss", "validation loss"), ("tokens_per_s", "tokens / s"),
+          ("imbalance", "expert load: max / mean tokens per expert"))
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None):
+    """Draw <run_dir>/metrics.jsonl as one PNG (default <run_dir>/metrics.png) with the PANELS, each
+    against the step; a metric never logged (no evaluation) gets an empty panel saying so.
+    Returns the (closed) matplotlib Figure."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only; no display needed
+    import matplotlib.pyplot as plt
+
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics log (is {run_dir} a run directory?)")
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, (key, title) in zip(axes.flat, PANELS):
+        pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None]
+        ax.plot([s for s, _ in pts], [v for _, v in pts], marker=".", label=key)
+        ax.set(title=title, xlabel="step")
+        if not pts:
+            ax.text(0.5, 0.5, f"no {key} in the log", ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle(str(run_dir))
+    fig.tight_layout()
+    fig.savefig(out or Path(run_dir) / "metrics.png", dpi=100)
+    plt.close(fig)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m pithtrain.metrics RUN_DIR [--out PNG]: the run's curves as one PNG."""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m pithtrain.metrics", description=main.__doc__)
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="PNG to write (default: RUN_DIR/metrics.png)")
+    args = p.parse_args(argv)
+    try:
+        plot_run(args.run_dir, args.out)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"plot: wrote {args.out or Path(args.run_dir) / 'metrics.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
