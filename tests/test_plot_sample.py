@@ -27,7 +27,7 @@ def test_plot_draws_the_logged_arrays(run_dir, tmp_path):
     out = tmp_path / "curves.png"
     fig = plot_run(run_dir, out)
     data = out.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000  # four drawn panels, not a blank image
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000  # four drawn panels (empty ones: ~46 KB)
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [ax.get_title() for ax in fig.axes] == [t for _, t in PANELS]
     for ax, (key, _) in zip(fig.axes, PANELS):
@@ -39,7 +39,7 @@ def test_plot_draws_the_logged_arrays(run_dir, tmp_path):
 
 def test_plot_command_writes_the_png(run_dir):
     from pithtrain.metrics import main
-    assert main([str(run_dir)]) == 0 and (run_dir / "metrics.png").stat().st_size > 20_000
+    assert main([str(run_dir)]) == 0 and (run_dir / "metrics.png").stat().st_size > 50_000
     assert main([str(run_dir / "nothing")]) == 2
 
 
