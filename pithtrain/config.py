@@ -336,6 +336,8 @@ def _cross_checks(cfg: Config, fail):
 
     model = cfg.model  # with train.init_from, the checkpoint's (config_from_dict)
     field = ("train.init_from's config.json {}" if cfg.train.init_from else "model.{}").format
+    if cfg.data.source == "stdlib" and model.vocab_size < DATA_VOCAB_SIZE:
+        fail(field("vocab_size"), f"the byte-level stdlib data needs >= {DATA_VOCAB_SIZE}, got {model.vocab_size}")
     par = cfg.parallel
     if cfg.data.document_mask and (par.cp > 1 or par.pp > 1):
         fail("data.document_mask", f"not supported with {'parallel.cp > 1' if par.cp > 1 else 'parallel.pp > 1'} "
