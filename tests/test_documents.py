@@ -35,6 +35,21 @@ def test_document_ids_and_positions():
     assert document_positions(docs).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 0], [0, 0, 1, 2, 3, 4, 5, 6, 7]]
 
 
+def test_separator_loss_mask_and_unsupported_layouts(tiny_overrides):
+    from pithtrain.config import ConfigError, load_config
+    from pithtrain.data import TokenBatches
+
+    tokens = np.tile(np.array([5, 6, 7, 9, 8, 9], dtype=np.uint16), 100)
+    plain = TokenBatches(tokens, 16, 4, 0, eos=9)
+    masked = TokenBatches(tokens, 16, 4, 0, eos=9, mask_separator=True)
+    (x, y), (xm, ym) = plain.batch(3), masked.batch(3)
+    assert torch.equal(x, xm) and torch.equal(ym[x != 9], y[x != 9])  # only the label after a separator
+    assert (ym[x == 9] == -100).all() and (x == 9).any()
+    for layout in ("parallel.cp=2", "parallel.pp=2"):
+        with pytest.raises(ConfigError, match=rf"data.document_mask: not supported with {layout.split('=')[0]} > 1"):
+            load_config(None, tiny_overrides + ["data.document_mask=true", layout])
+
+
 @pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
 def test_document_mask_equals_each_document_alone(family):
     torch.manual_seed(0)

@@ -4,6 +4,7 @@ import json
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -62,6 +63,12 @@ def test_hold_out_only_when_evaluating(tiny_overrides, tmp_path):
     held = torch.from_numpy(on.tokens[on.n_train:].astype("int64"))
     for row in starts_on_val:  # every validation window lies in the held-out tail
         assert any(torch.equal(held[s:s + 64], row) for s in range(len(held) - 64))
+    train_dir = write_shards(tmp_path / "t", [np.arange(5000) % 200])
+    val_dir = write_shards(tmp_path / "val", [np.full(300, 7)])
+    shard_cfg = load_config(None, tiny_overrides + ["data.source=shards", f"data.path={train_dir}",
+                                                    "train.eval_every=10", f"data.val_path={val_dir}"])
+    own = build_batches(shard_cfg.data, 64, 4, 0, hold_out=True)
+    assert own.n_train == 5000 and (own.val_batch(1)[0] == 7).all()  # data.val_path: nothing held out
     with pytest.raises(ConfigError, match="data.val_path: is read only by evaluation on shards"):
         load_config(None, tiny_overrides + [f"data.val_path={write_shards(tmp_path / 'v', [range(300)])}"])
 
