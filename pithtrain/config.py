@@ -359,7 +359,11 @@ def _cross_checks(cfg: Config, fail):
             meta[key] = read_meta(getattr(cfg.data, key))
         except ConfigError as e:
             fail(f"data.{key}", str(e))
-        want = tokenizer_fingerprint(hub_tok) if hub_tok.is_file() else meta["path"].get("tokenizer_sha256")
+        try:
+            want = tokenizer_fingerprint(hub_tok) if hub_tok.is_file() else meta["path"].get("tokenizer_sha256")
+        except ImportError:
+            fail("train.init_from", "checking its tokenizer.json against the shards needs the tokenizers "
+                                    "package (pip install -e '.[data]')")
         if want and meta[key].get("tokenizer_sha256") != want:
             fail(f"data.{key}", f"{getattr(cfg.data, key)!r} was tokenized with {meta[key].get('tokenizer')}, "
                                 f"not with {hub_tok if hub_tok.is_file() else meta['path'].get('tokenizer')} "

@@ -6,6 +6,7 @@ TensorBoard / W&B) and the run's curves as one PNG:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -158,6 +159,13 @@ class StepLog:
         os.replace(tmp, self.path)
         print(f"pithtrain: {len(drop)} metrics record(s) after step {start_step} moved to "
               "metrics.abandoned.jsonl (this run starts there)", flush=True)
+
+    @contextlib.contextmanager
+    def excluded(self):
+        """Time spent inside is left out of the next tick's interval (the ETA still counts it)."""
+        t0 = time.perf_counter()
+        yield
+        self.t_last += time.perf_counter() - t0
 
     def tick(self) -> float:
         now = time.perf_counter()

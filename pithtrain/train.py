@@ -213,7 +213,8 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
             rec = {"step": step + 1, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm}
             first.done()
             if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
-                rec["val_loss"] = evaluate(model, batches, cfg, dims, device, autocast)
+                with log.excluded():  # evaluation time is not training throughput (tokens/s)
+                    rec["val_loss"] = evaluate(model, batches, cfg, dims, device, autocast)
             history.append(rec)
             tokens_since += n_tokens
             if (step + 1) % cfg.log.every == 0 or step + 1 == t.steps or "val_loss" in rec:
