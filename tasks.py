@@ -439,17 +439,35 @@ def shell(c, gpu="", network=False, dry_run=False):
 # Data, checkpoints, information
 
 
-@task(help={"inputs": "comma-separated .txt / .jsonl files",
-            "tokenizer": "directory holding a Hugging Face tokenizer.json",
-            "out": "output directory for the token shards",
-            "text_key": "JSON field holding the text in .jsonl files",
+@task(help={"inputs": "comma-separated .txt / .jsonl / .parquet / .arrow files, `datasets` directories "
+                      "(save_to_disk) or a hub dataset id",
+            "tokenizer": "directory holding tokenizer.json, the file, or a hub id",
+            "out": "output directory for the shards, meta.json and tokenizer.json",
+            "text_key": "the text field of the records", "split": "dataset split (directories, hub ids)",
+            "num_proc": "tokenizer processes (default: every core)",
             "gpu": H_GPU, "runtime": H_RUNTIME, "dry_run": H_DRY})
-def prepare_data(c, inputs, tokenizer, out, text_key="text", gpu="", runtime="", dry_run=False):
-    """Tokenize text files into memory-mapped shards (data.source: shards, data.path: OUT)."""
+def prepare_data(c, inputs, tokenizer, out, text_key="text", split="train", num_proc=0, gpu="", runtime="",
+                 dry_run=False):
+    """Tokenize documents into memory-mapped shards (data.source: shards, data.path: OUT)."""
     gpu_ = _gpu(gpu)
     _emit(c, _python(_runtime(runtime, gpu_, dry_run), gpu_,
                      ["-m", "pithtrain.data", "--inputs", inputs, "--tokenizer", tokenizer, "--out", out,
-                      "--text-key", text_key]), dry_run)
+                      "--text-key", text_key, "--split", split]
+                     + (["--num-proc", str(num_proc)] if num_proc else [])), dry_run)
+
+
+@task(help={"run_dir": "a run directory (log.run_dir)", "out": "PNG to write (default: RUN_DIR/metrics.png)"})
+def plot(c, run_dir, out=""):
+    """Loss, validation loss, tokens/s and expert load of a run as one PNG."""
+    _py(c, shlex.join(["-m", "pithtrain.metrics", run_dir] + (["--out", out] if out else [])))
+
+
+@task(help={"ckpt": "run dir, checkpoints dir or step_N dir", "prompt": "text to continue",
+            "tokens": "new tokens to draw", "temperature": "0: greedy (deterministic)"})
+def sample(c, ckpt, prompt="", tokens=200, temperature=0.8):
+    """Sample text from a checkpoint with the run's tokenizer."""
+    _py(c, shlex.join(["-m", "pithtrain.sample", "--ckpt", ckpt, "--prompt", prompt, "--tokens", str(tokens),
+                       "--temperature", str(temperature)]))
 
 
 @task(help={"ckpt": "checkpoint directory written by training",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import types
 import typing
@@ -73,9 +74,11 @@ class TrainConfig:
     fp8: bool = False
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # FSDP's gradient reduce-scatter (parallelize.py)
     init_from: str | None = None  # a Hugging Face checkpoint directory to start from
+    eval_every: int = 0  # steps between validation-loss evaluations (val_loss in the log); 0: none
+    eval_batches: int = 4  # global batches per evaluation
 
     def validate(self, err):
-        for k in ("steps", "micro_batch_size", "seq_len", "grad_accum"):
+        for k in ("steps", "micro_batch_size", "seq_len", "grad_accum", "eval_batches"):
             if getattr(self, k) < 1:
                 err(k, f"must be >= 1, got {getattr(self, k)}")
         # Written so that nan fails too (every comparison with nan is false); inf is no setting either.
@@ -84,6 +87,8 @@ class TrainConfig:
                 err(k, f"must be a finite number > 0, got {getattr(self, k)}")
         if not 0 <= self.min_lr_ratio <= 1:
             err("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        if self.eval_every < 0:
+            err("eval_every", f"must be >= 0 (0: no evaluation), got {self.eval_every}")
         if self.warmup_steps < 0:
             err("warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.weight_decay < math.inf:
@@ -102,8 +107,14 @@ class DataConfig:
     source: Literal["stdlib", "shards"] = "stdlib"
     path: str | None = None  # shards: a directory written by `invoke prepare-data`
     max_bytes: int = 4_000_000  # stdlib: how much of the interpreter's own source to read
+    val_path: str | None = None  # shards for validation (train.eval_every); None: hold out 1% of path's
+    document_mask: bool = False  # attention stays inside each document; positions restart per document
+    mask_separator_loss: bool = False  # no loss on predicting a document's first token from its separator
 
     def validate(self, err):
+        if self.val_path is not None and not (Path(self.val_path) / "meta.json").is_file():
+            err("val_path", f"{self.val_path!r} is not a token-shard directory (no meta.json); "
+                            "create one with `invoke prepare-data`")
         if self.source == "shards":
             if self.path is None:
                 err("path", "data.source is 'shards' but no data.path is given")
@@ -177,10 +188,16 @@ class LogConfig:
     every: int = 10
     run_dir: str = "runs/default"
     peak_tflops: float = 0.0  # 0: look up the GPU in metrics.PEAK_TFLOPS; CPU has none
+    tensorboard: bool = True  # event files in <run_dir>/tensorboard (`tensorboard --logdir <run_dir>`)
+    wandb: str | None = None  # a Weights & Biases project to log to (needs the wandb package)
 
     def validate(self, err):
         if self.every < 1:
             err("every", f"must be >= 1, got {self.every}")
+        for key, pkg in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+            if getattr(self, key) and importlib.util.find_spec(pkg) is None:
+                err(key, f"needs the {pkg} package (pip install {pkg}), or set log.{key}="
+                         f"{'false' if key == 'tensorboard' else 'null'}")
 
 
 @dataclass
@@ -370,17 +387,47 @@ def _suggest(key, options) -> str:
 
 
 def _cross_checks(cfg: Config, fail):
-    from pithtrain.data import DATA_VOCAB_SIZE, read_meta
+    from pithtrain.data import DATA_VOCAB_SIZE, read_meta, tokenizer_fingerprint
 
     model = cfg.model  # with train.init_from, the checkpoint's (config_from_dict)
     field = ("train.init_from's config.json {}" if cfg.train.init_from else "model.{}").format
     if cfg.data.source == "stdlib" and model.vocab_size < DATA_VOCAB_SIZE:
         fail(field("vocab_size"), f"the byte-level stdlib data needs >= {DATA_VOCAB_SIZE}, got {model.vocab_size}")
-    if cfg.data.source == "shards":  # here, before any model is built: ids >= vocab_size crash step 1
-        try:
-            vocab = read_meta(cfg.data.path)["vocab_size"]
+    par = cfg.parallel
+    if cfg.data.document_mask and (par.cp > 1 or par.pp > 1):
+        fail("data.document_mask", f"not supported with {'parallel.cp > 1' if par.cp > 1 else 'parallel.pp > 1'} "
+                                   "(set data.document_mask=false or use fsdp / dp / ep)")
+    if cfg.train.eval_every and par.pp > 1:
+        fail("train.eval_every", "evaluation is not supported with parallel.pp > 1 (set train.eval_every=0)")
+    if cfg.data.val_path and (cfg.data.source != "shards" or not cfg.train.eval_every):
+        fail("data.val_path", "is read only by evaluation on shards: set data.source=shards and train.eval_every")
+    hub_tok = Path(cfg.train.init_from or "") / "tokenizer.json"
+    if cfg.train.init_from and cfg.data.source == "stdlib" and hub_tok.is_file():
+        fail("data.source", f"'stdlib' feeds byte ids to train.init_from's model, whose tokenizer is {hub_tok}; "
+                            "tokenize the data with it (`invoke prepare-data --tokenizer "
+                            f"{cfg.train.init_from}`) and set data.source=shards")
+    meta = {}
+    for key in ("path", "val_path") if cfg.data.source == "shards" else ():
+        if getattr(cfg.data, key) is None:
+            continue
+        try:  # here, before any model is built: ids >= vocab_size crash step 1
+            meta[key] = read_meta(getattr(cfg.data, key))
         except ConfigError as e:
-            fail("data.path", str(e))
+            fail(f"data.{key}", str(e))
+        try:
+            want = tokenizer_fingerprint(hub_tok) if hub_tok.is_file() else meta["path"].get("tokenizer_sha256")
+        except ImportError:
+            fail("train.init_from", "checking its tokenizer.json against the shards needs the tokenizers "
+                                    "package (pip install -e '.[data]')")
+        if want and meta[key].get("tokenizer_sha256") != want:
+            fail(f"data.{key}", f"{getattr(cfg.data, key)!r} was tokenized with {meta[key].get('tokenizer')}, "
+                                f"not with {hub_tok if hub_tok.is_file() else meta['path'].get('tokenizer')} "
+                                "(meta.json tokenizer_sha256 differs); re-run `invoke prepare-data` with that tokenizer")
+    if cfg.data.document_mask and cfg.data.source == "shards" and meta["path"].get("eos_id") is None:
+        fail("data.document_mask", f"{cfg.data.path!r} has no document separator (meta.json eos_id); "
+                                   "re-create it with `invoke prepare-data` and a tokenizer that has an EOS token")
+    if cfg.data.source == "shards":
+        vocab = meta["path"]["vocab_size"]
         if model.vocab_size < vocab:
             fail(field("vocab_size"), f"{model.vocab_size} is smaller than the vocabulary of the token shards "
                                       f"in {cfg.data.path!r} ({vocab}, from meta.json); token ids would "

@@ -8,10 +8,11 @@ the step number (the data-loader position saved in checkpoints).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import numpy as np
@@ -128,32 +129,60 @@ class ShardedTokens:
 class TokenBatches:
     """Random windows of seq_len + 1 tokens. `batch(step)` returns the step's global batch
     (inputs, labels), each (global_batch, seq_len) int64; callers slice their micro-batch rows
-    (`rows`). The last 1% of tokens is held out for validation. `source` names the data in errors."""
+    (`rows`). Validation (`val_batch`) reads `val_tokens` when given, else the last 1% of tokens
+    when `hold_out` (evaluation on), else there is none. `source` names the data in errors.
+    eos: the document separator; with mask_separator, the label after each one (the next
+    document's first token, predicted from the previous document) carries no loss."""
 
     def __init__(self, tokens: np.ndarray | ShardedTokens, seq_len: int, global_batch: int, seed: int,
-                 source: str = "the token data"):
-        n_val = max(seq_len + 1, len(tokens) // 100)
-        if len(tokens) - n_val <= seq_len + 1:  # i.e. fewer than 2 * seq_len + 3 tokens
+                 source: str = "the token data", hold_out: bool = True, val_tokens=None,
+                 eos: int | None = None, mask_separator: bool = False):
+        n_val = max(seq_len + 1, len(tokens) // 100) if hold_out and val_tokens is None else 0
+        if len(tokens) - n_val <= seq_len + 1:  # i.e. fewer than 2 * seq_len + 3 tokens with a hold-out
+            need = 2 * seq_len + 3 if n_val else seq_len + 2
             raise ConfigError(f"{source}: only {len(tokens)} tokens, too few for train.seq_len {seq_len} "
-                              f"(one window each for training and validation needs >= {2 * seq_len + 3})")
+                              f"(one window each for training{' and validation' if n_val else ''} needs >= {need})")
+        if val_tokens is not None and len(val_tokens) <= seq_len + 1:
+            raise ConfigError(f"data.val_path: only {len(val_tokens)} tokens, too few for train.seq_len {seq_len}")
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
         self.n_train = len(tokens) - n_val
+        # validation windows start in [val_lo, val_hi - seq_len - 1] of val (read lazily like training's)
+        self.val, self.val_lo = (val_tokens, 0) if val_tokens is not None else (tokens, self.n_train)
+        self.val_hi = len(self.val) if val_tokens is not None or n_val else None
+        self.eos, self.mask_separator = eos, mask_separator
 
-    def _windows(self, starts):
-        rows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
+    def _windows(self, tokens, starts):
+        rows = np.stack([np.asarray(tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
         t = torch.from_numpy(rows)
-        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        if self.mask_separator:
+            y[x == self.eos] = -100
+        return x, y
 
     def batch(self, step: int):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         starts = torch.randint(0, self.n_train - self.seq_len - 1, (self.global_batch,), generator=g)
-        return self._windows(starts.tolist())
+        return self._windows(self.tokens, starts.tolist())
 
     def val_batch(self, i: int = 0):
-        span = len(self.tokens) - self.n_train - self.seq_len - 1
+        """The i-th validation batch: the same windows at every evaluation and on every layout."""
+        if self.val_hi is None:
+            raise RuntimeError("no validation data: build_batches(hold_out=True) holds it out")
         g = torch.Generator().manual_seed(i)
-        starts = self.n_train + torch.randint(0, max(span, 1), (self.global_batch,), generator=g)
-        return self._windows(starts.tolist())
+        starts = self.val_lo + torch.randint(0, self.val_hi - self.val_lo - self.seq_len, (self.global_batch,),
+                                             generator=g)
+        return self._windows(self.val, starts.tolist())
+
+    def documents(self, x_BS: torch.Tensor) -> torch.Tensor:
+        """Document index of each input token (for document masking): see document_ids."""
+        return document_ids(x_BS, self.eos)
+
+
+def document_ids(x_BS: torch.Tensor, eos: int) -> torch.Tensor:
+    """(B, S) index of each token's document in its row: a document ends with its separator `eos`
+    and the next one starts right after it (stdlib data: BOS ... EOS; shards: tokens ... eos)."""
+    sep_BS = (x_BS == eos).long()
+    return torch.cumsum(sep_BS, dim=1) - sep_BS
 
 
 def rows(micro: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> slice:
@@ -162,40 +191,140 @@ def rows(micro: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> slice
     return slice(start, start + micro_batch_size)
 
 
-def build_batches(data_cfg, seq_len: int, global_batch: int, seed: int) -> TokenBatches:
+def build_batches(data_cfg, seq_len: int, global_batch: int, seed: int, hold_out: bool = False) -> TokenBatches:
+    """hold_out: evaluation is on (train.eval_every), so validation data is needed: data.val_path's
+    shards, else the last 1% of the training tokens."""
     if data_cfg.source == "stdlib":
         tokens, source = stdlib_tokens(data_cfg.max_bytes), f"data.max_bytes {data_cfg.max_bytes} (stdlib source)"
+        eos = EOS
     else:
         tokens, source = shard_tokens(data_cfg.path), f"data.path {data_cfg.path!r}"
-    return TokenBatches(tokens, seq_len, global_batch, seed, source)
+        eos = read_meta(data_cfg.path).get("eos_id")
+    val = shard_tokens(data_cfg.val_path) if hold_out and data_cfg.val_path else None
+    return TokenBatches(tokens, seq_len, global_batch, seed, source, hold_out=hold_out, val_tokens=val,
+                        eos=eos, mask_separator=data_cfg.mask_separator_loss)
 
 
 # ---------------------------------------------------------------------------------------------
-# prepare-data: text / JSONL -> uint16/uint32 shards + meta.json
+# prepare-data: documents -> uint16/uint32 shards + meta.json (+ the tokenizer.json used)
+#
+# Documents come from .txt (one per file), .jsonl (one per line), .parquet / .arrow files and
+# directories written by `datasets`' save_to_disk (through the `datasets` library), or a hub
+# dataset id (streamed). Batches of documents are tokenized in a process pool; results come back
+# in input order, so the shards are the same for any --num-proc.
+
+DATASET_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow"}
+
+
+def load_tokenizer(name: str):
+    """A `tokenizers.Tokenizer` from a directory holding tokenizer.json, the file, or a hub id."""
+    from tokenizers import Tokenizer  # the data extra: pip install 'pithtrain[data]'
+
+    p = Path(name)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"{p}: no tokenizer.json in the tokenizer directory")
+    return Tokenizer.from_file(str(p)) if p.is_file() else Tokenizer.from_pretrained(name)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the tokenizer as `tokenizers` serialises it (a Tokenizer, or a tokenizer.json
+    path): the same tokenizer gives the same hash however its file was formatted."""
+    if isinstance(tokenizer, (str, Path)):
+        tokenizer = load_tokenizer(str(tokenizer))
+    return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+
+
+def _iter_source(src: str, text_key: str, split: str):
+    """(number of documents or None, iterator of document texts) of one input."""
+    p = Path(src)
+    if p.is_file() and p.suffix == ".jsonl":
+        with p.open("rb") as f:
+            n = sum(1 for line in f if line.strip())
+        return n, _iter_jsonl(p, text_key)
+    if p.is_file() and p.suffix not in DATASET_SUFFIXES:
+        return 1, iter([p.read_bytes().decode("utf-8", errors="replace")])
+    hub = not p.exists() and not p.suffix and src.count("/") == 1  # an id such as HuggingFaceFW/fineweb
+    if not p.exists() and not hub:
+        raise FileNotFoundError(f"{p}: input file does not exist")
+    import datasets  # the data extra: pip install 'pithtrain[data]'
+
+    datasets.disable_progress_bars()  # ours counts documents
+    if p.is_file():
+        ds = datasets.load_dataset(DATASET_SUFFIXES[p.suffix], data_files=str(p), split="train")
+    elif p.is_dir():
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ValueError(f"{p}: no split {split!r} (splits: {', '.join(ds)}; use --split)")
+            ds = ds[split]
+    else:
+        ds = datasets.load_dataset(src, split=split, streaming=True)
+    cols = ds.column_names
+    if cols is not None and text_key not in cols:
+        raise ValueError(f"{src}: no {text_key!r} column (columns: {', '.join(cols)}; use --text-key)")
+    n = len(ds) if isinstance(ds, datasets.Dataset) else None
+    return n, (rec[text_key] for rec in ds)
+
+
+def _iter_jsonl(p: Path, text_key: str):
+    with p.open("rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{n}: not valid JSON ({e.msg})") from None
+            if text_key not in rec:
+                raise ValueError(f"{p}:{n}: no {text_key!r} field (use --text-key)")
+            yield rec[text_key]
+
+
+_WORKER_TOKENIZER = None
+
+
+def _init_worker(tokenizer_json: str):
+    global _WORKER_TOKENIZER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism; no threads per worker
+    from tokenizers import Tokenizer
+    _WORKER_TOKENIZER = Tokenizer.from_str(tokenizer_json)
+
+
+def _encode(texts: list[str], tokenizer=None) -> list[list[int]]:
+    return [e.ids for e in (tokenizer or _WORKER_TOKENIZER).encode_batch(texts)]
+
+
+def _batched(it, n: int):
+    batch = []
+    for x in it:
+        batch.append(x)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: str = "text",
-                 shard_tokens_max: int = 100_000_000, progress=True) -> dict:
-    """Tokenize .txt (one document per file) or .jsonl (one document per line, field `text_key`)
-    files with a Hugging Face tokenizer from a local directory (its tokenizer.json)."""
-    from tokenizers import Tokenizer  # optional dependency: pip install 'pithtrain[data]'
+                 shard_tokens_max: int = 100_000_000, progress=True, num_proc: int = 1,
+                 split: str = "train", batch_docs: int = 256) -> dict:
+    """Tokenize documents (see above) with a Hugging Face tokenizer (a directory with
+    tokenizer.json, the file, or a hub id), each followed by the tokenizer's EOS token, into shards
+    of about shard_tokens_max tokens. The tokenizer is saved beside them and meta.json records its
+    fingerprint, so training can check it against the model's (train.init_from)."""
+    from tqdm import tqdm
 
-    tok_file = Path(tokenizer_dir) / "tokenizer.json"
-    if not tok_file.is_file():
-        raise FileNotFoundError(f"{tok_file}: no tokenizer.json in the tokenizer directory")
-    tokenizer = Tokenizer.from_file(str(tok_file))
+    tokenizer = load_tokenizer(tokenizer_dir)
     vocab = tokenizer.get_vocab_size()
     dtype = np.uint16 if vocab <= 65535 else np.uint32
-    eos = _special_id(tokenizer, ("</s>", "<|endoftext|>", "<eos>"), fallback=None)
+    eos = _special_id(tokenizer, ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>"), fallback=None)
+    sources = [_iter_source(src, text_key, split) for src in inputs]  # every input checked before work
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [Path(p) for p in inputs]
-    for p in paths:
-        if not p.is_file():
-            raise FileNotFoundError(f"{p}: input file does not exist")
-    total_bytes = sum(p.stat().st_size for p in paths)
-    files, buf, done_bytes, n_docs, t0 = [], [], 0, 0, time.time()
-    buf_tokens = 0  # len of buf's arrays together, kept as they arrive (summing per document is quadratic)
+    tokenizer.save(str(out / "tokenizer.json"))
+    files, buf, buf_tokens, n_docs = [], [], 0, 0  # buf_tokens: len of buf's arrays together
 
     def flush():
         nonlocal buf_tokens
@@ -210,46 +339,38 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
         buf.clear()
         buf_tokens = 0
 
-    for p in paths:
-        docs = _iter_docs(p, text_key)
-        for text, nbytes in docs:
-            ids = tokenizer.encode(text).ids + ([eos] if eos is not None else [])
-            buf.append(np.asarray(ids, dtype=np.int64))
-            buf_tokens += len(ids)
-            n_docs += 1
-            done_bytes += nbytes
-            if buf_tokens >= shard_tokens_max:
-                flush()
-            if progress and n_docs % 200 == 0:
-                _progress(done_bytes, total_bytes, t0)
+    counts = [n for n, _ in sources]
+    docs = (text for _, it in sources for text in it)
+    bar = tqdm(total=None if None in counts else sum(counts), unit="doc", desc="prepare-data",
+               disable=not progress, file=sys.stderr)
+    pool = None
+    if num_proc > 1:
+        import multiprocessing
+        pool = multiprocessing.get_context().Pool(num_proc, _init_worker, (tokenizer.to_str(),))
+        encoded = pool.imap(_encode, _batched(docs, batch_docs))  # in input order
+    else:
+        encoded = (_encode(b, tokenizer) for b in _batched(docs, batch_docs))
+    try:
+        for batch in encoded:
+            for ids in batch:
+                buf.append(np.asarray(ids + ([eos] if eos is not None else []), dtype=np.int64))
+                buf_tokens += len(buf[-1])
+                if buf_tokens >= shard_tokens_max:
+                    flush()
+            n_docs += len(batch)
+            bar.update(len(batch))
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
     flush()
-    if progress:
-        _progress(total_bytes, total_bytes, t0)
-        print(file=sys.stderr)
     if not files:
         raise ValueError("no documents found in the inputs")
     meta = {"dtype": np.dtype(dtype).name, "vocab_size": vocab, "tokenizer": str(tokenizer_dir),
+            "tokenizer_sha256": tokenizer_fingerprint(tokenizer), "eos_id": eos,
             "documents": n_docs, "files": files}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     return meta
-
-
-def _iter_docs(p: Path, text_key: str):
-    if p.suffix == ".jsonl":
-        with p.open("rb") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{p}:{n}: not valid JSON ({e.msg})") from None
-                if text_key not in rec:
-                    raise ValueError(f"{p}:{n}: no {text_key!r} field (use --text-key)")
-                yield rec[text_key], len(line)
-    else:
-        data = p.read_bytes()
-        yield data.decode("utf-8", errors="replace"), len(data)
 
 
 def _special_id(tokenizer, names, fallback):
@@ -260,30 +381,29 @@ def _special_id(tokenizer, names, fallback):
     return fallback
 
 
-def _progress(done, total, t0):
-    frac = done / max(total, 1)
-    bar = "#" * int(30 * frac)
-    rate = done / max(time.time() - t0, 1e-9) / 1e6
-    print(f"\rprepare-data [{bar:<30}] {100 * frac:5.1f}%  {rate:.1f} MB/s", end="", file=sys.stderr)
-
-
 # ---------------------------------------------------------------------------------------------
 # Entry point (`invoke prepare-data` runs this)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m pithtrain.data --inputs a.jsonl,b.txt --tokenizer DIR --out DIR [--text-key text]"""
+    """python -m pithtrain.data --inputs a.jsonl,b.parquet,DIR --tokenizer DIR --out DIR [--num-proc N]"""
     import argparse
     p = argparse.ArgumentParser(prog="python -m pithtrain.data", description="Tokenize text files into "
                                 "token shards (data.source: shards, data.path: OUT).")
-    p.add_argument("--inputs", required=True, help="comma-separated .txt / .jsonl files")
-    p.add_argument("--tokenizer", required=True, help="directory holding a Hugging Face tokenizer.json")
+    p.add_argument("--inputs", required=True, help="comma-separated .txt / .jsonl / .parquet / .arrow files, "
+                   "`datasets` save_to_disk directories, or a hub dataset id (streamed)")
+    p.add_argument("--tokenizer", required=True, help="directory holding tokenizer.json, the file, or a hub id")
     p.add_argument("--out", required=True, help="output directory for the shards and meta.json")
-    p.add_argument("--text-key", default="text", help="the text field of .jsonl records")
+    p.add_argument("--text-key", default="text", help="the text field of the records")
+    p.add_argument("--split", default="train", help="the split of a dataset directory or hub dataset")
+    p.add_argument("--num-proc", type=int, default=os.cpu_count() or 1, help="tokenizer processes")
     args = p.parse_args(argv)
     try:
         prepare_data(args.inputs.split(","), tokenizer_dir=args.tokenizer, out_dir=args.out,
-                     text_key=args.text_key)
+                     text_key=args.text_key, num_proc=args.num_proc, split=args.split)
+    except ImportError as e:
+        print(f"error: {e}; install the data extra: pip install -e '.[data]'", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as e:  # a missing file, a record without the text field
         print(f"\nerror: {e}", file=sys.stderr)
         return 2

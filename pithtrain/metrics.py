@@ -1,10 +1,16 @@
-"""Model FLOPs, MFU, parameter counts and the step log (one human line + one JSON line per report)."""
+"""Model FLOPs, MFU, parameter counts, the step log (one human line + one JSON line per report, plus
+TensorBoard / W&B) and the run's curves as one PNG:
+
+    python -m pithtrain.metrics RUN_DIR          # RUN_DIR/metrics.png (`invoke plot RUN_DIR`)
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -68,20 +74,72 @@ def peak_tflops(device: torch.device, override: float = 0.0) -> float | None:
     return None
 
 
-class StepLog:
-    """Prints `step  loss  lr  grad-norm  tok/s  MFU  mem  imbalance` and appends the record (with
-    the per-layer expert load and routing statistics, reductions.routing_metrics) to
-    <run_dir>/metrics.jsonl. Only rank 0 writes. The file continues from the step the run
-    starts at: records of later steps (a run that went on past its last checkpoint, or one set
-    aside by --no-resume) move to metrics.abandoned.jsonl, so each step appears once."""
+class phase:
+    """A start-up phase's line, `pithtrain: <name>: 1.2s` when it is done (`announce`: also a line
+    when it starts, for phases that can take minutes). Use as `with phase(...)` or call .done()."""
 
-    def __init__(self, run_dir: str | Path, start_step: int = 0, enabled: bool = True):
-        self.enabled = enabled
+    def __init__(self, name: str, enabled: bool = True, announce: bool = False):
+        self.name, self.enabled, self.t0 = name, enabled, time.perf_counter()
+        if enabled and announce:
+            print(f"pithtrain: {name} ...", flush=True)
+
+    def done(self):
+        if self.enabled:
+            print(f"pithtrain: {self.name}: {time.perf_counter() - self.t0:.1f}s", flush=True)
+            self.enabled = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.done()
+
+
+class StepLog:
+    """Prints `step  loss  lr  grad-norm  tok/s  MFU  mem  imbalance  ETA` and appends the same
+    record (with the per-layer expert load and routing statistics, reductions.routing_metrics)
+    to <run_dir>/metrics.jsonl, and to TensorBoard (<run_dir>/tensorboard) and Weights &
+    Biases when the recipe's log section asks. Only rank 0 writes. The file continues from the step
+    the run starts at: records of later steps (a run that went on past its last checkpoint, or one
+    set aside by --no-resume) move to metrics.abandoned.jsonl, so each step appears once; the
+    TensorBoard events are rewritten from what metrics.jsonl keeps, so the same holds for them."""
+
+    def __init__(self, run_dir: str | Path, start_step: int = 0, enabled: bool = True,
+                 total_steps: int | None = None, cfg=None):
+        self.enabled, self.total_steps = enabled, total_steps
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.t_last = time.perf_counter()
+        self.t_last = self.t_eta = time.perf_counter()
+        self.step_eta = start_step
+        self.tb = self.wandb = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._continue_from(start_step)
+            if cfg is not None and cfg.log.tensorboard:
+                self.tb = self._open_tensorboard()
+            if cfg is not None and cfg.log.wandb:
+                self.wandb = self._open_wandb(cfg)
+
+    def _open_tensorboard(self):
+        from torch.utils.tensorboard import SummaryWriter  # log.tensorboard: config checks it is installed
+
+        tb_dir = self.path.parent / "tensorboard"
+        for f in tb_dir.glob("events.out.tfevents.*"):  # derived from metrics.jsonl: rebuilt below
+            f.unlink()
+        writer = SummaryWriter(str(tb_dir))
+        for line in self.path.read_text().splitlines() if self.path.is_file() else ():
+            _add_scalars(writer, json.loads(line))
+        writer.flush()
+        return writer
+
+    def _open_wandb(self, cfg):
+        import wandb  # log.wandb: config checks it is installed
+
+        id_file = self.path.parent / "wandb_id"  # one W&B run per run directory, resumed with it
+        if not id_file.is_file():
+            id_file.write_text(wandb.util.generate_id())
+        return wandb.init(project=cfg.log.wandb, id=id_file.read_text().strip(), resume="allow",
+                          dir=str(self.path.parent), config=cfg.to_dict())
 
     def _continue_from(self, start_step: int):
         if not self.path.is_file():
@@ -103,6 +161,13 @@ class StepLog:
         print(f"pithtrain: {len(drop)} metrics record(s) after step {start_step} moved to "
               "metrics.abandoned.jsonl (this run starts there)", flush=True)
 
+    @contextlib.contextmanager
+    def excluded(self):
+        """Time spent inside is left out of the next tick's interval (the ETA still counts it)."""
+        t0 = time.perf_counter()
+        yield
+        self.t_last += time.perf_counter() - t0
+
     def tick(self) -> float:
         now = time.perf_counter()
         dt, self.t_last = now - self.t_last, now
@@ -113,11 +178,37 @@ class StepLog:
             return
         mfu = f"{100 * rec['mfu']:5.1f}%" if rec.get("mfu") is not None else "   n/a"
         mem = f"{rec['mem_gb']:6.2f}GB" if rec.get("mem_gb") is not None else "     -"
-        print(f"step {rec['step']:6d} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
+        val = f"val {rec['val_loss']:.4f} | " if "val_loss" in rec else ""
+        now, step = time.perf_counter(), rec["step"]
+        eta = (now - self.t_eta) / max(step - self.step_eta, 1) * ((self.total_steps or step) - step)
+        self.t_eta, self.step_eta = now, step
+        print(f"step {step:6d} | loss {rec['loss']:.4f} | {val}lr {rec['lr']:.2e} | "
               f"gnorm {rec['grad_norm']:6.3f} | {rec['tokens_per_s']:9.0f} tok/s | MFU {mfu} | "
-              f"mem {mem} | imbalance {rec['imbalance']:.2f}", flush=True)
+              f"mem {mem} | imbalance {rec['imbalance']:.2f} | ETA {_duration(eta)}", flush=True)
         with self.path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
+        if self.tb is not None:
+            _add_scalars(self.tb, rec)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in rec.items() if k != "step"}, step=step)
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _add_scalars(writer, rec: dict):
+    for k, v in rec.items():
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+            writer.add_scalar(k, v, rec["step"])
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
 
 
 def memory_gb(device: torch.device) -> float | None:
@@ -137,3 +228,56 @@ def check_finite(step: int, **values: float):
     if bad:
         raise FloatingPointError(f"step {step}: {bad}; stopped before the update (the weights and "
                                  "the last checkpoint are finite); lower train.lr, or check the data")
+
+
+# ---------------------------------------------------------------------------------------------
+# The run's curves as one picture (`invoke plot RUN_DIR`)
+
+PANELS = (("loss", "training loss"), ("val_loss", "validation loss"), ("tokens_per_s", "tokens / s"),
+          ("imbalance", "expert load: max / mean tokens per expert"))
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None):
+    """Draw <run_dir>/metrics.jsonl as one PNG (default <run_dir>/metrics.png) with the PANELS, each
+    against the step; a metric never logged (no evaluation) gets an empty panel saying so.
+    Returns the (closed) matplotlib Figure."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only; no display needed
+    import matplotlib.pyplot as plt
+
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics log (is {run_dir} a run directory?)")
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, (key, title) in zip(axes.flat, PANELS):
+        pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None]
+        ax.plot([s for s, _ in pts], [v for _, v in pts], marker=".", label=key)
+        ax.set(title=title, xlabel="step")
+        if not pts:
+            ax.text(0.5, 0.5, f"no {key} in the log", ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle(str(run_dir))
+    fig.tight_layout()
+    fig.savefig(out or Path(run_dir) / "metrics.png", dpi=100)
+    plt.close(fig)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m pithtrain.metrics RUN_DIR [--out PNG]: the run's curves as one PNG."""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m pithtrain.metrics", description=main.__doc__)
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="PNG to write (default: RUN_DIR/metrics.png)")
+    args = p.parse_args(argv)
+    try:
+        plot_run(args.run_dir, args.out)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"plot: wrote {args.out or Path(args.run_dir) / 'metrics.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

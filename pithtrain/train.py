@@ -29,7 +29,7 @@ from pithtrain.distributed import pipeline
 from pithtrain.distributed.parallelize import materialize, parallelize
 from pithtrain.distributed.reductions import all_sum, balance_after_step, clip_grad_norm_
 from pithtrain.metrics import (StepLog, check_finite, flops_per_token, memory_gb, param_counts,
-                               peak_tflops)
+                               peak_tflops, phase)
 from pithtrain.models import build_model
 from pithtrain.models.common import AuxLoss
 from pithtrain.plan import check_launch
@@ -98,6 +98,27 @@ def lr_lambda(cfg: Config):
     return f
 
 
+@torch.no_grad()
+def evaluate(model, batches, cfg: Config, dims: ParallelDims, device, autocast) -> float:
+    """Mean token loss over train.eval_batches validation batches (the same windows every time),
+    each data-parallel rank taking its rows as in training."""
+    t = cfg.train
+    was_training = model.training
+    model.eval()
+    loss_sum = n = 0.0
+    for i in range(t.eval_batches):
+        x_GS, y_GS = batches.val_batch(i)
+        n += (y_GS != -100).sum().item()
+        for micro in range(t.grad_accum):
+            r = rows(micro, dims.batch_rank, dims.batch_size, t.micro_batch_size)
+            x_BS, y_BS, pos_BS = split_batch(x_GS[r].to(device), y_GS[r].to(device), dims)
+            docs_BS = batches.documents(x_BS) if cfg.data.document_mask else None
+            with autocast:
+                loss_sum += model(x_BS, positions_BS=pos_BS, labels_BS=y_BS, docs_BS=docs_BS).item()
+    model.train(was_training)
+    return all_sum([loss_sum], dims)[0] / n
+
+
 # ---------------------------------------------------------------------------------------------
 # Training
 
@@ -116,6 +137,8 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
     dims.init(device)  # torchrun's process group and the meshes; nothing for one process
     dtype = compute_dtype(cfg, device)
     torch.manual_seed(cfg.train.seed)
+    say = dims.rank == 0
+    building = phase("building the model", say)
 
     if t.init_from:
         from pithtrain.checkpoint import load_hf
@@ -134,12 +157,13 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
         materialize(model, build_model(cfg.model, init=False), device, t.seed)  # device: 1 GPU == N GPUs
     optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    ckpt = Checkpointer(cfg, model, optimizer, scheduler, device)
-    start = ckpt.resume(resume)  # steps already done = data position (0: fresh); says what it did
-
-    dp_rank, dp_size = dims.batch_rank, dims.batch_size  # cp ranks share their rows
-    global_batch = t.micro_batch_size * t.grad_accum * dp_size
-    batches = build_batches(cfg.data, t.seq_len, global_batch, t.seed)
+    building.done()
+    with phase("loading the checkpoint and data", say):
+        ckpt = Checkpointer(cfg, model, optimizer, scheduler, device)
+        start = ckpt.resume(resume)  # steps already done = data position (0: fresh); says what it did
+        dp_rank, dp_size = dims.batch_rank, dims.batch_size  # cp ranks share their rows
+        global_batch = t.micro_batch_size * t.grad_accum * dp_size
+        batches = build_batches(cfg.data, t.seq_len, global_batch, t.seed, hold_out=t.eval_every > 0)
     fpt = flops_per_token(cfg.model, t.seq_len)
     peak = peak_tflops(device, cfg.log.peak_tflops)
     total, active = param_counts(build_model(cfg.model, init=False), cfg.model)  # meta: whole model
@@ -147,7 +171,10 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
         print(f"pithtrain: {cfg.model.family} {total / 1e6:.2f}M params ({active / 1e6:.2f}M active) | "
               f"device {device} {str(dtype).removeprefix('torch.')} | recipe {cfg.source} | "
               f"run dir {cfg.log.run_dir} | {dims.describe()}", flush=True)
-    log = StepLog(cfg.log.run_dir, start, enabled=dims.rank == 0)
+        if cfg.data.source == "stdlib" and cfg.model.vocab_size > 1024:
+            print(f"pithtrain: WARNING: data.source is 'stdlib' (byte ids 0-257) but the model has "
+                  f"{cfg.model.vocab_size} tokens: this run trains on bytes; set data.source=shards", flush=True)
+    log = StepLog(cfg.log.run_dir, start, enabled=dims.rank == 0, total_steps=t.steps, cfg=cfg)
     autocast = (torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32
                 else contextlib.nullcontext())
     runner = pipeline.make_runner(model, chunks, cfg, dims, device, autocast) if chunks else None
@@ -155,6 +182,8 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
     AuxLoss.loss_scale = 1.0 / (t.grad_accum * dp_size)  # mean over the global batch's micro-batches
     history, tokens_since = [], 0
     log.tick()
+    first = phase("first step" + (" (compiling the layers: can take minutes)" if t.compile else ""), say,
+                  announce=True)
     try:
         for step in range(start, t.steps):
             loss_sum, n_tokens, micro_batches = 0.0, 0, []
@@ -164,11 +193,12 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
                 r = rows(micro, dp_rank, dp_size, t.micro_batch_size)
                 x_BS, y_BS = x_GS[r].to(device, non_blocking=True), y_GS[r].to(device, non_blocking=True)
                 x_BS, y_BS, pos_BS = split_batch(x_BS, y_BS, dims)  # cp: this rank's sequence chunks
+                docs_BS = batches.documents(x_BS) if cfg.data.document_mask else None  # cp, pp: refused
                 if runner is not None:  # pipeline: the schedule runs the micro-batches (below)
                     micro_batches.append((x_BS, y_BS, pos_BS))
                     continue
                 with autocast:
-                    loss = model(x_BS, positions_BS=pos_BS, labels_BS=y_BS)
+                    loss = model(x_BS, positions_BS=pos_BS, labels_BS=y_BS, docs_BS=docs_BS)
                 (loss / denom).backward()
                 loss_sum += loss.item()
                 n_tokens += y_BS.numel()
@@ -180,12 +210,17 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
             check_finite(step + 1, loss=loss_mean, grad_norm=grad_norm)  # before the update
             optimizer.step()
             fp8.CACHE.next_step()  # the weights changed: FP8 copies are made again on first use
-            logged = (step + 1) % cfg.log.every == 0 or step + 1 == t.steps
+            logged = ((step + 1) % cfg.log.every == 0 or step + 1 == t.steps  # a val_loss step logs too
+                      or bool(t.eval_every and (step + 1) % t.eval_every == 0))
             routing = balance_after_step(model, dims, cfg.model, metrics=logged)  # global load: bias, metrics
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             rec = {"step": step + 1, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm}
+            first.done()
+            if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+                with log.excluded():  # evaluation time is not training throughput (tokens/s)
+                    rec["val_loss"] = evaluate(model, batches, cfg, dims, device, autocast)
             history.append(rec)
             tokens_since += n_tokens
             if logged:
@@ -207,6 +242,7 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
         ckpt.abort()
         raise
     ckpt.close()  # an asynchronous save still in flight is finished and committed
+    log.close()
     if keep is not None:
         keep["model"] = model
     dims.close()

@@ -374,9 +374,10 @@ def test_other_tasks_dry_run():
         "run --rm train nsys profile --trace=cuda,nvtx,osrt --sample=none --force-overwrite=true "
         "--output=runs/profile/m torchrun --nproc-per-node=gpu --standalone -m pithtrain.train m "
         "train.device=cuda train.dtype=bfloat16 train.steps=20")
-    r = _invoke("prepare-data", "--inputs=a.jsonl,b.txt", "--tokenizer=tok", "--out=data/x", "--dry-run")
-    assert r.stdout.strip() == (f"{sys.executable} -m pithtrain.data --inputs a.jsonl,b.txt --tokenizer tok "
-                                "--out data/x --text-key text")
+    r = _invoke("prepare-data", "--inputs=a.jsonl,b.parquet", "--tokenizer=tok", "--out=data/x", "--num-proc=2",
+                "--dry-run")
+    assert r.stdout.strip() == (f"{sys.executable} -m pithtrain.data --inputs a.jsonl,b.parquet --tokenizer tok "
+                                "--out data/x --text-key text --split train --num-proc 2")
     r = _invoke("build", "--gpu=h200", "--push", "--dry-run")
     assert r.returncode == 2 and "--push needs --registry" in r.stderr
     r = _invoke("doctor", "--gpu=h200", "--manifest=/nonexistent.json")

@@ -1,4 +1,5 @@
 import json
+import re
 
 import numpy as np
 import pytest
@@ -111,14 +112,20 @@ def test_bad_shard_directory_is_a_config_error_naming_the_file(tmp_path, break_i
 def test_too_few_shard_tokens_names_the_directory(tmp_path):
     d = write_shards(tmp_path / "s", [np.arange(50), np.arange(30)])
     cfg = load_config(None, ["data.source=shards", f"data.path={d}", "train.seq_len=64"])
-    with pytest.raises(ConfigError, match=rf"data.path '{d}': only 80 tokens, too few for train.seq_len 64"):
-        build_batches(cfg.data, 64, 4, 0)
+    with pytest.raises(ConfigError, match=rf"data.path '{d}': only 80 tokens, too few for train.seq_len 64 "
+                                          r"\(one window each for training and validation needs >= 131\)"):
+        build_batches(cfg.data, 64, 4, 0, hold_out=True)  # evaluation on: 1% held out
+    build_batches(cfg.data, 64, 4, 0)  # evaluation off: nothing held out, one window of 65 fits
+    with pytest.raises(ConfigError, match=r"only 60 tokens, too few for train.seq_len 64 \(one window each "
+                                          r"for training needs >= 66\)"):
+        build_batches(load_config(None, ["data.source=shards", f"data.path={write_shards(tmp_path / 't', [np.arange(60)])}",
+                                         "train.seq_len=64"]).data, 64, 4, 0)
 
 
 def test_data_errors_end_the_run_with_one_line(tmp_path, capsys, tiny_overrides):
     from pithtrain.train import main
 
-    d = write_shards(tmp_path / "s", [np.arange(100)])
+    d = write_shards(tmp_path / "s", [np.arange(60)])
     assert main([*tiny_overrides, "data.source=shards", f"data.path={d}"]) == 2
     err = capsys.readouterr().err
     assert "error: data.path" in err and "too few for train.seq_len 64" in err and "Traceback" not in err
@@ -202,3 +209,116 @@ def test_a_run_on_a_small_vocabulary_trains_and_exports(tmp_path, tiny_overrides
     shutil.rmtree(shards)
     assert export_main(["--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 128
+
+
+def _shard_bytes(d):
+    return {p.name: p.read_bytes() for p in sorted(d.glob("*.bin"))}
+
+
+def test_prepare_data_from_parquet_and_a_datasets_directory_in_parallel(tmp_path, tokenizer_dir):
+    """A parquet file and a `datasets` save_to_disk directory (a DatasetDict: the split is chosen)
+    tokenize through 2 worker processes into the same shards as one process, and the same ids as
+    the tokenizer gives document by document."""
+    datasets = pytest.importorskip("datasets")
+    from tokenizers import Tokenizer
+
+    texts = [f"hello world {i} " * (i % 7 + 1) for i in range(700)]
+    pq = tmp_path / "docs.parquet"
+    datasets.Dataset.from_dict({"body": texts[:400], "n": list(range(400))}).to_parquet(str(pq))
+    ds_dir = tmp_path / "ds"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": texts[400:]}),
+                          "test": datasets.Dataset.from_dict({"body": ["unused"]})}).save_to_disk(str(ds_dir))
+    runs = {}
+    for n in (1, 2):
+        out = tmp_path / f"out{n}"
+        meta = prepare_data([str(pq), str(ds_dir)], str(tokenizer_dir), str(out), text_key="body",
+                            shard_tokens_max=2000, progress=False, num_proc=n, batch_docs=64)
+        runs[n] = (meta, _shard_bytes(out))
+    assert runs[1] == runs[2]
+    meta = runs[1][0]
+    assert meta["documents"] == 700 and len(meta["files"]) > 2
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    want = np.concatenate([tok.encode(t).ids + [eos] for t in texts])
+    assert np.array_equal(np.asarray(shard_tokens(tmp_path / "out2")[:]), want)
+    assert meta["eos_id"] == eos and meta["vocab_size"] == tok.get_vocab_size()
+    assert (tmp_path / "out1" / "tokenizer.json").is_file()  # the shards carry their tokenizer
+    with pytest.raises(ValueError, match=r"docs.parquet: no 'text' column \(columns: body, n; use --text-key\)"):
+        prepare_data([str(pq)], str(tokenizer_dir), str(tmp_path / "o"), progress=False)
+    with pytest.raises(ValueError, match=r"ds: no split 'valid' \(splits: train, test; use --split\)"):
+        prepare_data([str(ds_dir)], str(tokenizer_dir), str(tmp_path / "o"), text_key="body", split="valid",
+                     progress=False)
+
+
+def test_tokenizer_fingerprint_ignores_formatting(tmp_path, tokenizer_dir):
+    from pithtrain.data import tokenizer_fingerprint
+
+    reformatted = tmp_path / "re" / "tokenizer.json"
+    reformatted.parent.mkdir()
+    reformatted.write_text(json.dumps(json.loads((tokenizer_dir / "tokenizer.json").read_text()), indent=7))
+    assert tokenizer_fingerprint(reformatted) == tokenizer_fingerprint(tokenizer_dir)
+    other = json.loads(reformatted.read_text())
+    other["added_tokens"][0]["content"] = "<other>"
+    reformatted.write_text(json.dumps(other))
+    assert tokenizer_fingerprint(reformatted) != tokenizer_fingerprint(tokenizer_dir)
+
+
+def _other_tokenizer(tmp_path, name="tok2"):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(["a different corpus entirely"] * 50,
+                            trainers.BpeTrainer(vocab_size=280, special_tokens=["<unk>", "<|endoftext|>"]))
+    d = tmp_path / name
+    d.mkdir()
+    tok.save(str(d / "tokenizer.json"))
+    return d
+
+
+def test_mismatched_tokenizer_vocab_or_init_from_is_one_line_before_anything_is_built(
+        tmp_path, tokenizer_dir, tiny_overrides, capsys):
+    """The shards' tokenizer (meta.json tokenizer_sha256) must be train.init_from's, the stdlib bytes
+    never feed a checkpoint that has a tokenizer, and the vocabulary must fit the model: each is a
+    one-line error (exit 2) from the config, before any model or run directory exists."""
+    from pithtrain.models.qwen3_moe import Qwen3MoeConfig
+    from pithtrain.train import main
+
+    src = tmp_path / "a.txt"
+    src.write_text("hello world " * 300)
+    shards = tmp_path / "shards"
+    prepare_data([str(src)], str(tokenizer_dir), str(shards), progress=False)
+    other = tmp_path / "other"
+    prepare_data([str(src)], str(_other_tokenizer(tmp_path)), str(other), progress=False)
+
+    def hub(name, tok_dir, vocab=320):
+        d = tmp_path / name
+        d.mkdir()
+        small = dict(vocab_size=vocab, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                     moe_intermediate_size=32, num_experts=4, top_k=2, max_position_embeddings=256)
+        (d / "config.json").write_text(json.dumps(Qwen3MoeConfig(**small).to_hf()))
+        if tok_dir is not None:
+            (d / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
+        return d
+
+    same, differs = hub("same", tokenizer_dir), hub("differs", _other_tokenizer(tmp_path, "tok3"))
+    small_vocab = hub("small", tokenizer_dir, vocab=20)
+    run = [o for o in tiny_overrides if not o.startswith(("data.", "model."))]
+    shard = ["data.source=shards", f"data.path={shards}"]
+    cases = [
+        ([f"train.init_from={differs}", *shard], r"data.path: .*shards' was tokenized with .*tok.*, not with "
+                                                 r".*differs/tokenizer.json \(meta.json tokenizer_sha256 differs\)"),
+        ([f"train.init_from={same}"], r"data.source: 'stdlib' feeds byte ids to train.init_from's model, whose "
+                                      r"tokenizer is .*same/tokenizer.json"),
+        ([f"train.init_from={small_vocab}", *shard], r"train.init_from's config.json vocab_size: 20 is smaller "
+                                                     r"than the vocabulary of the token shards"),
+        ([*shard, "train.eval_every=5", f"data.val_path={other}"], r"data.val_path: .*other' was tokenized with"),
+        ([*shard, "model.vocab_size=20"], r"model.vocab_size: 20 is smaller than the vocabulary"),
+    ]
+    for overrides, needle in cases:
+        assert main(run + overrides) == 2, overrides
+        out, err = capsys.readouterr()
+        assert len(err.strip().splitlines()) == 1 and re.search(needle, err), (overrides, err)
+        assert "building the model" not in out and not (tmp_path / "run").exists()
+    cfg = load_config(None, run + [f"train.init_from={same}", *shard])  # the matching pair loads
+    assert cfg.model.vocab_size == 320

@@ -88,7 +88,9 @@ class ContextParallelAttention:
         return torch.cat(chunks, dim=2)
 
     def __call__(self, q_BHsd, k_BKsd, v_BKse, *, scale: float, window: int | None = None,
-                 sinks_H: torch.Tensor | None = None):
+                 sinks_H: torch.Tensor | None = None, docs=None):
+        if docs is not None:  # the config refuses data.document_mask with cp > 1
+            raise NotImplementedError("document masking with context parallel")
         k_BKSd, v_BKSe = self.gather(k_BKsd), self.gather(v_BKse)
         c = q_BHsd.shape[2] // 2  # chunk length
         outs = []

@@ -52,11 +52,28 @@ def prepare_masks(S: int, windows, device):
         block_mask(S, w if w is not None and w < S else None, device)
 
 
+def document_block_masks(docs_BS: torch.Tensor, windows) -> dict:
+    """window -> BlockMask of causal (windowed) attention within each row's documents (document
+    masking; docs_BS the document index per token). Built per batch, in eager code."""
+    B, S = docs_BS.shape
+    masks = {}
+    for w in {w if w is not None and w < S else None for w in windows}:
+        inner = _mask_mod(w)
+
+        def same_doc(b, h, q, k, inner=inner):
+            return inner(b, h, q, k) & (docs_BS[b, q] == docs_BS[b, k])
+        masks[w] = create_block_mask(same_doc, B=B, H=None, Q_LEN=S, KV_LEN=S, device=docs_BS.device)
+    return masks
+
+
 def flex_sink_attention(q_BHSd, k_BKSd, v_BKSe, *, scale: float, window: int | None = None,
-                        sinks_H: torch.Tensor | None = None):
+                        sinks_H: torch.Tensor | None = None, doc_mask=None):
+    """doc_mask: a document mask (document_block_masks); None: the cached causal / window mask."""
     global _compiled_flex
     S = q_BHSd.shape[2]
-    mask = block_mask(S, window if window is not None and window < S else None, q_BHSd.device)
+    mask = doc_mask
+    if mask is None:
+        mask = block_mask(S, window if window is not None and window < S else None, q_BHSd.device)
     gqa = k_BKSd.shape[1] != q_BHSd.shape[1]
     fn = flex_attention
     if not torch.compiler.is_compiling():  # eager callers need the compiled kernel, not the reference

@@ -15,6 +15,7 @@ import re
 import zlib
 from dataclasses import dataclass
 from typing import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -100,16 +101,39 @@ class Rotary(nn.Module):
         with torch.no_grad():
             self.inv_freq.copy_(inv_freq.to(self.inv_freq.device))
 
-    def forward(self, positions_BS: torch.Tensor):
+    def forward(self, positions_BS: torch.Tensor, docs: Documents | None = None) -> Rope:
         freqs = positions_BS[..., None].float() * self.inv_freq  # (B, S, dim/2)
-        return freqs.cos() * self.mscale, freqs.sin() * self.mscale
+        return Rope(freqs.cos() * self.mscale, freqs.sin() * self.mscale, docs)
 
 
-def apply_rope(x_BHSd, cos_BSd2, sin_BSd2):
+class Documents(NamedTuple):
+    """Document masking (data.document_mask): attention stays inside each token's document."""
+    ids_BS: torch.Tensor  # document index of each token, non-decreasing along S
+    block_masks: dict | None = None  # CUDA: window -> FlexAttention BlockMask of ids_BS (kernels/flex.py)
+
+
+class Rope(NamedTuple):
+    """What a layer's attention needs besides its input: the RoPE tables of the batch's positions
+    and, with document masking, the documents. Passed unchanged through every layer."""
+    cos_BSd2: torch.Tensor
+    sin_BSd2: torch.Tensor
+    docs: Documents | None = None
+
+
+def document_positions(docs_BS: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 on each document's first token: (B, S) int64."""
+    idx_BS = torch.arange(docs_BS.shape[1], device=docs_BS.device).expand_as(docs_BS)
+    first_BS = torch.ones_like(docs_BS, dtype=torch.bool)
+    first_BS[:, 1:] = docs_BS[:, 1:] != docs_BS[:, :-1]
+    start_BS = torch.where(first_BS, idx_BS, 0).cummax(dim=1).values
+    return idx_BS - start_BS
+
+
+def apply_rope(x_BHSd, rope: Rope):
     """Rotate-half RoPE (Qwen3, GPT-OSS, and DeepSeek after its interleave permutation)."""
     dtype = x_BHSd.dtype
     x1, x2 = x_BHSd.float().chunk(2, dim=-1)
-    cos, sin = cos_BSd2[:, None], sin_BSd2[:, None]
+    cos, sin = rope.cos_BSd2[:, None], rope.sin_BSd2[:, None]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
 
 
@@ -118,13 +142,24 @@ def apply_rope(x_BHSd, cos_BSd2, sin_BSd2):
 
 
 def attention(q_BHSd, k_BKSd, v_BKSe, *, scale: float, window: int | None = None,
-              sinks_H: torch.Tensor | None = None):
+              sinks_H: torch.Tensor | None = None, docs: Documents | None = None):
     """Causal attention with optional sliding window (keys within the last `window` positions,
-    Hugging Face's convention) and learned sinks (an extra logit per head that takes softmax mass).
+    Hugging Face's convention), learned sinks (an extra logit per head that takes softmax mass) and
+    document masking (keys of the query's own document only).
     GQA: K may divide H. The plain case uses SDPA: with kernels.USE["cudnn_sdpa"] cuDNN's fused
     kernel first (it takes GQA as is, and d_qk != d_v as in DeepSeek's MLA, where SDPA's own order
     falls back to the slower memory-efficient kernel), else SDPA's own order.
-    Windows / sinks on GPU go to FlexAttention (kernels/flex.py); on CPU to the eager reference."""
+    Windows / sinks / documents on GPU go to FlexAttention (kernels/flex.py; document masks come
+    built in `docs.block_masks`); on CPU to the eager reference."""
+    if docs is not None:
+        if docs.block_masks is not None:
+            from pithtrain.kernels.flex import flex_sink_attention
+            S = q_BHSd.shape[2]
+            mask = docs.block_masks[window if window is not None and window < S else None]
+            return flex_sink_attention(q_BHSd, k_BKSd, v_BKSe, scale=scale, window=window,
+                                       sinks_H=sinks_H, doc_mask=mask)
+        return eager_attention(q_BHSd, k_BKSd, v_BKSe, scale=scale, window=window, sinks_H=sinks_H,
+                               docs_BS=docs.ids_BS)
     if window is None and sinks_H is None:
         gqa = k_BKSd.shape[1] != q_BHSd.shape[1]
         if kernels.USE["cudnn_sdpa"] and q_BHSd.is_cuda:
@@ -146,9 +181,11 @@ _SDPA_CUDNN_FIRST = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
                      torch.nn.attention.SDPBackend.MATH]
 
 
-def eager_attention(q_BHSd, k_BKSd, v_BKSe, *, scale, window=None, sinks_H=None, q_offset=0):
+def eager_attention(q_BHSd, k_BKSd, v_BKSe, *, scale, window=None, sinks_H=None, q_offset=0,
+                    docs_BS=None):
     """Reference attention with the score matrix materialised (CPU, tests, and small shapes).
-    q_offset: absolute position of the first query relative to the first key (context parallel)."""
+    q_offset: absolute position of the first query relative to the first key (context parallel).
+    docs_BS: document index per token (queries and keys alike); keys of other documents are masked."""
     H, K = q_BHSd.shape[1], k_BKSd.shape[1]
     if K != H:
         k_BKSd = k_BKSd.repeat_interleave(H // K, dim=1)
@@ -160,6 +197,8 @@ def eager_attention(q_BHSd, k_BKSd, v_BKSe, *, scale, window=None, sinks_H=None,
     allowed = kj <= qi
     if window is not None:
         allowed &= kj > qi - window
+    if docs_BS is not None:  # (B, 1, S, S): same document
+        allowed = allowed & (docs_BS[:, None, :, None] == docs_BS[:, None, None, :])
     s_BHSS = s_BHSS.masked_fill(~allowed, float("-inf"))
     if sinks_H is not None:
         sink = sinks_H.reshape(1, -1, 1, 1).expand(s_BHSS.shape[0], -1, Sq, 1).to(s_BHSS.dtype)
@@ -476,12 +515,23 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
 
 
-def causal_lm_forward(model, input_ids_BS, positions_BS=None, labels_BS=None):
+def causal_lm_forward(model, input_ids_BS, positions_BS=None, labels_BS=None, docs_BS=None):
     """embed -> layers -> norm -> logits (B, S, V), or the summed token loss when labels are given
-    (chunked, so full-vocabulary logits never exist at once). Positions default to 0..S-1."""
+    (chunked, so full-vocabulary logits never exist at once). Positions default to 0..S-1, or with
+    docs_BS (document index per token: document masking) to 0.. from each document's start."""
+    docs = None
+    if docs_BS is not None:
+        if positions_BS is None:
+            positions_BS = document_positions(docs_BS)
+        masks = None
+        if kernels.USE["flex"] and docs_BS.is_cuda:  # built here, eagerly, so compiled layers only read them
+            from pithtrain.kernels.flex import document_block_masks
+            masks = document_block_masks(docs_BS, [model.cfg.attention_shapes(i)[0]
+                                                   for i in range(model.cfg.num_layers)])
+        docs = Documents(docs_BS, masks)
     if positions_BS is None:
         positions_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(input_ids_BS)
-    rope = model.rotary(positions_BS)
+    rope = model.rotary(positions_BS, docs)
     h_BSD = model.embed_tokens(input_ids_BS)
     for layer in model.layers:
         h_BSD = layer(h_BSD, rope)

@@ -250,11 +250,11 @@ class Attention(nn.Module):
         c_BSC, k_pe_BSR = self.kv_a_proj_with_mqa(x_BSD).split([self.C, R], dim=-1)
         kv_BHSNe = self.kv_b_proj(self.kv_a_layernorm(c_BSC)).view(B, S, H, N + e).transpose(1, 2)
         k_nope_BHSN, v_BHSe = kv_BHSNe.split([N, e], dim=-1)
-        q_pe_BHSR = apply_rope(deinterleave(q_pe_BHSR), *rope)
-        k_pe_B1SR = apply_rope(deinterleave(k_pe_BSR[:, None]), *rope)  # one rope key for all heads
+        q_pe_BHSR = apply_rope(deinterleave(q_pe_BHSR), rope)
+        k_pe_B1SR = apply_rope(deinterleave(k_pe_BSR[:, None]), rope)  # one rope key for all heads
         q_BHSd = torch.cat([q_nope_BHSN, q_pe_BHSR], dim=-1)
         k_BHSd = torch.cat([k_nope_BHSN, k_pe_B1SR.expand(B, H, S, R)], dim=-1)
-        o_BHSe = self.attention(q_BHSd, k_BHSd, v_BHSe, scale=self.scale)
+        o_BHSe = self.attention(q_BHSd, k_BHSd, v_BHSe, scale=self.scale, docs=rope.docs)
         return self.o_proj(o_BHSe.transpose(1, 2).reshape(B, S, H * e))
 
 
@@ -336,8 +336,8 @@ class DeepseekV2ForCausalLM(nn.Module):
         for linears (zero biases), embeddings, router and experts; ones for norms."""
         init_normal(block, self.cfg.init_std)
 
-    def forward(self, input_ids_BS, positions_BS=None, labels_BS=None):
-        return causal_lm_forward(self, input_ids_BS, positions_BS, labels_BS)
+    def forward(self, input_ids_BS, positions_BS=None, labels_BS=None, docs_BS=None):
+        return causal_lm_forward(self, input_ids_BS, positions_BS, labels_BS, docs_BS)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -223,9 +223,9 @@ class Attention(nn.Module):
         q_BHSd = self.q_proj(x_BSD).view(B, S, self.H, self.hd).transpose(1, 2)
         k_BKSd = self.k_proj(x_BSD).view(B, S, self.K, self.hd).transpose(1, 2)
         v_BKSd = self.v_proj(x_BSD).view(B, S, self.K, self.hd).transpose(1, 2)
-        q_BHSd, k_BKSd = apply_rope(q_BHSd, *rope), apply_rope(k_BKSd, *rope)
+        q_BHSd, k_BKSd = apply_rope(q_BHSd, rope), apply_rope(k_BKSd, rope)
         o_BHSd = self.attention(q_BHSd, k_BKSd, v_BKSd, scale=self.hd ** -0.5, window=self.window,
-                                sinks_H=self.sinks_H)
+                                sinks_H=self.sinks_H, docs=rope.docs)
         return self.o_proj(o_BHSd.transpose(1, 2).reshape(B, S, self.H * self.hd))
 
 
@@ -291,8 +291,8 @@ class GptOssForCausalLM(nn.Module):
             elif isinstance(m, MoE):
                 nn.init.normal_(m.router.bias, std=std)
 
-    def forward(self, input_ids_BS, positions_BS=None, labels_BS=None):
-        return causal_lm_forward(self, input_ids_BS, positions_BS, labels_BS)
+    def forward(self, input_ids_BS, positions_BS=None, labels_BS=None, docs_BS=None):
+        return causal_lm_forward(self, input_ids_BS, positions_BS, labels_BS, docs_BS)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -159,8 +159,8 @@ class Attention(nn.Module):
         q_BHSd = self.q_norm(self.q_proj(x_BSD).view(B, S, self.H, self.hd)).transpose(1, 2)
         k_BKSd = self.k_norm(self.k_proj(x_BSD).view(B, S, self.K, self.hd)).transpose(1, 2)
         v_BKSd = self.v_proj(x_BSD).view(B, S, self.K, self.hd).transpose(1, 2)
-        q_BHSd, k_BKSd = apply_rope(q_BHSd, *rope), apply_rope(k_BKSd, *rope)
-        o_BHSd = self.attention(q_BHSd, k_BKSd, v_BKSd, scale=self.hd ** -0.5)
+        q_BHSd, k_BKSd = apply_rope(q_BHSd, rope), apply_rope(k_BKSd, rope)
+        o_BHSd = self.attention(q_BHSd, k_BKSd, v_BKSd, scale=self.hd ** -0.5, docs=rope.docs)
         return self.o_proj(o_BHSd.transpose(1, 2).reshape(B, S, self.H * self.hd))
 
 
@@ -220,8 +220,8 @@ class Qwen3MoeForCausalLM(nn.Module):
         """Hugging Face's scheme (common.init_normal): normal(0, initializer_range), ones for norms."""
         init_normal(block, self.cfg.init_std)
 
-    def forward(self, input_ids_BS, positions_BS=None, labels_BS=None):
-        return causal_lm_forward(self, input_ids_BS, positions_BS, labels_BS)
+    def forward(self, input_ids_BS, positions_BS=None, labels_BS=None, docs_BS=None):
+        return causal_lm_forward(self, input_ids_BS, positions_BS, labels_BS, docs_BS)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,134 @@
+"""Document masking (data.document_mask): attention stays inside each document and positions
+restart per document, for the three families; the reference is each document run on its own."""
+
+import numpy as np
+import pytest
+import torch
+
+from pithtrain.data import document_ids
+from pithtrain.models import build_model
+from pithtrain.models.common import document_positions
+from pithtrain.models.deepseek_v2 import DeepseekV2Config
+from pithtrain.models.gpt_oss import GptOssConfig
+from pithtrain.models.qwen3_moe import Qwen3MoeConfig
+
+V = 64
+FAMILY_CONFIGS = {
+    "qwen3_moe": Qwen3MoeConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                head_dim=8, moe_intermediate_size=16, num_experts=4, top_k=2),
+    "deepseek_v2": DeepseekV2Config(vocab_size=V, hidden_size=32, num_layers=2, num_heads=2, kv_lora_rank=16,
+                                    qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                                    intermediate_size=48, moe_intermediate_size=16, num_experts=4, top_k=2,
+                                    first_k_dense_replace=1),
+    # a window (5) shorter than the documents, on the sliding layer; sinks on every layer
+    "gpt_oss": GptOssConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                            head_dim=8, intermediate_size=16, num_experts=4, top_k=2, sliding_window=5),
+}
+
+
+def test_document_ids_and_positions():
+    eos = 9
+    x = torch.tensor([[1, 2, 9, 3, 4, 5, 9, 9, 6], [9, 1, 2, 3, 4, 5, 6, 7, 8]])
+    docs = document_ids(x, eos)
+    # a document ends with its separator; the next starts right after it
+    assert docs.tolist() == [[0, 0, 0, 1, 1, 1, 1, 2, 3], [0, 1, 1, 1, 1, 1, 1, 1, 1]]
+    assert document_positions(docs).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 0], [0, 0, 1, 2, 3, 4, 5, 6, 7]]
+
+
+def test_separator_loss_mask_and_unsupported_layouts(tiny_overrides):
+    from pithtrain.config import ConfigError, load_config
+    from pithtrain.data import TokenBatches
+
+    tokens = np.tile(np.array([5, 6, 7, 9, 8, 9], dtype=np.uint16), 100)
+    plain = TokenBatches(tokens, 16, 4, 0, eos=9)
+    masked = TokenBatches(tokens, 16, 4, 0, eos=9, mask_separator=True)
+    (x, y), (xm, ym) = plain.batch(3), masked.batch(3)
+    assert torch.equal(x, xm) and torch.equal(ym[x != 9], y[x != 9])  # only the label after a separator
+    assert (ym[x == 9] == -100).all() and (x == 9).any()
+    for layout in ("parallel.cp=2", "parallel.pp=2"):
+        with pytest.raises(ConfigError, match=rf"data.document_mask: not supported with {layout.split('=')[0]} > 1"):
+            load_config(None, tiny_overrides + ["data.document_mask=true", layout])
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
+def test_document_mask_equals_each_document_alone(family):
+    torch.manual_seed(0)
+    model = build_model(FAMILY_CONFIGS[family]).eval()
+    lengths = [[7, 11, 3, 9], [30]]  # row 0: four documents (one shorter than the window), row 1: one
+    x = torch.randint(0, V, (2, 30))
+    docs = torch.tensor([sum([[d] * n for d, n in enumerate(row)], []) for row in lengths])
+    seen = []  # RoPE is relative, so restarted positions change no output: check what rotary gets
+    model.rotary.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    with torch.no_grad():
+        masked = model(x, docs_BS=docs)
+        assert seen[0][0].tolist() == [*range(7), *range(11), *range(3), *range(9)]
+        plain = model(x)
+        for b, row in enumerate(lengths):
+            start = 0
+            for n in row:
+                alone = model(x[b:b + 1, start:start + n])[0]  # positions 0..n-1, no other tokens
+                torch.testing.assert_close(masked[b, start:start + n], alone, rtol=1e-5, atol=1e-5)
+                start += n
+    # the mask matters: without it the later documents of row 0 see the earlier ones
+    assert not torch.allclose(masked[0, 7:], plain[0, 7:], atol=1e-3)
+    torch.testing.assert_close(masked[1], plain[1], rtol=1e-5, atol=1e-5)  # one document: no change
+
+
+def test_loss_falls_on_a_two_document_corpus(tmp_path, tiny_overrides):
+    """Two documents, repeated, with document masking and separator loss masking: training learns."""
+    from pithtrain.config import load_config
+    from pithtrain.train import train
+    from tests.test_data import write_shards
+
+    rng = np.random.default_rng(0)
+    eos = 63
+    doc_a, doc_b = rng.integers(0, 60, 40), rng.integers(0, 60, 25)
+    corpus = np.concatenate([np.concatenate([doc_a, [eos], doc_b, [eos]]) for _ in range(200)])
+    d = write_shards(tmp_path / "s", [corpus], vocab_size=64, eos_id=eos)
+    run = [o for o in tiny_overrides if not o.startswith(("train.steps", "data."))]
+    hist = train(load_config(None, run + ["train.steps=40", "data.source=shards", f"data.path={d}",
+                                          "model.vocab_size=64", "data.document_mask=true",
+                                          "data.mask_separator_loss=true"]))
+    first = sum(h["loss"] for h in hist[:3]) / 3
+    last = sum(h["loss"] for h in hist[-3:]) / 3
+    assert first > 3.5 and last < first - 2.0, (first, last)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
+def test_flex_document_mask_matches_the_eager_reference_on_gpu(family):
+    """CUDA: the document mask runs as FlexAttention block masks (built once per batch); float32
+    loss and every gradient equal the eager reference's, and outputs equal each document alone."""
+    from pithtrain import kernels
+
+    saved = dict(kernels.USE)
+    torch.manual_seed(0)
+    model = build_model(FAMILY_CONFIGS[family], "cuda")
+    lengths = [100, 60, 96]
+    x = torch.randint(0, V, (2, 256), device="cuda")
+    docs = torch.tensor([sum([[d] * n for d, n in enumerate(lengths)], [])] * 2, device="cuda")
+    runs = {}
+    try:
+        for mode in ("auto", "torch"):
+            kernels.configure(mode, "cuda")
+            seen = []
+            hook = model.rotary.register_forward_hook(lambda m, args, out: seen.append(out.docs))
+            model.zero_grad()
+            loss = model(x, labels_BS=x, docs_BS=docs)
+            loss.backward()
+            hook.remove()
+            assert (seen[0].block_masks is not None) == (mode == "auto")  # flex ran, or the reference
+            runs[mode] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
+            if mode == "auto":
+                with torch.no_grad():
+                    masked, start = model(x, docs_BS=docs), 0
+                    for n in lengths:
+                        torch.testing.assert_close(masked[0, start:start + n], model(x[:1, start:start + n])[0],
+                                                   rtol=1e-4, atol=1e-4)
+                        start += n
+    finally:
+        kernels.USE.update(saved)
+    assert runs["auto"][0] == pytest.approx(runs["torch"][0], rel=1e-4)
+    for n, g in runs["auto"][1].items():
+        torch.testing.assert_close(g, runs["torch"][1][n], rtol=1e-3, atol=1e-5, msg=n)
