@@ -37,9 +37,11 @@ exist but none is valid, resume stops with an error listing each problem (use --
 
 Safety: only tensors go through DCP (its non-tensor values are unpickled with weights_only=False,
 so none are written and a checkpoint whose index declares one is refused); hyper-parameters and
-the scheduler state are JSON; DCP's `.metadata` pickle is read with an unpickler that allows only
-DCP's own metadata classes, torch.Size and dtypes. Tensor data itself is read by DCP with
-torch.load(weights_only=True).
+the scheduler state are JSON; DCP's `.metadata` pickle is read with an unpickler that allows an
+exact list of (module, name) pairs (DCP's metadata dataclasses, torch.Size, dtypes; no whole module,
+no dotted name), and the data files it names must lie in the checkpoint directory. Tensor data
+itself is read by DCP with torch.load(weights_only=True). The manifest's hashes catch damage, not
+tampering: whoever can write a checkpoint can rewrite its manifest.
 
 Saving is asynchronous (dcp.async_save: state staged to CPU memory, written by a thread) when
 checkpoint.async_save is set and the run is on CUDA; the commit then runs in a thread on rank 0
@@ -69,7 +71,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 FORMAT = 1
@@ -236,15 +238,26 @@ def find_resumable(root: Path) -> tuple[Path | None, list[str]]:
 # Reading DCP's .metadata (a pickle) without unpickling arbitrary objects
 
 
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-               ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict")}
+    """Exact (module, name) pairs: DCP's metadata dataclasses, torch.Size, dtypes, layouts. No
+    module is allowed as a whole: protocol 4 resolves dotted names through a module's imports
+    (`metadata` + `os.system`), so anything looser reaches a callable."""
+    ALLOWED = {(_DCP_MD, n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                       "TensorStorageMetadata", "BytesStorageMetadata",
+                                       "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+        ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+        ("pathlib._local", "PosixPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("collections", "OrderedDict")} | {
+        ("torch", n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
 
     def find_class(self, module, name):
-        if ((module, name) in self.ALLOWED or module == "torch.distributed.checkpoint.metadata"
-                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+        if (module, name) in self.ALLOWED:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+        raise pickle.UnpicklingError(f"unsafe: it names {module}.{name}, which is not one of DCP's "
+                                     "metadata classes (refusing to unpickle it: a crafted index can run code)")
 
 
 class SafeReader(FileSystemReader):
@@ -253,8 +266,12 @@ class SafeReader(FileSystemReader):
         try:
             with open(path, "rb") as f:
                 md = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, OSError) as e:
-            raise CheckpointError(f"{path}: not a readable DCP index ({e})") from None
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        except Exception as e:  # truncated or garbage bytes fail in many ways inside pickle
+            raise CheckpointError(f"{path}: not a readable DCP index ({type(e).__name__}: {e})") from None
+        if not isinstance(md, Metadata):
+            raise CheckpointError(f"{path}: not a DCP index (it holds a {type(md).__name__})")
         return md
 
 
@@ -269,6 +286,9 @@ def _check_index(ckpt: Path, keys) -> None:
         if not isinstance(m, TensorStorageMetadata):
             raise CheckpointError(f"{ckpt}: {k!r} is not a tensor; refusing to unpickle it")
     for info in (md.storage_data or {}).values():
+        if not isinstance(info.relative_path, str) or Path(info.relative_path).name != info.relative_path:
+            raise CheckpointError(f"{ckpt}/.metadata: unsafe: names a data file outside the checkpoint "
+                                  f"({info.relative_path!r})")
         if not (ckpt / info.relative_path).is_file():
             raise CheckpointError(f"{ckpt / info.relative_path}: missing (named in .metadata)")
 
