@@ -32,6 +32,7 @@ from pithtrain.metrics import (StepLog, check_finite, flops_per_token, memory_gb
                                peak_tflops)
 from pithtrain.models import build_model
 from pithtrain.models.common import AuxLoss
+from pithtrain.rundir import claim
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,6 +112,9 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
     device = pick_device(cfg)
     check_runnable(cfg, device)
     dims.init(device)  # torchrun's process group and the meshes; nothing for one process
+    run_lock = None  # rank 0 locks log.run_dir and checks its storage before anything is built
+    if dims.rank == 0:  # (an error ends rank 0, and torchrun ends the other ranks with it)
+        run_lock = claim(cfg, param_counts(build_model(cfg.model, init=False), cfg.model)[0])
     dtype = compute_dtype(cfg, device)
     torch.manual_seed(cfg.train.seed)
 
@@ -200,8 +204,12 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
             ckpt.after_step(step + 1)  # saves when due (checkpoint.every, final)
     except BaseException:  # one process: a save of an earlier step still in flight is committed
         ckpt.abort()
+        if run_lock is not None:
+            run_lock.close()
         raise
     ckpt.close()  # an asynchronous save still in flight is finished and committed
+    if run_lock is not None:  # after the last commit: the run dir is ours until then
+        run_lock.close()
     if keep is not None:
         keep["model"] = model
     dims.close()

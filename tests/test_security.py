@@ -83,3 +83,110 @@ def test_dcp_index_naming_a_file_outside_the_checkpoint_is_refused(run4, tmp_pat
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(CheckpointError, match="outside the checkpoint"):
         _check_index(ckpt, [])
+
+
+# ---------------------------------------------------------------------------------------------
+# One run directory, one writer
+
+
+def train_cmd(run, *extra):
+    return [sys.executable, "-m", "pithtrain.train", *TINY, f"log.run_dir={run}", *extra]
+
+
+def test_second_trainer_on_a_run_dir_exits_naming_the_holder(tmp_path):
+    run = tmp_path / "run"
+    first = subprocess.Popen(train_cmd(run, "train.steps=2000", "checkpoint.every=500"), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=SUB_ENV)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (run / "metrics.jsonl").is_file():  # training has begun
+        time.sleep(0.1)
+    t0 = time.time()
+    second = subprocess.run(train_cmd(run, "train.steps=2000"), capture_output=True, text=True, timeout=60,
+                            env=SUB_ENV)
+    took = time.time() - t0
+    still_running = first.poll() is None
+    out, err = first.communicate(timeout=300)
+    assert still_running and first.returncode == 0, err[-2000:]
+    assert second.returncode == 2 and took < 30
+    line = second.stderr.strip()
+    assert "in use by another trainer" in line and f"pid {first.pid}" in line and "host " in line
+    assert len(line.splitlines()) == 1
+    assert "step      1 |" not in second.stdout
+    # the first run's history is its own: every step once, checkpoints of its steps only
+    steps = [json.loads(r)["step"] for r in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 2001))
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_1500", "step_2000"]
+
+
+def test_a_lock_left_by_a_dead_process_does_not_block(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".lock").write_text("host elsewhere pid 999999 since 2020-01-01T00:00:00+00:00\n")
+    assert main(TINY + ["train.steps=2", f"log.run_dir={run}"]) == 0
+    assert "step      2 |" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# Storage: checked before the first step; a failed save leaves no partial directory
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A 30 MB tmpfs (root only; skipped elsewhere, where the disk_usage test below covers it)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_read_only_run_dir_fails_before_the_first_step(tmpfs, capsys):
+    (tmpfs / "run").mkdir()
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+    assert main(TINY + ["train.steps=4", "checkpoint.every=2", f"log.run_dir={tmpfs / 'run'}"]) == 2
+    out, err = capsys.readouterr()
+    assert "step      1 |" not in out
+    assert "not writable" in err and "Read-only file system" in err and len(err.strip().splitlines()) == 1
+
+
+def test_full_run_dir_fails_before_the_first_step(tmpfs, capsys):
+    free = os.statvfs(tmpfs).f_bavail * os.statvfs(tmpfs).f_frsize
+    (tmpfs / "filler").write_bytes(b"\0" * (free - 64_000))  # 64 KB left; a checkpoint needs ~400 KB
+    assert main(TINY + ["train.steps=4", "checkpoint.every=2", f"log.run_dir={tmpfs / 'run'}"]) == 2
+    out, err = capsys.readouterr()
+    assert "step      1 |" not in out
+    assert "KB free; the next checkpoint needs about" in err and "parameters x 12 bytes" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_free_space_check_with_simulated_disk_usage(tmp_path, monkeypatch, capsys):
+    """The same check where no tmpfs can be mounted: shutil.disk_usage reports 1 KB free."""
+    import pithtrain.rundir as rundir
+    monkeypatch.setattr(rundir.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    assert main(TINY + ["train.steps=4", f"log.run_dir={tmp_path / 'run'}"]) == 2
+    out, err = capsys.readouterr()
+    assert "step      1 |" not in out and "has 1.0 KB free" in err
+
+
+def test_failed_save_removes_its_partial_directory(tmp_path, monkeypatch, capsys):
+    """The disk fills during the save of step 4 (simulated: DCP's write raises ENOSPC after a
+    partial shard), with step 2 committed before."""
+    import errno
+
+    from pithtrain.checkpoint import dcp as ckpt_mod
+    real = ckpt_mod.dcp.save
+
+    def filling(state, storage_writer, **kw):
+        if storage_writer.path.name == ".tmp-step_4":
+            (storage_writer.path / "__0_0.distcp").write_bytes(b"\0" * 1000)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(state, storage_writer=storage_writer, **kw)
+
+    monkeypatch.setattr(ckpt_mod.dcp, "save", filling)
+    run = tmp_path / "run"
+    assert main(TINY + ["train.steps=6", "checkpoint.every=2", f"log.run_dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert "saving step 4 failed" in err and "No space left on device" in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["step_2"]

@@ -71,6 +71,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -389,7 +390,23 @@ class Checkpointer:
         if self._error:
             raise CheckpointError(f"asynchronous save failed: {self._error[0]}") from self._error[0]
         if (c.every and step % c.every == 0) or (last and c.final):
-            self.save(step)
+            try:
+                self.save(step)
+            except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
+                raise self._save_failed(step, e) from None
+
+    def _save_failed(self, step: int, e: BaseException) -> CheckpointError:
+        """A save that failed (a full disk, an I/O error) loses its partial directory: left in
+        place it would keep the disk full, and every restart would fail at the same step."""
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> (error, trace)
+        if failures:
+            e = next(iter(failures.values()))[0]
+        tmp = self.root / f".tmp-step_{step}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        reason = " ".join(f"{type(e).__name__}: {e}".split())
+        return CheckpointError(f"saving step {step} failed ({reason}); removed the partial {tmp}; "
+                               "the previous checkpoint is intact")
 
     def save(self, step: int):
         self.wait()  # one save in flight at a time; the previous commit is done before a new one
@@ -431,6 +448,7 @@ class Checkpointer:
             fut.result()
             self._commit(tmp, step)
         except BaseException as e:  # re-raised on the training thread by wait()/after_step()
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial save keeps its space (_save_failed)
             self._error.append(e)
 
     def wait(self):
