@@ -190,3 +190,31 @@ def test_failed_save_removes_its_partial_directory(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert "saving step 4 failed" in err and "No space left on device" in err and len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["step_2"]
+
+
+# ---------------------------------------------------------------------------------------------
+# A damaged `latest` is ignored out loud
+
+
+@pytest.mark.parametrize("how", ["binary", "directory", "symlink", "outside"])
+def test_damaged_latest_resumes_from_the_newest_valid_checkpoint(run4, tmp_path, capsys, how):
+    run = copy_run(run4, tmp_path)
+    latest = run / "checkpoints" / "latest"
+    latest.unlink()
+    secret = tmp_path / "secret"
+    secret.write_text("step_2 password=hunter2\n")
+    if how == "binary":
+        latest.write_bytes(bytes(range(56, 256)))
+    elif how == "directory":
+        latest.mkdir()
+        (latest / "x").write_text("x")
+    elif how == "symlink":
+        latest.symlink_to(secret)
+    else:
+        latest.write_text("../../../step_2\n")
+    assert main(TINY + ["train.steps=5", f"log.run_dir={run}"]) == 0
+    out = capsys.readouterr().out
+    assert f"ignoring {latest}" in out and "hunter2" not in out
+    assert "resumed from" in out and "step_4 at step 4" in out and "step      5 |" in out
+    assert latest.is_file() and not latest.is_symlink() and latest.read_text() == "step_5\n"
+    assert not (run / "checkpoints" / ".latest.tmp").exists()

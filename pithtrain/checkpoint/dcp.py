@@ -215,15 +215,32 @@ def verify(ckpt: Path) -> dict:
     return manifest
 
 
+def read_latest(root: Path) -> tuple[str | None, str | None]:
+    """(the step_N name `latest` holds, or None; a note when it is there but damaged). Only a
+    regular file holding one step_N name counts: a link, a directory, binary or other text is
+    ignored out loud (and never printed: a link may point at any file)."""
+    path = root / LATEST
+    if not os.path.lexists(path):
+        return None, None
+    why = ("a symbolic link" if path.is_symlink() else None if path.is_file() else "not a regular file")
+    if why is None:
+        with open(path, "rb") as f:
+            text = f.read(64).strip()
+        name = text.decode("ascii", "replace")
+        if step_of(Path(name)) is not None and name == Path(name).name:
+            return name, None
+        why = "not a step_N name"
+    return None, f"ignoring {path} ({why}); choosing the newest valid checkpoint"
+
+
 def find_resumable(root: Path) -> tuple[Path | None, list[str]]:
     """The newest checkpoint under `root` that verifies, and one note per thing skipped or odd."""
-    notes = []
-    latest = root / LATEST
-    pointer = latest.read_text().strip() if latest.is_file() else None
+    pointer, note = read_latest(root)
+    notes = [note] if note else []
     for tmp in sorted(root.glob(".tmp-step_*")) if root.is_dir() else []:
         notes.append(f"ignoring {tmp.name}: a save that did not finish")
     candidates = step_dirs(root)
-    if candidates and pointer != candidates[0].name:
+    if candidates and note is None and pointer != candidates[0].name:
         notes.append(f"{LATEST} names {pointer!r} but {candidates[0].name} is newer "
                      "(the process stopped between commit and pointer update); trying the newest first")
     for c in candidates:
@@ -562,10 +579,12 @@ class Checkpointer:
             self.say(f"removed {tmp.name} (a save that did not finish)")
         # `latest` names the newest checkpoint left, so a later resume is not told of a gap
         kept, pointer = step_dirs(self.root), self.root / LATEST
-        if kept and (not pointer.is_file() or pointer.read_text().strip() != kept[0].name):
+        if pointer.is_dir() and not pointer.is_symlink():  # os.replace cannot write over it
+            self.say(f"set aside the directory {LATEST} -> {self._set_aside(pointer, 'damaged').name}")
+        if kept and read_latest(self.root)[0] != kept[0].name:
             _write_durable(pointer, kept[0].name + "\n")
-        elif not kept:
-            pointer.unlink(missing_ok=True)
+        elif not kept and os.path.lexists(pointer):
+            pointer.unlink()
 
     def load(self, ckpt: Path) -> int:
         """Load a verified checkpoint into model, optimizer, scheduler and RNG; returns its step.
