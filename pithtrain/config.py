@@ -315,7 +315,7 @@ def _suggest(key, options) -> str:
 
 
 def _cross_checks(cfg: Config, fail):
-    from pithtrain.data import DATA_VOCAB_SIZE, read_meta
+    from pithtrain.data import DATA_VOCAB_SIZE, check_token_ids, read_meta
 
     model = cfg.model  # with train.init_from, the checkpoint's (config_from_dict)
     field = ("train.init_from's config.json {}" if cfg.train.init_from else "model.{}").format
@@ -323,9 +323,11 @@ def _cross_checks(cfg: Config, fail):
         fail(field("vocab_size"), f"the byte-level stdlib data needs >= {DATA_VOCAB_SIZE}, got {model.vocab_size}")
     if cfg.data.source == "shards":  # here, before any model is built: ids >= vocab_size crash step 1
         try:
-            vocab = read_meta(cfg.data.path)["vocab_size"]
+            meta = read_meta(cfg.data.path)
+            check_token_ids(cfg.data.path, meta)
         except ConfigError as e:
             fail("data.path", str(e))
+        vocab = meta["vocab_size"]
         if model.vocab_size < vocab:
             fail(field("vocab_size"), f"{model.vocab_size} is smaller than the vocabulary of the token shards "
                                       f"in {cfg.data.path!r} ({vocab}, from meta.json); token ids would "

@@ -218,3 +218,44 @@ def test_damaged_latest_resumes_from_the_newest_valid_checkpoint(run4, tmp_path,
     assert "resumed from" in out and "step_4 at step 4" in out and "step      5 |" in out
     assert latest.is_file() and not latest.is_symlink() and latest.read_text() == "step_5\n"
     assert not (run / "checkpoints" / ".latest.tmp").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Token shards: checked before any model is built
+
+
+def shard_dir(d: Path, data: bytes, tokens: int, dtype="uint16", vocab=258, name="shard_00000.bin") -> Path:
+    d.mkdir()
+    (d / "shard_00000.bin").write_bytes(data)
+    (d / "meta.json").write_text(json.dumps({"dtype": dtype, "vocab_size": vocab,
+                                             "files": [{"name": name, "tokens": tokens}]}))
+    return d
+
+
+def ids(n, high, dtype):
+    import numpy as np
+    return np.random.default_rng(0).integers(1, high, n).astype(dtype)
+
+
+@pytest.mark.parametrize("case,words", [
+    ("oov", ["token id 300 at position 1000 is outside the vocabulary", "vocab_size 258"]),
+    ("uint32_as_uint16", ["looks like uint32 data declared uint16"]),
+    ("traversal", ["'../../../../etc/passwd' is not a plain file name"]),
+    ("absolute", ["'/etc/passwd' is not a plain file name"]),
+])
+def test_bad_token_shards_are_one_line_before_any_model(tmp_path, capsys, case, words):
+    a = ids(4000, 258, "uint16")
+    if case == "oov":
+        a[1000] = 300
+        d = shard_dir(tmp_path / "s", a.tobytes(), len(a))
+    elif case == "uint32_as_uint16":
+        b = ids(4000, 258, "uint32").tobytes()
+        d = shard_dir(tmp_path / "s", b, len(b) // 2)  # sizes agree with the (false) dtype
+    else:
+        victim = "../../../../etc/passwd" if case == "traversal" else "/etc/passwd"
+        d = shard_dir(tmp_path / "s", a.tobytes(), len(a), name=victim)
+    assert main(TINY + ["data.source=shards", f"data.path={d}", f"log.run_dir={tmp_path / 'run'}"]) == 2
+    out, err = capsys.readouterr()
+    assert "kernels:" not in out and not (tmp_path / "run").exists()  # nothing built, nothing written
+    assert all(w in err for w in words), err
+    assert len(err.strip().splitlines()) == 1
