@@ -18,6 +18,7 @@ import os
 import sys
 
 import torch
+from safetensors import SafetensorError
 
 from pithtrain import fp8, kernels
 from pithtrain.checkpoint.dcp import CheckpointError, Checkpointer
@@ -120,8 +121,11 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
 
     if t.init_from:
         from pithtrain.checkpoint import load_hf
-        model = load_hf(t.init_from, device=device, dtype=torch.float32,
-                        aux_loss_coeff=cfg.model.aux_loss_coeff)
+        try:
+            model = load_hf(t.init_from, device=device, dtype=torch.float32,
+                            aux_loss_coeff=cfg.model.aux_loss_coeff)
+        except (OSError, ValueError, KeyError, SafetensorError) as e:  # each names the file
+            raise ConfigError(f"train.init_from: {' '.join(str(e).split())}") from None
         print(f"pithtrain: initialised from Hugging Face checkpoint {t.init_from}", flush=True)
     else:  # build on meta, parallelize, then materialise (below): the same draws on any layout
         model = build_model(cfg.model, init=False)

@@ -259,3 +259,101 @@ def test_bad_token_shards_are_one_line_before_any_model(tmp_path, capsys, case, 
     assert "kernels:" not in out and not (tmp_path / "run").exists()  # nothing built, nothing written
     assert all(w in err for w in words), err
     assert len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Recipes and overrides: one line each, naming what is wrong and where it came from
+
+
+@pytest.mark.parametrize("override,words", [
+    ("model.aux_loss_coeff=.nan", ["model.aux_loss_coeff: expected a finite number, got nan"]),
+    ("model.init_std=.inf", ["model.init_std: expected a finite number, got inf"]),
+    ("model.rope_theta=.nan", ["model.rope_theta: expected a finite number"]),
+    ("model.rms_norm_eps=0", ["model.rms_norm_eps: must be > 0, got 0.0"]),
+    ("model.init_std=-0.02", ["model.init_std: must be > 0"]),
+    ("model.hidden_size=100000000", ["model.hidden_size: expected an integer <= 16777216"]),
+    ("train.steps=many", ["train.steps: expected an integer, got 'many'"]),
+    ("train.lr=[", ["not a YAML value"]),
+])
+def test_bad_override_is_one_line_naming_the_override(override, words):
+    from pithtrain.config import DEFAULT_RECIPE, ConfigError, load_config
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    msg = str(e.value)
+    assert msg.startswith(f"command-line override {override!r}") or msg.startswith(f"override {override!r}"), msg
+    assert all(w in msg for w in words) and str(DEFAULT_RECIPE) not in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("text,words", [
+    (b"train:\n  lr: 1e-3\n  steps: 5\n  lr: 3e-3\n", ["duplicate key 'lr' (line 4)"]),
+    (b"train:\n  steps: 5\ntrain:\n  lr: 1e-3\n", ["duplicate key 'train' (line 3)"]),
+    (b"train:\n  steps: 5 # \xe9t\xe9\n", ["not UTF-8 text (byte 0xe9 at offset 20)"]),
+    (b"model:\n  rope_theta: .nan\n", ["model.rope_theta: expected a finite number, got nan"]),
+])
+def test_bad_recipe_file_is_one_line(tmp_path, capsys, text, words):
+    path = tmp_path / "r.yaml"
+    path.write_bytes(text)
+    assert main([str(path), f"log.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and all(w in err for w in words), err
+    assert len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# train.init_from: every failure one line; paths stay inside, sizes are bounded before allocation
+
+
+@pytest.fixture
+def hub(tmp_path):
+    """A tiny Hugging Face checkpoint directory, written by save_hf (two shards and an index)."""
+    from pithtrain.checkpoint.hf import save_hf
+    from pithtrain.config import load_config
+    from pithtrain.models import build_model
+    model = build_model(load_config(None, TINY).model, "cpu")
+    save_hf(model, tmp_path / "hub", shard_bytes=20_000)
+    assert (tmp_path / "hub" / "model.safetensors.index.json").is_file()
+    return tmp_path / "hub"
+
+
+def edit_json(path: Path, fn):
+    d = json.loads(path.read_text())
+    fn(d)
+    path.write_text(json.dumps(d))
+
+
+def test_init_from_a_good_hub_dir_trains(hub, tmp_path):
+    assert main(TINY + ["train.steps=1", f"train.init_from={hub}", f"log.run_dir={tmp_path / 'run'}"]) == 0
+
+
+@pytest.mark.parametrize("how,words", [
+    ("string_size", ["config.json: hidden_size is the string '32', not a number"]),
+    ("nan_eps", ["config.json: cannot read qwen3_moe config", "rms_norm_eps: expected a finite number"]),
+    ("outside", ["model.safetensors.index.json: weight_map names '../stolen.safetensors', outside"]),
+    ("bad_index", ["model.safetensors.index.json: not a safetensors index"]),
+    ("truncated", ["train.init_from:"]),
+    ("missing_tensor", ["checkpoint does not cover 1 parameters"]),
+    ("huge", ["describes a model of", "GB, more than the"]),
+])
+def test_init_from_failures_are_one_line(hub, tmp_path, capsys, how, words):
+    cfg, index = hub / "config.json", hub / "model.safetensors.index.json"
+    if how == "string_size":
+        edit_json(cfg, lambda d: d.update(hidden_size="32"))
+    elif how == "nan_eps":
+        cfg.write_text(cfg.read_text().replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": NaN'))
+    elif how == "outside":
+        shutil.copy(hub / "model-00001-of-00003.safetensors", tmp_path / "stolen.safetensors")
+        edit_json(index, lambda d: d["weight_map"].update({k: "../stolen.safetensors" for k in d["weight_map"]}))
+    elif how == "bad_index":
+        index.write_text('{"weight_map": [1, 2]}')
+    elif how == "truncated":
+        shard = hub / "model-00001-of-00003.safetensors"
+        shard.write_bytes(shard.read_bytes()[:100])
+    elif how == "missing_tensor":
+        edit_json(index, lambda d: d["weight_map"].pop("model.norm.weight"))
+    else:  # ~4.5e12 parameters: refused before anything is allocated
+        edit_json(cfg, lambda d: d.update(hidden_size=1 << 20, vocab_size=1 << 21))
+    assert main(TINY + ["train.steps=1", "checkpoint.final=false", f"train.init_from={hub}",
+                        f"log.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+    assert len(err.strip().splitlines()) == 1
