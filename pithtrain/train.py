@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="continue from this checkpoint (a step_N dir, or a run dir's newest valid one); "
                         "default: the newest valid checkpoint in log.run_dir, if any")
     g.add_argument("--no-resume", action="store_true", help="start fresh even if log.run_dir has checkpoints")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # flags may sit between overrides
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe:  # only overrides were given
         recipe, overrides = None, [recipe, *overrides]

