@@ -95,7 +95,7 @@ def train_cmd(run, *extra):
 
 def test_second_trainer_on_a_run_dir_exits_naming_the_holder(tmp_path):
     run = tmp_path / "run"
-    first = subprocess.Popen(train_cmd(run, "train.steps=2000", "checkpoint.every=500"), stdout=subprocess.PIPE,
+    first = subprocess.Popen(train_cmd(run, "train.steps=2000", "checkpoint.every=500"), stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True, env=SUB_ENV)
     deadline = time.time() + 120
     while time.time() < deadline and not (run / "metrics.jsonl").is_file():  # training has begun
@@ -105,7 +105,7 @@ def test_second_trainer_on_a_run_dir_exits_naming_the_holder(tmp_path):
                             env=SUB_ENV)
     took = time.time() - t0
     still_running = first.poll() is None
-    out, err = first.communicate(timeout=300)
+    _, err = first.communicate(timeout=300)
     assert still_running and first.returncode == 0, err[-2000:]
     assert second.returncode == 2 and took < 30
     line = second.stderr.strip()
