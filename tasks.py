@@ -51,6 +51,7 @@ def _py(c, args: str, **kw):
 def _gpu(gpu: str) -> str | None:
     if not gpu:
         return None
+    gpu = gpu.lower()  # --gpu=H200 as printed on the box
     try:
         gpu = ap.detect_gpu() if gpu == "auto" else gpu
         ap.target_for(gpu)
@@ -71,11 +72,27 @@ def _runtime(runtime: str, gpu: str | None, dry_run: bool = False) -> str:
         return runtime
     if gpu is None:
         return "native"
-    if not dry_run and not shutil.which("docker"):  # a dry run shows what the appliance would do
-        print("note: docker not found: running natively, not in the pinned image "
-              "(--runtime=docker insists)", file=sys.stderr)
+    why = None if dry_run else _docker_problem()  # a dry run shows what the appliance would do
+    if why:
+        print(f"note: {why}: running natively, not in the pinned image (--runtime=docker insists)",
+              file=sys.stderr)
         return "native"
     return "docker"
+
+
+def _docker_problem() -> str | None:
+    """Why docker cannot run containers here (no CLI, or a CLI whose daemon does not answer), or None."""
+    if not shutil.which("docker"):
+        return "docker not found"
+    try:
+        r = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True,
+                           text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"docker does not answer ({e})"
+    if r.returncode:
+        last = (r.stderr.strip().splitlines() or ["`docker info` failed"])[-1]
+        return f"docker is installed but its daemon does not answer ({last})"
+    return None
 
 
 def _image(gpu: str) -> tuple[str, dict]:
@@ -99,8 +116,9 @@ def _emit(c, lines: list[str], dry_run: bool):
             print(line)
             continue
         if line.split()[0] in ("docker",) or " docker " in line:
-            if not shutil.which("docker"):
-                raise Exit("error: docker is not installed here; use --runtime=native", 2)
+            why = _docker_problem()
+            if why:
+                raise Exit(f"error: {why}; start it or use --runtime=native", 2)
         print(f"+ {line}", file=sys.stderr)
         c.run(line, pty=False)
 
@@ -416,21 +434,26 @@ def setup(c, gpu="auto", registry="", recipe="", model="", set=None, gpus=0, nod
     _emit(c, lines, dry_run)
 
 
-@task(help={"gpu": H_GPU, "network": "give the sandbox a network (default: none)",
-            "dry_run": H_DRY})
-def shell(c, gpu="", network=False, dry_run=False):
+@task(help={"gpu": H_GPU + " (picks the image)", "gpus": "give the sandbox the host's GPUs (default: none)",
+            "network": "give the sandbox a bridge network (default: none)", "dry_run": H_DRY})
+def shell(c, gpu="", gpus=False, network=False, dry_run=False):
     """The agent sandbox: a shell in the pinned image (compose/sandbox.yaml).
 
-    Repository mounted, non-root, read-only root filesystem, no capabilities, no privilege
-    escalation, no network unless --network."""
+    Repository read-only at /workspace, a writable work directory at /work ($PITHTRAIN_SANDBOX_WORK,
+    default runs/sandbox), its own cache volume, non-root, read-only root filesystem, no
+    capabilities, no privilege escalation, pids / memory / CPU limits; GPUs only with --gpus, a
+    network only with --network (never from the environment)."""
     gpu_ = _gpu(gpu)
     if gpu_ is None or os.environ.get("PITHTRAIN_TARGET"):
         raise Exit("error: shell opens the sandbox container: give --gpu, outside the image", 2)
-    env = {"PITHTRAIN_SANDBOX_NETWORK": "bridge"} if network else {}
-    lines = _in_image(gpu_, [], file="sandbox.yaml", service="agent", env=env)
+    service = "agent" + ("-gpu" if gpus else "") + ("-net" if network else "")
+    lines = _in_image(gpu_, [], file="sandbox.yaml", service=service)
     if dry_run:
         print("\n".join(lines))
         return
+    # created here, as this user, so the container's uid can write it (docker would create it as root)
+    (Path(__file__).parent / "compose" / os.environ.get("PITHTRAIN_SANDBOX_WORK", "../runs/sandbox")).mkdir(
+        parents=True, exist_ok=True)
     c.run(lines[0], pty=False)
     os.execvp("bash", ["bash", "-c", lines[1]])  # hand the terminal to the container
 

@@ -239,19 +239,45 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             known = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
             raise ConfigError(f"{path}: no such recipe file (embedded recipes: {known})")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_bytes().decode("utf-8"), _UniqueKeyLoader)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a recipe is a mapping of sections, got {type(raw).__name__}")
     raw = _parallel_shorthand(raw)  # before overrides: `parallel: auto` + parallel.ep=2
+    by_key = {}
     for o in overrides:
-        apply_override(raw, o, str(path))
-    return config_from_dict(raw, source=str(path))
+        apply_override(raw, o)
+        by_key[o.split("=", 1)[0]] = o
+    try:
+        return config_from_dict(raw, source=str(path))
+    except ConfigError as e:  # a value that came from the command line: name the override
+        o = by_key.get(getattr(e, "key", None))
+        if o is None:
+            raise
+        raise ConfigError(f"command-line override {o!r}: {e.key}: {e.detail}") from None
 
 
-def apply_override(raw: dict, override: str, source: str = "<overrides>"):
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, typing.Hashable):
+                continue  # the constructor below names an unhashable key itself
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (line {key_node.start_mark.line + 1})", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def apply_override(raw: dict, override: str):
     if "=" not in override or "." not in override.split("=", 1)[0]:
         raise ConfigError(f"override {override!r}: expected section.key=value, e.g. train.lr=1e-3")
     key, value = override.split("=", 1)
@@ -262,8 +288,11 @@ def apply_override(raw: dict, override: str, source: str = "<overrides>"):
             node[p] = {}
         node = node[p]
         if not isinstance(node, dict):
-            raise ConfigError(f"{source}: override {override!r}: {p} is not a section (it is {node!r})")
-    node[leaf] = yaml.safe_load(value) if value != "" else None
+            raise ConfigError(f"override {override!r}: {p} is not a section (it is {node!r})")
+    try:
+        node[leaf] = yaml.safe_load(value) if value != "" else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {override!r}: not a YAML value: {' '.join(str(e).split())}") from None
 
 
 def config_from_dict(raw: dict, source: str = "<dict>", cross_checks: bool = True) -> Config:
@@ -273,7 +302,9 @@ def config_from_dict(raw: dict, source: str = "<dict>", cross_checks: bool = Tru
     from pithtrain.models import FAMILIES  # the one literal mapping family -> (config, model)
 
     def fail(key, msg):
-        raise ConfigError(f"{source}: {key}: {msg}")
+        e = ConfigError(f"{source}: {key}: {msg}")
+        e.key, e.detail = key, msg  # load_config names a command-line override that set it
+        raise e
 
     raw = _parallel_shorthand(raw)
     allowed = ["model", *SECTIONS]
@@ -334,9 +365,33 @@ def _build(cls, values: dict, section: str, fail, all_classes):
             fail(f"{section}.{k}", f"unknown key{hint} (allowed: {', '.join(fields)})")
         kwargs[k] = _coerce(v, hints[k], f"{section}.{k}", fail)
     obj = cls(**kwargs)
+    if section == "model":
+        check_model_values(obj, lambda key, msg: fail(f"model.{key}", msg))
     if hasattr(obj, "validate"):
         obj.validate(lambda key, msg: fail(f"{section}.{key}", msg))
     return obj
+
+
+MAX_DIM = 1 << 24  # no size or count of a model this trains comes near it; bounds allocation
+MAX_LAYERS = 10_000
+
+
+def check_model_values(cfg, err):
+    """Types and ranges every family shares, checked before anything is allocated (a hub
+    config.json reaches the model without passing `_coerce`): integers are integers within
+    MAX_DIM, floats are finite, and RoPE's base, the norm epsilon and the init std are > 0."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        v, tp = getattr(cfg, f.name), hints[f.name]
+        if tp is int and (isinstance(v, bool) or not isinstance(v, int) or v > MAX_DIM):
+            err(f.name, f"expected an integer <= {MAX_DIM}, got {v!r}")  # lower bounds: validate()
+        if tp is float and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            err(f.name, f"expected a finite number, got {v!r}")  # nan passes every `<` check
+    if cfg.num_layers > MAX_LAYERS:
+        err("num_layers", f"expected at most {MAX_LAYERS}, got {cfg.num_layers}")
+    for k in ("rope_theta", "rms_norm_eps", "init_std"):
+        if not getattr(cfg, k) > 0:
+            err(k, f"must be > 0, got {getattr(cfg, k)}")
 
 
 def _coerce(v, tp, key, fail):
@@ -387,7 +442,7 @@ def _suggest(key, options) -> str:
 
 
 def _cross_checks(cfg: Config, fail):
-    from pithtrain.data import DATA_VOCAB_SIZE, read_meta, tokenizer_fingerprint
+    from pithtrain.data import DATA_VOCAB_SIZE, check_token_ids, read_meta, tokenizer_fingerprint
 
     model = cfg.model  # with train.init_from, the checkpoint's (config_from_dict)
     field = ("train.init_from's config.json {}" if cfg.train.init_from else "model.{}").format
@@ -412,6 +467,7 @@ def _cross_checks(cfg: Config, fail):
             continue
         try:  # here, before any model is built: ids >= vocab_size crash step 1
             meta[key] = read_meta(getattr(cfg.data, key))
+            check_token_ids(getattr(cfg.data, key), meta[key])  # out of vocabulary, dtype, names
         except ConfigError as e:
             fail(f"data.{key}", str(e))
         try:

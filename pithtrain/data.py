@@ -70,8 +70,12 @@ def read_meta(path: str | Path) -> dict:
     if not isinstance(files, list) or not files or not all(
             isinstance(f, dict) and isinstance(f.get("name"), str) and _is_count(f.get("tokens")) for f in files):
         bad('files must be a non-empty list of {"name": shard file, "tokens": count}')
+    if meta["vocab_size"] > np.iinfo(meta["dtype"]).max + 1:
+        bad(f"dtype {meta['dtype']} cannot hold the ids of vocab_size {meta['vocab_size']}")
     itemsize = np.dtype(meta["dtype"]).itemsize
     for f in files:
+        if f["name"] in ("", ".", "..") or Path(f["name"]).name != f["name"] or "\\" in f["name"]:
+            bad(f"shard name {f['name']!r} is not a plain file name in {path} (no directories or '..')")
         fp = path / f["name"]
         if not fp.is_file():
             raise ConfigError(f"{fp}: shard listed in {meta_file} is missing")
@@ -80,6 +84,35 @@ def read_meta(path: str | Path) -> dict:
             raise ConfigError(f"{fp}: truncated or wrong-size shard: {size} bytes, {meta_file} says "
                               f"{f['tokens']} tokens ({expected} bytes)")
     return meta
+
+
+def check_token_ids(path: str | Path, meta: dict, every_s: float = 10.0):
+    """Every id in the shards is < meta's vocab_size, and uint16 data is not uint32 data in
+    disguise (read as uint16, little-endian uint32 ids below 65536 leave every odd element 0).
+    Reads all tokens once (memory-mapped, 64M at a time), with a progress line every `every_s`."""
+    path, vocab = Path(path), meta["vocab_size"]
+    total = sum(f["tokens"] for f in meta["files"])
+    t0 = last = time.monotonic()
+    done, chunk = 0, 1 << 26
+    for f in meta["files"]:
+        if not f["tokens"]:
+            continue
+        a = np.memmap(path / f["name"], dtype=meta["dtype"], mode="r")
+        head = a[:1 << 20]
+        if meta["dtype"] == "uint16" and len(head) >= 64 and not head[1::2].any() and head[0::2].any():
+            raise ConfigError(f"{path / f['name']}: every second uint16 is 0: this looks like uint32 data "
+                              f"declared uint16 in {path / 'meta.json'}; re-create it with `invoke prepare-data`")
+        for start in range(0, len(a), chunk):
+            part = a[start:start + chunk]
+            if int(part.max()) >= vocab:
+                at = start + int(np.argmax(part >= vocab))
+                raise ConfigError(f"{path / f['name']}: token id {int(a[at])} at position {at} is outside "
+                                  f"the vocabulary (vocab_size {vocab} in {path / 'meta.json'})")
+            done += len(part)
+            if time.monotonic() - last >= every_s:
+                last = time.monotonic()
+                print(f"data: checking token ids: {done / 1e6:.0f}M of {total / 1e6:.0f}M "
+                      f"({last - t0:.0f} s)", flush=True)
 
 
 def _is_count(v) -> bool:

@@ -18,6 +18,7 @@ import os
 import sys
 
 import torch
+from safetensors import SafetensorError
 
 from pithtrain import fp8, kernels
 from pithtrain.checkpoint.dcp import CheckpointError, Checkpointer
@@ -33,6 +34,7 @@ from pithtrain.metrics import (StepLog, check_finite, flops_per_token, memory_gb
 from pithtrain.models import build_model
 from pithtrain.models.common import AuxLoss
 from pithtrain.plan import check_launch
+from pithtrain.rundir import claim
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,6 +137,9 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
     dims = ParallelDims.from_config(cfg)  # layout vs WORLD_SIZE and model: fails before any collective
     check_runnable(cfg, device)
     dims.init(device)  # torchrun's process group and the meshes; nothing for one process
+    run_lock = None  # rank 0 locks log.run_dir and checks its storage before anything is built
+    if dims.rank == 0:  # (an error ends rank 0, and torchrun ends the other ranks with it)
+        run_lock = claim(cfg, param_counts(build_model(cfg.model, init=False), cfg.model)[0])
     dtype = compute_dtype(cfg, device)
     torch.manual_seed(cfg.train.seed)
     say = dims.rank == 0
@@ -142,8 +147,11 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
 
     if t.init_from:
         from pithtrain.checkpoint import load_hf
-        model = load_hf(t.init_from, device=device, dtype=torch.float32,  # the recipe's own fields
-                        **{k: getattr(cfg.model, k) for k in RECIPE_MODEL_FIELDS if hasattr(cfg.model, k)})
+        try:
+            model = load_hf(t.init_from, device=device, dtype=torch.float32,
+                            **{k: getattr(cfg.model, k) for k in RECIPE_MODEL_FIELDS if hasattr(cfg.model, k)})
+        except (OSError, ValueError, KeyError, SafetensorError) as e:  # each names the file
+            raise ConfigError(f"train.init_from: {' '.join(str(e).split())}") from None
         print(f"pithtrain: initialised from Hugging Face checkpoint {t.init_from}", flush=True)
     else:  # build on meta, parallelize, then materialise (below): the same draws on any layout
         model = build_model(cfg.model, init=False)
@@ -240,9 +248,13 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
             ckpt.after_step(step + 1)  # saves when due (checkpoint.every, final)
     except BaseException:  # one process: a save of an earlier step still in flight is committed
         ckpt.abort()
+        if run_lock is not None:
+            run_lock.close()
         raise
     ckpt.close()  # an asynchronous save still in flight is finished and committed
     log.close()
+    if run_lock is not None:  # after the last commit: the run dir is ours until then
+        run_lock.close()
     if keep is not None:
         keep["model"] = model
     dims.close()
@@ -264,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="continue from this checkpoint (a step_N dir, or a run dir's newest valid one); "
                         "default: the newest valid checkpoint in log.run_dir, if any")
     g.add_argument("--no-resume", action="store_true", help="start fresh even if log.run_dir has checkpoints")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # flags may sit between overrides
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe:  # only overrides were given
         recipe, overrides = None, [recipe, *overrides]

@@ -37,9 +37,11 @@ exist but none is valid, resume stops with an error listing each problem (use --
 
 Safety: only tensors go through DCP (its non-tensor values are unpickled with weights_only=False,
 so none are written and a checkpoint whose index declares one is refused); hyper-parameters and
-the scheduler state are JSON; DCP's `.metadata` pickle is read with an unpickler that allows only
-DCP's own metadata classes, torch.Size and dtypes. Tensor data itself is read by DCP with
-torch.load(weights_only=True).
+the scheduler state are JSON; DCP's `.metadata` pickle is read with an unpickler that allows an
+exact list of (module, name) pairs (DCP's metadata dataclasses, torch.Size, dtypes; no whole module,
+no dotted name), and the data files it names must lie in the checkpoint directory. Tensor data
+itself is read by DCP with torch.load(weights_only=True). The manifest's hashes catch damage, not
+tampering: whoever can write a checkpoint can rewrite its manifest.
 
 Saving is asynchronous (dcp.async_save: state staged to CPU memory, written by a thread) when
 checkpoint.async_save is set and the run is on CUDA; the commit then runs in a thread on rank 0
@@ -69,7 +71,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 FORMAT = 1
@@ -212,15 +215,32 @@ def verify(ckpt: Path) -> dict:
     return manifest
 
 
+def read_latest(root: Path) -> tuple[str | None, str | None]:
+    """(the step_N name `latest` holds, or None; a note when it is there but damaged). Only a
+    regular file holding one step_N name counts: a link, a directory, binary or other text is
+    ignored out loud (and never printed: a link may point at any file)."""
+    path = root / LATEST
+    if not os.path.lexists(path):
+        return None, None
+    why = ("a symbolic link" if path.is_symlink() else None if path.is_file() else "not a regular file")
+    if why is None:
+        with open(path, "rb") as f:
+            text = f.read(64).strip()
+        name = text.decode("ascii", "replace")
+        if step_of(Path(name)) is not None and name == Path(name).name:
+            return name, None
+        why = "not a step_N name"
+    return None, f"ignoring {path} ({why}); choosing the newest valid checkpoint"
+
+
 def find_resumable(root: Path) -> tuple[Path | None, list[str]]:
     """The newest checkpoint under `root` that verifies, and one note per thing skipped or odd."""
-    notes = []
-    latest = root / LATEST
-    pointer = latest.read_text().strip() if latest.is_file() else None
+    pointer, note = read_latest(root)
+    notes = [note] if note else []
     for tmp in sorted(root.glob(".tmp-step_*")) if root.is_dir() else []:
         notes.append(f"ignoring {tmp.name}: a save that did not finish")
     candidates = step_dirs(root)
-    if candidates and pointer != candidates[0].name:
+    if candidates and note is None and pointer != candidates[0].name:
         notes.append(f"{LATEST} names {pointer!r} but {candidates[0].name} is newer "
                      "(the process stopped between commit and pointer update); trying the newest first")
     for c in candidates:
@@ -236,15 +256,26 @@ def find_resumable(root: Path) -> tuple[Path | None, list[str]]:
 # Reading DCP's .metadata (a pickle) without unpickling arbitrary objects
 
 
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-               ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict")}
+    """Exact (module, name) pairs: DCP's metadata dataclasses, torch.Size, dtypes, layouts. No
+    module is allowed as a whole: protocol 4 resolves dotted names through a module's imports
+    (`metadata` + `os.system`), so anything looser reaches a callable."""
+    ALLOWED = {(_DCP_MD, n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                       "TensorStorageMetadata", "BytesStorageMetadata",
+                                       "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+        ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+        ("pathlib._local", "PosixPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("collections", "OrderedDict")} | {
+        ("torch", n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
 
     def find_class(self, module, name):
-        if ((module, name) in self.ALLOWED or module == "torch.distributed.checkpoint.metadata"
-                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+        if (module, name) in self.ALLOWED:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+        raise pickle.UnpicklingError(f"unsafe: it names {module}.{name}, which is not one of DCP's "
+                                     "metadata classes (refusing to unpickle it: a crafted index can run code)")
 
 
 class SafeReader(FileSystemReader):
@@ -253,8 +284,12 @@ class SafeReader(FileSystemReader):
         try:
             with open(path, "rb") as f:
                 md = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, OSError) as e:
-            raise CheckpointError(f"{path}: not a readable DCP index ({e})") from None
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        except Exception as e:  # truncated or garbage bytes fail in many ways inside pickle
+            raise CheckpointError(f"{path}: not a readable DCP index ({type(e).__name__}: {e})") from None
+        if not isinstance(md, Metadata):
+            raise CheckpointError(f"{path}: not a DCP index (it holds a {type(md).__name__})")
         return md
 
 
@@ -269,6 +304,9 @@ def _check_index(ckpt: Path, keys) -> None:
         if not isinstance(m, TensorStorageMetadata):
             raise CheckpointError(f"{ckpt}: {k!r} is not a tensor; refusing to unpickle it")
     for info in (md.storage_data or {}).values():
+        if not isinstance(info.relative_path, str) or Path(info.relative_path).name != info.relative_path:
+            raise CheckpointError(f"{ckpt}/.metadata: unsafe: names a data file outside the checkpoint "
+                                  f"({info.relative_path!r})")
         if not (ckpt / info.relative_path).is_file():
             raise CheckpointError(f"{ckpt / info.relative_path}: missing (named in .metadata)")
 
@@ -369,7 +407,23 @@ class Checkpointer:
         if self._error:
             raise CheckpointError(f"asynchronous save failed: {self._error[0]}") from self._error[0]
         if (c.every and step % c.every == 0) or (last and c.final):
-            self.save(step)
+            try:
+                self.save(step)
+            except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
+                raise self._save_failed(step, e) from None
+
+    def _save_failed(self, step: int, e: BaseException) -> CheckpointError:
+        """A save that failed (a full disk, an I/O error) loses its partial directory: left in
+        place it would keep the disk full, and every restart would fail at the same step."""
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> (error, trace)
+        if failures:
+            e = next(iter(failures.values()))[0]
+        tmp = self.root / f".tmp-step_{step}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        reason = " ".join(f"{type(e).__name__}: {e}".split())
+        return CheckpointError(f"saving step {step} failed ({reason}); removed the partial {tmp}; "
+                               "the previous checkpoint is intact")
 
     def save(self, step: int):
         self.wait()  # one save in flight at a time; the previous commit is done before a new one
@@ -411,6 +465,7 @@ class Checkpointer:
             fut.result()
             self._commit(tmp, step)
         except BaseException as e:  # re-raised on the training thread by wait()/after_step()
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial save keeps its space (_save_failed)
             self._error.append(e)
 
     def wait(self):
@@ -524,10 +579,12 @@ class Checkpointer:
             self.say(f"removed {tmp.name} (a save that did not finish)")
         # `latest` names the newest checkpoint left, so a later resume is not told of a gap
         kept, pointer = step_dirs(self.root), self.root / LATEST
-        if kept and (not pointer.is_file() or pointer.read_text().strip() != kept[0].name):
+        if pointer.is_dir() and not pointer.is_symlink():  # os.replace cannot write over it
+            self.say(f"set aside the directory {LATEST} -> {self._set_aside(pointer, 'damaged').name}")
+        if kept and read_latest(self.root)[0] != kept[0].name:
             _write_durable(pointer, kept[0].name + "\n")
-        elif not kept:
-            pointer.unlink(missing_ok=True)
+        elif not kept and os.path.lexists(pointer):
+            pointer.unlink()
 
     def load(self, ckpt: Path) -> int:
         """Load a verified checkpoint into model, optimizer, scheduler and RNG; returns its step.

@@ -13,12 +13,15 @@ missing, unknown or of the wrong shape is an error naming the file.
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pithtrain.config import check_model_values
 from pithtrain.models import FAMILIES, build_model, to_empty
 from pithtrain.models.balance import Balance
 from pithtrain.models.common import Rotary
@@ -44,11 +47,20 @@ def read_config(path: Path):
         hf = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_file}: not valid JSON ({e.msg})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{cfg_file}: expected a JSON object, got {type(hf).__name__}")
+    for k, v in hf.items():  # "hidden_size": "4096" would reach comparisons and allocations
+        if isinstance(v, str) and re.fullmatch(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*", v):
+            raise ValueError(f"{cfg_file}: {k} is the string {v!r}, not a number")
     family = family_of(hf, cfg_file)
+    def fail(key, msg):
+        raise ValueError(f"{key}: {msg}")
+
     try:
         cfg = FAMILIES[family].config.from_hf(hf)
-    except (KeyError, ValueError) as e:
-        raise ValueError(f"{cfg_file}: cannot read {family} config: {e}") from None
+        check_model_values(cfg, fail)  # sizes typed and bounded before anything is allocated
+    except (KeyError, ValueError, TypeError) as e:  # TypeError: a size given as a string
+        raise ValueError(f"{cfg_file}: cannot read {family} config: {type(e).__name__}: {e}") from None
     return family, cfg
 
 
@@ -56,8 +68,16 @@ def shard_files(path: Path) -> dict[str, Path]:
     """hub key -> file holding it, from model.safetensors.index.json or a single model.safetensors."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = {f: path / f for f in set(weight_map.values())}
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = set(weight_map.values())
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+        root = path.resolve()
+        for f in names:  # the index may only name files inside the checkpoint directory
+            if not isinstance(f, str) or not (path / f).resolve().is_relative_to(root):
+                raise ValueError(f"{index}: weight_map names {f!r}, outside {path}")
+        files = {f: path / f for f in names}
         for f in files.values():
             if not f.is_file():
                 raise FileNotFoundError(f"{f}: shard listed in {index.name} is missing")
@@ -79,7 +99,9 @@ def load_hf(path: str | Path, device: str | torch.device = "cpu", dtype: torch.d
     for k, v in config_overrides.items():
         setattr(cfg, k, v)
     fam = FAMILIES[family]
-    model = to_empty(build_model(cfg, init=False), device)
+    model = build_model(cfg, init=False)  # on meta: sizes are known before anything is allocated
+    _check_fits(path, sum(p.numel() for p in model.parameters()) * dtype.itemsize, torch.device(device))
+    model = to_empty(model, device)
     model.to(dtype)
     for m in model.modules():  # buffers that are not in checkpoints; RoPE's table stays float32
         if isinstance(m, (Rotary, Balance)):  # (in bf16, cos/sin at position 30000 are off by up to
@@ -120,6 +142,19 @@ def load_hf(path: str | Path, device: str | torch.device = "cpu", dtype: torch.d
     if missing:
         raise ValueError(f"{path}: checkpoint does not cover {len(missing)} parameters, e.g. {missing[:3]}")
     return model
+
+
+def _check_fits(path: Path, nbytes: int, device: torch.device):
+    """The whole model is allocated on `device` (then sharded): refuse what cannot fit."""
+    if device.type == "cuda":
+        have = torch.cuda.mem_get_info(device)[1]
+    elif device.type == "cpu":
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    else:
+        return
+    if nbytes > have:
+        raise ValueError(f"{path / 'config.json'}: describes a model of {nbytes / 1e9:.1f} GB, more than the "
+                         f"{have / 1e9:.1f} GB of {device} it is loaded into")
 
 
 def state_for_export(model: torch.nn.Module) -> dict[str, torch.Tensor]:
