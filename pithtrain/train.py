@@ -21,6 +21,7 @@ import torch
 
 from pithtrain import fp8, kernels
 from pithtrain.checkpoint.dcp import CheckpointError, Checkpointer
+from pithtrain.checkpoint.hf import load_hf_into
 from pithtrain.config import Config, ConfigError, load_config
 from pithtrain.data import build_batches, rows
 from pithtrain.distributed.context_parallel import split_batch
@@ -114,21 +115,19 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
     dtype = compute_dtype(cfg, device)
     torch.manual_seed(cfg.train.seed)
 
-    if t.init_from:
-        from pithtrain.checkpoint import load_hf
-        model = load_hf(t.init_from, device=device, dtype=torch.float32,
-                        aux_loss_coeff=cfg.model.aux_loss_coeff)
-        print(f"pithtrain: initialised from Hugging Face checkpoint {t.init_from}", flush=True)
-    else:  # build on meta, parallelize, then materialise (below): the same draws on any layout
-        model = build_model(cfg.model, init=False)
+    model = build_model(cfg.model, init=False)  # meta: filled after parallelize (below), on any layout
     model.train()
     kernels.configure(t.kernels, device, fp8=t.fp8)
     if dims.rank == 0:
         print(kernels.describe(), flush=True)
     chunks = pipeline.prepare(model, cfg, dims) if dims.pp_enabled else None  # keep this stage's part
     parallelize(model, dims, t, device)  # EP -> CP -> activation checkpointing -> compile -> FSDP
-    if any(p.is_meta for p in model.parameters()):  # CPU draws, block by block, on every layout and
-        materialize(model, build_model(cfg.model, init=False), device, t.seed)  # device: 1 GPU == N GPUs
+    if t.init_from:  # each rank reads only the slices it holds (checkpoint/hf.py)
+        load_hf_into(model, t.init_from, device)
+        if dims.rank == 0:
+            print(f"pithtrain: initialised from Hugging Face checkpoint {t.init_from}", flush=True)
+    else:  # CPU draws, block by block, on every layout and device: 1 GPU == N GPUs
+        materialize(model, build_model(cfg.model, init=False), device, t.seed)
     optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     ckpt = Checkpointer(cfg, model, optimizer, scheduler, device)
