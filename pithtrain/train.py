@@ -20,7 +20,7 @@ import sys
 import torch
 
 from pithtrain import fp8, kernels
-from pithtrain.checkpoint.dcp import CheckpointError, Checkpointer
+from pithtrain.checkpoint.dcp import CheckpointError, Checkpointer, disk_estimate
 from pithtrain.checkpoint.hf import load_hf_into
 from pithtrain.config import Config, ConfigError, load_config
 from pithtrain.data import build_batches, rows
@@ -143,6 +143,8 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
         print(f"pithtrain: {cfg.model.family} {total / 1e6:.2f}M params ({active / 1e6:.2f}M active) | "
               f"device {device} {str(dtype).removeprefix('torch.')} | recipe {cfg.source} | "
               f"run dir {cfg.log.run_dir} | {dims.describe()}", flush=True)
+    if dims.rank == 0 and (disk := disk_estimate(cfg, total)):
+        print(disk, flush=True)
     log = StepLog(cfg.log.run_dir, start, enabled=dims.rank == 0)
     autocast = (torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32
                 else contextlib.nullcontext())
@@ -201,10 +203,22 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
         ckpt.abort()
         raise
     ckpt.close()  # an asynchronous save still in flight is finished and committed
+    if cfg.checkpoint.export_hf and start < t.steps:
+        export_final(cfg)
     if keep is not None:
         keep["model"] = model
     dims.close()
     return history
+
+
+def export_final(cfg: Config):
+    """checkpoint.export_hf: the final checkpoint, as <run_dir>/hf (every rank writes its shards)."""
+    from pathlib import Path
+
+    from pithtrain.checkpoint.dcp import checkpoints_dir
+    from pithtrain.checkpoint.export import export
+    final = checkpoints_dir(cfg.log.run_dir) / f"step_{cfg.train.steps}"
+    export(final, Path(cfg.log.run_dir) / "hf", getattr(torch, cfg.checkpoint.export_dtype))
 
 
 # ---------------------------------------------------------------------------------------------

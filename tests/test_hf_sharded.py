@@ -39,9 +39,10 @@ PROBE = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0
 def hf_config(family: str):
     common = dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                   max_position_embeddings=128)
-    if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**common, intermediate_size=512, num_key_value_heads=2, head_dim=64,
-                                           moe_intermediate_size=384, num_experts=32, num_experts_per_tok=2)
+    if family == "qwen3_moe":  # 8 layers of 16 experts: the largest tensor (12 MB) is 1/12 of the model
+        return transformers.Qwen3MoeConfig(**{**common, "num_hidden_layers": 8}, intermediate_size=512,
+                                           num_key_value_heads=2, head_dim=64, moe_intermediate_size=384,
+                                           num_experts=16, num_experts_per_tok=2)
     if family == "deepseek_v2":
         return transformers.DeepseekV2Config(
             **common, intermediate_size=512, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=None,
@@ -213,3 +214,63 @@ def test_sharded_import_reads_only_its_slices(hubs, layout, monkeypatch):
         assert mb["peak"] < mb["full"] / 2 + SLACK_MB, (layout, rank, fam, mb)
         if "rel_one" in r:  # EP sums a token's experts in another order: float32 rounding only
             assert r["rel_one"] < 1e-5 and r["rel_hf"] < 1e-5, (layout, rank, fam, r)
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming export of a training checkpoint of that model
+
+
+def test_export_streams_shard_by_shard_with_tokenizer(hubs, tmp_path):
+    """A training checkpoint of the imported Qwen3 model (one step at lr 1e-30: the hub's weights
+    to the bit, on token shards prepared with a tokenizer) exports in a fresh process whose peak
+    resident memory grows by less than 3 of the largest float32 tensor + SLACK_MB (DCP reads a
+    tensor's bytes, then copies them; then its converted copy), whatever the shard size: under
+    half the float32 model here. transformers loads the export and gives the original
+    checkpoint's logits; the tokenizer came along."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from pithtrain.config import load_config
+    from pithtrain.train import train
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(["hello world, this is pithtrain"] * 50,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"]))
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    data = tmp_path / "data"
+    data.mkdir()
+    np.random.default_rng(0).integers(0, 300, 5000).astype(np.uint16).tofile(data / "shard_00000.bin")
+    (data / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 300, "tokenizer": str(tmp_path / "tok"),
+                                                "files": [{"name": "shard_00000.bin", "tokens": 5000}]}))
+    run = tmp_path / "run"
+    train(load_config(None, [f"train.init_from={hubs / 'qwen3_moe'}", "train.lr=1e-30", "train.steps=1",
+                             "train.seq_len=16", "train.micro_batch_size=1", "train.warmup_steps=1",
+                             "train.device=cpu", "data.source=shards", f"data.path={data}",
+                             f"log.run_dir={run}"]), resume=False)
+    code = ("import sys\nfrom pithtrain.checkpoint.export import main\n"
+            "st = lambda f: next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(f + ':'))\n"
+            "base = st('VmRSS'); rc = main(sys.argv[1:]); print('MEM', base, st('VmHWM')); sys.exit(rc)")
+    shard_mb = 16
+    out = subprocess.run([sys.executable, "-c", code, "--ckpt", str(run), "--out", str(tmp_path / "hf"),
+                          "--dtype", "float32", "--shard-mb", str(shard_mb)], capture_output=True, text=True,
+                         timeout=300,  # freed buffers go back to the system, as tensors over glibc's
+                         env={**os.environ, "OMP_NUM_THREADS": "1",  # 32 MB dynamic limit always do
+                              "MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    base, hwm = map(int, out.stdout.split("MEM ")[1].split())
+    ref = torch.load(hubs / "qwen3_moe" / "one.pt", mmap=True, weights_only=True)
+    largest = max(p.numel() * 4 for p in ref["params"].values()) / 2 ** 20
+    full = sum(p.numel() * 4 for p in ref["params"].values()) / 2 ** 20
+    grew = (hwm - base) / 1024
+    print(f"export: peak +{grew:.0f} MB (shards {shard_mb} MB, largest tensor {largest:.0f} MB, full fp32 {full:.0f} MB)")
+    assert grew < 3 * largest + SLACK_MB < full / 2 + SLACK_MB, (grew, largest)
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) >= 8
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (tmp_path / "tok" / "tokenizer.json").read_bytes()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+    with torch.no_grad():
+        assert rel(theirs(PROBE).logits, ref["hf_logits"]) < 1e-6

@@ -3,11 +3,15 @@
     model = load_hf("path/to/Qwen3-30B-A3B")           # model(input_ids) -> logits (B, S, V)
     save_hf(model, "out/")                              # transformers.AutoModelForCausalLM loads it
 
-Import streams tensor by tensor: the model is allocated once (on `device`, in `dtype`) and each hub
-tensor is read from its shard, converted by the family's `hf_to_native` (per-expert keys into
-slices of the stacked expert tensors, MXFP4 dequantised) and copied in place, so the checkpoint is
-never held in memory twice. Every parameter element must be written exactly once; anything
-missing, unknown or of the wrong shape is an error naming the file.
+    load_hf_into(meta_model, "path/", device)             # train.init_from: this rank's slices only
+
+Import streams tensor by tensor: the model is allocated once (on `device`, in `dtype`; under
+FSDP / EP / pp only this rank's shard) and each hub tensor, or the rows of it this rank holds, is
+read from its shard, converted by the family's `hf_to_native` (per-expert keys into slices of the
+stacked expert tensors, MXFP4 dequantised) and copied in place, so the checkpoint is never held in
+memory twice. Every parameter element must be written; anything missing, unknown or of the wrong
+shape is an error naming the file. Export of a model in memory is `save_hf`; of a training
+checkpoint, streamed from disk, checkpoint/export.py.
 """
 
 from __future__ import annotations
