@@ -274,3 +274,31 @@ def test_export_streams_shard_by_shard_with_tokenizer(hubs, tmp_path):
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
     with torch.no_grad():
         assert rel(theirs(PROBE).logits, ref["hf_logits"]) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (the lent H200: `pytest -m gpu tests/test_hf_sharded.py`)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fam", FAMS)
+def test_import_onto_the_gpu_allocates_the_model_once(tmp_path, fam):
+    """One GPU: the device holds the float32 model and nothing more than one read piece besides
+    (the old path built the model on the GPU and then copied each whole tensor there)."""
+    from pithtrain.checkpoint.hf import READ_BYTES, load_hf_into
+    from pithtrain.checkpoint.hf import read_config
+    from pithtrain.models import build_model
+
+    ref = make_hub(fam, tmp_path / "hub")
+    with torch.no_grad():
+        theirs = ref(PROBE).logits
+    model = build_model(read_config(tmp_path / "hub")[1], init=False)
+    torch.cuda.reset_peak_memory_stats()
+    load_hf_into(model, tmp_path / "hub", "cuda")
+    size = sum(p.numel() * 4 for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
+    peak = torch.cuda.max_memory_allocated()
+    print(f"{fam}: GPU peak {peak / 2 ** 20:.0f} MB for a {size / 2 ** 20:.0f} MB model")
+    assert peak < size + 2 * READ_BYTES + (8 << 20)
+    with torch.no_grad():
+        assert rel(model.eval()(PROBE.cuda()).cpu(), theirs) < 1e-4
