@@ -175,12 +175,18 @@ class CheckpointConfig:
     keep_last: int = 2
     final: bool = True
     async_save: bool = True  # on CUDA; CPU saves are synchronous
+    weights_only: bool = False  # the final save holds the model alone (hand-off: 1/3 the size, no resume)
+    export_hf: bool = False  # after the final save, write <run_dir>/hf (Hugging Face layout)
+    export_dtype: Literal["bfloat16", "float32"] = "bfloat16"
 
     def validate(self, err):
         if self.every < 0:
             err("every", f"must be >= 0, got {self.every}")
         if self.keep_last < 1:
             err("keep_last", f"must be >= 1, got {self.keep_last}")
+        for k in ("weights_only", "export_hf"):
+            if getattr(self, k) and not self.final:
+                err(k, "acts on the final save; set checkpoint.final=true")
 
 
 @dataclass

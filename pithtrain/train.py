@@ -21,8 +21,9 @@ import torch
 from safetensors import SafetensorError
 
 from pithtrain import fp8, kernels
-from pithtrain.checkpoint.dcp import CheckpointError, Checkpointer
-from pithtrain.config import RECIPE_MODEL_FIELDS, Config, ConfigError, load_config
+from pithtrain.checkpoint.dcp import CheckpointError, Checkpointer, disk_estimate
+from pithtrain.checkpoint.hf import load_hf_into
+from pithtrain.config import Config, ConfigError, load_config
 from pithtrain.data import build_batches, rows
 from pithtrain.distributed.context_parallel import split_batch
 from pithtrain.distributed.parallel_dims import ParallelDims
@@ -145,24 +146,22 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
     say = dims.rank == 0
     building = phase("building the model", say)
 
-    if t.init_from:
-        from pithtrain.checkpoint import load_hf
-        try:
-            model = load_hf(t.init_from, device=device, dtype=torch.float32,
-                            **{k: getattr(cfg.model, k) for k in RECIPE_MODEL_FIELDS if hasattr(cfg.model, k)})
-        except (OSError, ValueError, KeyError, SafetensorError) as e:  # each names the file
-            raise ConfigError(f"train.init_from: {' '.join(str(e).split())}") from None
-        print(f"pithtrain: initialised from Hugging Face checkpoint {t.init_from}", flush=True)
-    else:  # build on meta, parallelize, then materialise (below): the same draws on any layout
-        model = build_model(cfg.model, init=False)
+    model = build_model(cfg.model, init=False)  # meta: filled after parallelize (below), on any layout
     model.train()
     kernels.configure(t.kernels, device, fp8=t.fp8)
     if dims.rank == 0:
         print(kernels.describe(), flush=True)
     chunks = pipeline.prepare(model, cfg, dims) if dims.pp_enabled else None  # keep this stage's part
     parallelize(model, dims, t, device)  # EP -> CP -> activation checkpointing -> compile -> FSDP
-    if any(p.is_meta for p in model.parameters()):  # CPU draws, block by block, on every layout and
-        materialize(model, build_model(cfg.model, init=False), device, t.seed)  # device: 1 GPU == N GPUs
+    if t.init_from:  # each rank reads only the slices it holds (checkpoint/hf.py)
+        try:
+            load_hf_into(model, t.init_from, device)
+        except (OSError, ValueError, KeyError, SafetensorError) as e:  # each names the file
+            raise ConfigError(f"train.init_from: {' '.join(str(e).split())}") from None
+        if dims.rank == 0:
+            print(f"pithtrain: initialised from Hugging Face checkpoint {t.init_from}", flush=True)
+    else:  # CPU draws, block by block, on every layout and device: 1 GPU == N GPUs
+        materialize(model, build_model(cfg.model, init=False), device, t.seed)
     optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     building.done()
@@ -182,6 +181,8 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
         if cfg.data.source == "stdlib" and cfg.model.vocab_size > 1024:
             print(f"pithtrain: WARNING: data.source is 'stdlib' (byte ids 0-257) but the model has "
                   f"{cfg.model.vocab_size} tokens: this run trains on bytes; set data.source=shards", flush=True)
+    if dims.rank == 0 and (disk := disk_estimate(cfg, total)):
+        print(disk, flush=True)
     log = StepLog(cfg.log.run_dir, start, enabled=dims.rank == 0, total_steps=t.steps, cfg=cfg)
     autocast = (torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32
                 else contextlib.nullcontext())
@@ -252,6 +253,8 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
             run_lock.close()
         raise
     ckpt.close()  # an asynchronous save still in flight is finished and committed
+    if cfg.checkpoint.export_hf and start < t.steps:
+        export_final(cfg)
     log.close()
     if run_lock is not None:  # after the last commit: the run dir is ours until then
         run_lock.close()
@@ -259,6 +262,16 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
         keep["model"] = model
     dims.close()
     return history
+
+
+def export_final(cfg: Config):
+    """checkpoint.export_hf: the final checkpoint, as <run_dir>/hf (every rank writes its shards)."""
+    from pathlib import Path
+
+    from pithtrain.checkpoint.dcp import checkpoints_dir
+    from pithtrain.checkpoint.export import export
+    final = checkpoints_dir(cfg.log.run_dir) / f"step_{cfg.train.steps}"
+    export(final, Path(cfg.log.run_dir) / "hf", getattr(torch, cfg.checkpoint.export_dtype))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -368,7 +368,7 @@ def test_export_loads_in_transformers_with_same_logits(ref, tmp_path):
     from pithtrain.checkpoint.export import load_checkpoint_model
 
     out = subprocess.run([sys.executable, "-m", "pithtrain.checkpoint.export", "--ckpt", str(ref),
-                          "--out", str(tmp_path / "hf")], capture_output=True, text=True, timeout=180,
+                          "--out", str(tmp_path / "hf"), "--dtype", "float32"], capture_output=True, text=True, timeout=180,
                          env=SUB_ENV)
     assert out.returncode == 0, out.stderr[-2000:]
     ours = load_checkpoint_model(ref / "checkpoints" / "step_20")

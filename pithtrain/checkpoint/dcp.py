@@ -19,11 +19,16 @@ Layout of `<log.run_dir>/checkpoints/`:
     latest                "step_20": the pointer, replaced (write tmp, fsync, os.replace) last
     .tmp-step_30/         a save in progress (or one that died); never loaded
 
-Commit protocol (rank 0, after every rank's shards are on disk): read back the DCP index, check
-every file it names exists, hash every file into manifest.json, fsync files and directory,
-rename `.tmp-step_N` -> `step_N`, fsync the parent, then replace `latest`, then prune to
-`checkpoint.keep_last`. A crash at any point leaves the previous checkpoint untouched: before the
-rename there is only a .tmp directory, after it a complete, verified one.
+Commit protocol: every rank, once its shards are written, hashes (sha256) and fsyncs the files
+it wrote (its `__R_*.distcp`; rank 0 also the index, trainer and recipe) into
+`.hashes-rankR.json`, all ranks at once (hash_own_files). Then rank 0 reads back the DCP index,
+checks every file it names exists, merges the ranks' hashes into manifest.json (every file of the
+directory must be in it), fsyncs the directory, renames `.tmp-step_N` -> `step_N`, fsyncs the
+parent, then replaces `latest`, then prunes to `checkpoint.keep_last`. A crash at any point leaves
+the previous checkpoint untouched: before the rename there is only a .tmp directory, after it a
+complete, verified one. Resume verifies the same way: rank 0 names each candidate, every rank
+hashes a share of its files (largest first, dealt round robin), and the first damaged file any
+rank finds is named on all.
 
 Resume policy (decided here, printed every time, never silent): candidates are the `step_N`
 directories, newest first (`latest` is written last and normally names the newest; a newer
@@ -107,17 +112,18 @@ def step_dirs(root: Path) -> list[Path]:
     return sorted(found, key=step_of, reverse=True)
 
 
-def resolve(path: str | Path) -> Path:
+def resolve(path: str | Path, check=None) -> Path:
     """A checkpoint directory from what a user may pass: a step dir, a checkpoints dir or a run dir
-    (the last two: the newest valid checkpoint in it, skipped ones printed)."""
-    path = Path(path)
+    (the last two: the newest valid checkpoint in it, skipped ones printed). `check` verifies one
+    (Checkpointer._verify: every rank hashes a share)."""
+    path, check = Path(path), check or verify
     if not path.exists():
         raise CheckpointError(f"{path}: does not exist")
     if (path / MANIFEST).is_file() or (path / ".metadata").is_file():
-        verify(path)
+        check(path)
         return path
     root = path if step_dirs(path) else checkpoints_dir(path)
-    found, notes = find_resumable(root)
+    found, notes = find_resumable(root, check)
     for n in notes:
         print(f"checkpoint: {n}", flush=True)
     if found is None:
@@ -158,9 +164,9 @@ def _write_durable(path: Path, text: str):
     _fsync_dir(path.parent)
 
 
-def _progress(ckpt: Path, what: str, total: int, every_s: float = 10.0):
+def _progress(ckpt: Path, what: str, total: int, every_s: float = 10.0, quiet: bool = False):
     """`done(nbytes)` after each file: a line every `every_s` seconds while hashing, which takes
-    minutes for a checkpoint of hundreds of GB on one rank (the others wait on it)."""
+    minutes for a checkpoint of hundreds of GB (each rank hashes its share; rank 0 speaks)."""
     t0 = last = time.monotonic()
     seen = 0
 
@@ -168,27 +174,69 @@ def _progress(ckpt: Path, what: str, total: int, every_s: float = 10.0):
         nonlocal last, seen
         seen += nbytes
         now = time.monotonic()
-        if now - last >= every_s and seen < total:
+        if now - last >= every_s and seen < total and not quiet:
             last = now
             print(f"checkpoint: {what} {ckpt.name}: {seen / 1e9:.1f} of {total / 1e9:.1f} GB hashed "
                   f"({now - t0:.0f} s)", flush=True)
     return done
 
 
-def write_manifest(ckpt: Path, step: int):
-    files = sorted(p for p in ckpt.iterdir() if p.is_file() and p.name != MANIFEST)
+def own_files(ckpt: Path, rank: int) -> list[Path]:
+    """The files rank `rank` wrote into a checkpoint: its DCP shards (`__R_*.distcp`, R its rank in
+    the save's group, as FileSystemWriter names them); rank 0 also the index, trainer and recipe."""
+    mine = sorted(ckpt.glob(f"__{rank}_*"))
+    if rank == 0:  # named, not listed: other ranks' hash files appear meanwhile
+        mine += [ckpt / n for n in (".metadata", TRAINER, RECIPE) if (ckpt / n).is_file()]
+    return mine
+
+
+def hash_own_files(ckpt: Path, rank: int, world: int) -> None:
+    """Each rank, after its shards are written: size + sha256 (and fsync) of its own files, into
+    `.hashes-rank{R}.json`, which the commit merges into the manifest. Every rank hashes at once,
+    so the time is that of one rank's share (~1/world of the checkpoint), not the whole."""
+    files = own_files(ckpt, rank)
     sizes = {p.name: p.stat().st_size for p in files}
-    done = _progress(ckpt, "committing", sum(sizes.values()))
+    done = _progress(ckpt, f"committing (rank {rank} of {world}, {len(files)} files)", sum(sizes.values()),
+                     quiet=rank != 0)
     entries = {}
     for p in files:
         entries[p.name] = {"size": sizes[p.name], "sha256": _sha256(p, sync=True)}
         done(sizes[p.name])
+    _write_durable(ckpt / f".hashes-rank{rank}.json", json.dumps(entries))
+
+
+def write_manifest(ckpt: Path, step: int, world: int = 1, timeout_s: float = 3600.0):
+    """Rank 0: merge every rank's `.hashes-rank{R}.json` (waiting for ranks still hashing, as an
+    asynchronous save's do) into manifest.json; every file of the checkpoint must be in it."""
+    parts, deadline = [ckpt / f".hashes-rank{r}.json" for r in range(world)], time.monotonic() + timeout_s
+    while not all(p.is_file() for p in parts):
+        if time.monotonic() > deadline:
+            missing = [p.name for p in parts if not p.is_file()]
+            raise CheckpointError(f"{ckpt}: ranks did not hash their files within {timeout_s:.0f} s ({missing})")
+        time.sleep(0.05)
+    entries = {}
+    for p in parts:
+        entries.update(json.loads(p.read_text()))
+    files = {p.name for p in ckpt.iterdir() if p.is_file() and p.name != MANIFEST and p not in parts}
+    if files != set(entries):
+        raise CheckpointError(f"{ckpt}: files hashed by no rank: {sorted(files - set(entries))}")
     _write_durable(ckpt / MANIFEST, json.dumps({"format": FORMAT, "step": step, "files": entries}, indent=1))
+    for p in parts:
+        p.unlink()
 
 
-def verify(ckpt: Path) -> dict:
+def _share(files: dict, rank: int, world: int) -> list[str]:
+    """This rank's files to hash at verification: largest first, dealt round robin (the same deal
+    on every rank, from the manifest alone)."""
+    order = sorted(files, key=lambda n: (-int(files[n]["size"]), n))
+    return order[rank::world]
+
+
+def verify(ckpt: Path, rank: int = 0, world: int = 1) -> dict:
     """Check every file against manifest.json (size first: a truncated file is named as such,
-    then sha256); returns the manifest. Files not in the manifest are printed, not loaded."""
+    then sha256); returns the manifest. With `world` > 1 this rank hashes its share only (the
+    caller combines the ranks' verdicts: Checkpointer._verify). Files not in the manifest are
+    printed, not loaded."""
     mpath = ckpt / MANIFEST
     if not mpath.is_file():
         raise CheckpointError(f"{mpath}: missing: the checkpoint was never committed (incomplete save)")
@@ -198,7 +246,6 @@ def verify(ckpt: Path) -> dict:
         total = sum(int(w["size"]) for w in files.values())
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from None
-    done = _progress(ckpt, "verifying", total)
     for name, want in files.items():
         p = ckpt / name
         if not p.is_file():
@@ -206,11 +253,16 @@ def verify(ckpt: Path) -> dict:
         size = p.stat().st_size
         if size != want["size"]:
             raise CheckpointError(f"{p}: truncated or overwritten: {size} bytes, manifest says {want['size']}")
-        if _sha256(p) != want["sha256"]:
-            raise CheckpointError(f"{p}: corrupt: sha256 does not match {MANIFEST}")
-        done(size)
+    share = _share(files, rank, world)
+    what = "verifying" if world == 1 else f"verifying (rank {rank} of {world})"
+    done = _progress(ckpt, what, sum(int(files[n]["size"]) for n in share) if world > 1 else total,
+                     quiet=rank != 0)
+    for name in share:
+        if _sha256(ckpt / name) != files[name]["sha256"]:
+            raise CheckpointError(f"{ckpt / name}: corrupt: sha256 does not match {MANIFEST}")
+        done(int(files[name]["size"]))
     extra = sorted(p.name for p in ckpt.iterdir() if p.name not in files and p.name != MANIFEST)
-    if extra:
+    if extra and rank == 0:
         print(f"checkpoint: {ckpt}: ignoring files not in the manifest: {', '.join(extra)}", flush=True)
     return manifest
 
@@ -233,8 +285,8 @@ def read_latest(root: Path) -> tuple[str | None, str | None]:
     return None, f"ignoring {path} ({why}); choosing the newest valid checkpoint"
 
 
-def find_resumable(root: Path) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint under `root` that verifies, and one note per thing skipped or odd."""
+def find_resumable(root: Path, check=verify) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under `root` that verifies (`check`), and one note per thing skipped or odd."""
     pointer, note = read_latest(root)
     notes = [note] if note else []
     for tmp in sorted(root.glob(".tmp-step_*")) if root.is_dir() else []:
@@ -245,7 +297,7 @@ def find_resumable(root: Path) -> tuple[Path | None, list[str]]:
                      "(the process stopped between commit and pointer update); trying the newest first")
     for c in candidates:
         try:
-            verify(c)
+            check(c)
             return c, notes
         except CheckpointError as e:
             notes.append(f"skipping {c.name}: {e}")
@@ -389,10 +441,11 @@ class Checkpointer:
             rng[f"rank{r}.cuda"] = torch.cuda.get_rng_state(self.device)
         return rng
 
-    def _state(self):
-        """(DCP state: tensors only, trainer state: JSON-able)."""
+    def _state(self, weights_only: bool = False):
+        """(DCP state: tensors only, trainer state: JSON-able). weights_only: the model alone."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        tensors = {"model": model_sd, "optim": optim_sd["state"], "rng": self._rng_keys()}
+        tensors = ({"model": model_sd} if weights_only else
+                   {"model": model_sd, "optim": optim_sd["state"], "rng": self._rng_keys()})
         trainer = {"format": FORMAT, "world_size": _world(),
                    "scheduler": self.scheduler.state_dict(),
                    "optimizer_param_groups": optim_sd["param_groups"],
@@ -432,9 +485,11 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save that died
             tmp.mkdir(parents=True)
         self._barrier()
-        tensors, trainer = self._state()
+        weights_only = self.cfg.checkpoint.weights_only and step == self.cfg.train.steps
+        tensors, trainer = self._state(weights_only)
         if self.rank == 0:
             trainer["step"] = step
+            trainer["weights_only"] = weights_only
             trainer["saved_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
             try:
                 text = json.dumps(trainer, indent=1)
@@ -448,14 +503,16 @@ class Checkpointer:
                 fut = dcp.async_save(tensors, storage_writer=writer, process_group=self.pg,
                                      no_dist=self.pg is None)
             fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse with async staging
-            thread = None
-            if self.rank == 0:  # rank 0's future ends after every rank's write results are in
-                thread = threading.Thread(target=self._finish_async, args=(fut, tmp, step), daemon=True)
-                thread.start()
+            # every rank hashes its files once written; rank 0's future ends after every rank's
+            # write results are in, and its commit waits for the other ranks' hashes
+            thread = threading.Thread(target=self._finish_async, args=(fut, tmp, step), daemon=True)
+            thread.start()
             self._pending = (fut, thread)
         else:
             with _quiet():
                 dcp.save(tensors, storage_writer=writer, process_group=self.pg, no_dist=self.pg is None)
+            hash_own_files(tmp, self.rank, _world())  # every rank its own files, at the same time
+            self._barrier()
             if self.rank == 0:
                 self._commit(tmp, step)
             self._barrier()
@@ -463,7 +520,9 @@ class Checkpointer:
     def _finish_async(self, fut, tmp: Path, step: int):
         try:
             fut.result()
-            self._commit(tmp, step)
+            hash_own_files(tmp, self.rank, _world())
+            if self.rank == 0:
+                self._commit(tmp, step)
         except BaseException as e:  # re-raised on the training thread by wait()/after_step()
             shutil.rmtree(tmp, ignore_errors=True)  # a partial save keeps its space (_save_failed)
             self._error.append(e)
@@ -504,7 +563,7 @@ class Checkpointer:
         if os.environ.get(CRASH_HOOK) == str(step):
             os._exit(70)  # test hook: die with the shards written and nothing committed
         _check_index(tmp, [])  # the index reads back and every shard it names exists
-        write_manifest(tmp, step)
+        write_manifest(tmp, step, _world())  # every rank's hashes, merged
         _fsync_dir(tmp)
         final = self.root / f"step_{step}"
         if final.exists():  # a second save of the same step: keep the old one until the new is in place
@@ -537,6 +596,12 @@ class Checkpointer:
                 found = self._choose(resume)
             except Exception as e:  # every rank must learn of it, or the others wait forever
                 error = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+            finally:
+                self._bcast(None)  # no more checkpoints to verify
+        else:  # rank 0 decides; every rank hashes a share of each candidate it names
+            while (candidate := self._bcast(None)) is not None:
+                with contextlib.suppress(CheckpointError):
+                    self._verify(Path(candidate))
         found, error = self._bcast((str(found) if found else None, error))
         if error:
             raise CheckpointError(error)
@@ -550,14 +615,34 @@ class Checkpointer:
             self.say(f"nothing left to train: train.steps is {self.cfg.train.steps} (raise it to continue)")
         return step
 
+    def _verify_from_rank0(self, ckpt: Path):
+        self._bcast(str(ckpt))  # the other ranks, waiting in resume(), verify it with rank 0
+        self._verify(ckpt)
+
+    def _verify(self, ckpt: Path):
+        """Every rank hashes its share of `ckpt` at once; the first problem any rank found is
+        raised on every rank (it names the file)."""
+        error = None
+        try:
+            verify(ckpt, self.rank, _world())
+        except (CheckpointError, OSError) as e:  # every rank must reach the all_gather
+            error = str(e)
+        if self.pg is not None:
+            errors = [None] * _world()
+            dist.all_gather_object(errors, error, group=self.pg)
+            error = next((e for e in errors if e), None)
+        if error:
+            raise CheckpointError(error)
+
     def _choose(self, resume) -> Path | None:
         if resume is False:
             if step_dirs(self.root):
                 self.say(f"--no-resume: starting fresh; existing checkpoints in {self.root} are set aside")
             return None
+        check = self._verify_from_rank0
         if resume is not True:
-            return resolve(resume)  # exactly what was asked for: a damaged one is an error
-        found, notes = find_resumable(self.root)
+            return resolve(resume, check)  # exactly what was asked for: a damaged one is an error
+        found, notes = find_resumable(self.root, check)
         for n in notes:
             self.say(n)
         if found is None and step_dirs(self.root):
@@ -590,6 +675,10 @@ class Checkpointer:
         """Load a verified checkpoint into model, optimizer, scheduler and RNG; returns its step.
         Works across parallel layouts: DCP reads the chunks each rank's (D)Tensors need."""
         trainer = json.loads((ckpt / TRAINER).read_text())
+        if trainer.get("weights_only"):
+            raise CheckpointError(f"{ckpt}: saved with checkpoint.weights_only (the model alone, no optimizer "
+                                  "state): it cannot resume a run; export it, or train from it with train.init_from "
+                                  "after `python -m pithtrain.checkpoint.export`")
         self._compare_recipe(ckpt)
         tensors, _ = self._state()  # current (sharded) tensors: DCP loads into them in place
         md_keys = SafeReader(ckpt).read_metadata().state_dict_metadata
@@ -658,3 +747,32 @@ def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
     with _quiet():
         dcp.load(sd, storage_reader=SafeReader(ckpt), no_dist=True)
     set_model_state_dict(model, sd["model"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Disk: what the run's checkpoints will take, said at start-up
+
+
+def disk_estimate(cfg, n_params: int) -> str | None:
+    """A line for the start-up log: bytes per save (float32 weights and AdamW's two moments: 12
+    bytes a parameter), the peak (keep_last committed saves + the one being written in .tmp, +
+    the final export), and the free space of log.run_dir's filesystem, with a warning when less."""
+    c, steps = cfg.checkpoint, cfg.train.steps
+    saves = (steps // c.every if c.every else 0) + (1 if c.final and not (c.every and steps % c.every == 0) else 0)
+    if saves == 0:
+        return None
+    per_save = 12 * n_params
+    peak = (min(c.keep_last, saves - 1) + 1) * per_save
+    if c.export_hf:
+        peak += n_params * (2 if c.export_dtype == "bfloat16" else 4)
+    where = Path(cfg.log.run_dir).absolute()
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    line = (f"checkpoint: {per_save / 1e9:.2f} GB per save (float32 weights + AdamW moments), peak "
+            f"{peak / 1e9:.2f} GB on disk with keep_last={c.keep_last} and the save being written"
+            f"{' and the export' if c.export_hf else ''}; {free / 1e9:.1f} GB free at {where}")
+    if free < peak:
+        line += (f"\nwarning: the run directory's filesystem has {free / 1e9:.1f} GB free, less than the "
+                 f"{peak / 1e9:.2f} GB its checkpoints will take (lower checkpoint.keep_last or free space)")
+    return line

@@ -1,38 +1,189 @@
 """Export a training checkpoint to Hugging Face safetensors (config.json + model*.safetensors).
 
-    python -m pithtrain.checkpoint.export --ckpt runs/default --out hf/        # newest valid checkpoint
-    python -m pithtrain.checkpoint.export --ckpt runs/default/checkpoints/step_300 --out hf/ --dtype bfloat16
+    python -m pithtrain.checkpoint.export --ckpt runs/default --out hf/         # newest valid, bf16
+    python -m pithtrain.checkpoint.export --ckpt runs/default/checkpoints/step_300 --out hf/ --dtype float32
+    torchrun --nproc-per-node 8 -m pithtrain.checkpoint.export --ckpt runs/qwen3-30b --out hf/
 
 --ckpt takes a step_N directory, a run's checkpoints/ directory or a run directory. The checkpoint is
-verified against its manifest, the model is rebuilt from the recipe saved with it, its weights are
-loaded in one process whatever layout saved them (DCP reshards), and `save_hf` writes the hub layout
-that transformers.AutoModelForCausalLM.from_pretrained reads.
+verified against its manifest (under torchrun every rank hashes a share), the model is built from
+the recipe saved with it on the meta device (no memory, no random init), and the weights stream
+tensor by tensor: each native tensor is read alone from the sharded checkpoint (DCP reads the
+chunks of it whatever layout saved them), converted to the hub layout and dtype, and written into
+its output shard file as it comes (the header first: the shard plan is made from the shapes, so
+every rank knows every file name and the index before any read). Host memory: one float32
+tensor (read) and its converted copy, whatever the shard size. Under torchrun rank r writes
+shards r, r + world, ...
+Tokenizer files are copied from the run's data (data.path/meta.json's "tokenizer" directory) when
+it has one and it is still there.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
+import shutil
+import struct
 import sys
+import time
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import yaml
 
-from pithtrain.checkpoint.dcp import RECIPE, CheckpointError, load_model_weights, resolve
-from pithtrain.checkpoint.hf import save_hf
+from pithtrain.checkpoint.dcp import RECIPE, CheckpointError, SafeReader, _check_index, _quiet, resolve, verify
+from pithtrain.checkpoint.hf import SHARD_BYTES, state_for_export
 from pithtrain.config import ConfigError, config_from_dict
-from pithtrain.models import build_model
+from pithtrain.models import FAMILIES, build_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+
+
+def checkpoint_recipe(path: Path):
+    """The run's config from the recipe saved with a checkpoint. Only the model section is
+    checked: the others name paths of the training machine (data shards, init_from) that need
+    not exist where the export runs."""
+    saved = yaml.safe_load((path / RECIPE).read_text())
+    return config_from_dict({"model": saved["model"]}, source=str(path / RECIPE), cross_checks=False), saved
 
 
 def load_checkpoint_model(ckpt) -> torch.nn.Module:
-    """The model of a verified training checkpoint, on CPU in float32 (the master weights)."""
+    """The model of a verified training checkpoint, on CPU in float32 (the master weights),
+    whole in memory: for evaluation and tests; export streams instead."""
+    from pithtrain.checkpoint.dcp import load_model_weights
     path = resolve(ckpt)
-    saved = yaml.safe_load((path / RECIPE).read_text())
-    # Only the model section matters here; the others name paths of the training machine (data
-    # shards, init_from) that need not exist where the export runs, so no cross-checks with them.
-    cfg = config_from_dict({"model": saved["model"]}, source=str(path / RECIPE), cross_checks=False)
-    model = build_model(cfg.model, "cpu")
+    model = build_model(checkpoint_recipe(path)[0].model, "cpu")  # initialised: RoPE's table is no checkpoint tensor
     load_model_weights(path, model)
     return model.eval()
+
+
+def plan_shards(model: torch.nn.Module, dtype: torch.dtype, shard_bytes: int) -> list[list[str]]:
+    """Native parameter names per output shard, from the meta model's shapes: a shard takes
+    tensors until the next would pass shard_bytes (the hub tensors of one native tensor stay
+    together, so a shard is larger only when one native tensor is)."""
+    fam, cfg = FAMILIES[model.cfg.family], model.cfg
+    shards, current, size = [], [], 0
+    for name, t in state_for_export(model).items():
+        nbytes = sum(v.numel() for _, v in fam.native_to_hf(cfg, name, t)) * dtype.itemsize
+        if current and size + nbytes > shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}
+
+
+def write_streaming(path: Path, layout: list[tuple[str, tuple]], dtype: torch.dtype, tensors):
+    """A safetensors file written as its tensors come: the header (from `layout`, (key, shape) in
+    order) first, then each tensor of the iterator `tensors` ((key, value) in the same order).
+    safetensors' save_file needs the whole shard in memory twice (dict + serialised bytes);
+    this needs one tensor."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for key, shape in layout:
+        n = math.prod(shape) * dtype.itemsize
+        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for (key, shape), (got, value) in zip(layout, tensors, strict=True):
+            if got != key or tuple(value.shape) != tuple(shape):
+                raise AssertionError(f"{path.name}: {got} {tuple(value.shape)} where the header has {key} {shape}")
+            f.write(value.to(dtype).contiguous().view(torch.uint8).numpy())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def copy_tokenizer(saved_recipe: dict, out: Path) -> str:
+    """Copy the tokenizer files of the run's data, if it had one; returns what was done."""
+    data = saved_recipe.get("data") or {}
+    meta = Path(data["path"]) / "meta.json" if data.get("source") == "shards" and data.get("path") else None
+    if meta is None:
+        return "no tokenizer (the run trained on stdlib bytes)"
+    if not meta.is_file():
+        return f"no tokenizer copied: {meta} is not here"
+    tok = json.loads(meta.read_text()).get("tokenizer")
+    src = Path(tok) if tok else None
+    if src is None or not src.is_dir():
+        return f"no tokenizer copied: {meta} names no tokenizer directory that exists here ({tok!r})"
+    copied = [f for f in TOKENIZER_FILES if (src / f).is_file()]
+    for f in copied:
+        shutil.copyfile(src / f, out / f)
+    return f"tokenizer from {src} ({', '.join(copied)})"
+
+
+@torch.no_grad()
+def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write `ckpt` (verified) as a Hugging Face checkpoint into `out`; every rank calls it."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    path = resolve(ckpt, check=lambda c: _verify_shared(c, rank, world))
+    cfg, saved = checkpoint_recipe(path)
+    model = build_model(cfg.model, init=False)  # meta: names, shapes, tied head
+    fam, mcfg = FAMILIES[model.cfg.family], model.cfg
+    out = Path(out)
+    state = state_for_export(model)
+    _check_index(path, [f"model.{n}" for n in state])
+    shards = plan_shards(model, dtype, shard_bytes)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        for old in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+            old.unlink(missing_ok=True)  # transformers would load a stale file next to the new index
+    if world > 1:
+        dist.barrier()
+    t0 = time.monotonic()
+    def hub_tensors(names):  # one native tensor in memory at a time, read from the checkpoint
+        for name in names:
+            one = {f"model.{name}": torch.empty(state[name].shape, dtype=torch.float32)}
+            with _quiet():
+                dcp.load(one, storage_reader=SafeReader(path), no_dist=True)
+            yield from fam.native_to_hf(mcfg, name, one.pop(f"model.{name}"))
+
+    for i in range(rank, len(shards), world):
+        layout = [(key, tuple(v.shape)) for n in shards[i] for key, v in fam.native_to_hf(mcfg, n, state[n])]
+        write_streaming(out / names[i], layout, dtype, hub_tensors(shards[i]))
+        if rank == 0:
+            print(f"export: wrote {names[i]} ({i + 1} of {len(shards)}, {time.monotonic() - t0:.0f} s)", flush=True)
+    if world > 1:
+        dist.barrier()
+    if rank == 0:
+        dt = str(dtype).removeprefix("torch.")
+        (out / "config.json").write_text(json.dumps({**mcfg.to_hf(), "torch_dtype": dt, "dtype": dt}, indent=2))
+        if len(shards) > 1:
+            meta_state = {key: v for n in state for key, v in fam.native_to_hf(mcfg, n, state[n])}
+            weight_map = {key: names[i] for i, s in enumerate(shards) for n in s
+                          for key, _ in fam.native_to_hf(mcfg, n, state[n])}
+            total = sum(v.numel() for v in meta_state.values()) * dtype.itemsize
+            (out / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        print(f"export: {copy_tokenizer(saved, out)}", flush=True)
+    return out
+
+
+def _verify_shared(ckpt: Path, rank: int, world: int):
+    """Every rank hashes its share; the first problem any rank found is raised on all."""
+    error = None
+    try:
+        verify(ckpt, rank, world)
+    except (CheckpointError, OSError) as e:
+        error = str(e)
+    if world > 1:
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise CheckpointError(error)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,15 +191,24 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="step_N dir, checkpoints dir or run dir")
     p.add_argument("--out", required=True, help="output directory (Hugging Face layout)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--shard-mb", type=int, default=SHARD_BYTES >> 20, help="output shard size (MB)")
     args = p.parse_args(argv)
+    if args.shard_mb < 1:
+        p.error("--shard-mb must be >= 1")
+    torchrun = int(os.environ.get("WORLD_SIZE", 1)) > 1
+    if torchrun and not dist.is_initialized():  # files only: gloo is enough, on any machine
+        dist.init_process_group("gloo")
     try:
-        model = load_checkpoint_model(args.ckpt)
+        export(args.ckpt, args.out, getattr(torch, args.dtype), args.shard_mb << 20)
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    save_hf(model, args.out, dtype=getattr(torch, args.dtype))
-    print(f"export: wrote {args.out} ({args.dtype})", flush=True)
+    finally:
+        if torchrun:
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"export: wrote {args.out} ({args.dtype})", flush=True)
     return 0
 
 

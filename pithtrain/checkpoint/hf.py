@@ -3,11 +3,15 @@
     model = load_hf("path/to/Qwen3-30B-A3B")           # model(input_ids) -> logits (B, S, V)
     save_hf(model, "out/")                              # transformers.AutoModelForCausalLM loads it
 
-Import streams tensor by tensor: the model is allocated once (on `device`, in `dtype`) and each hub
-tensor is read from its shard, converted by the family's `hf_to_native` (per-expert keys into
-slices of the stacked expert tensors, MXFP4 dequantised) and copied in place, so the checkpoint is
-never held in memory twice. Every parameter element must be written exactly once; anything
-missing, unknown or of the wrong shape is an error naming the file.
+    load_hf_into(meta_model, "path/", device)             # train.init_from: this rank's slices only
+
+Import streams tensor by tensor: the model is allocated once (on `device`, in `dtype`; under
+FSDP / EP / pp only this rank's shard) and each hub tensor, or the rows of it this rank holds, is
+read from its shard, converted by the family's `hf_to_native` (per-expert keys into slices of the
+stacked expert tensors, MXFP4 dequantised) and copied in place, so the checkpoint is never held in
+memory twice. Every parameter element must be written; anything missing, unknown or of the wrong
+shape is an error naming the file. Export of a model in memory is `save_hf`; of a training
+checkpoint, streamed from disk, checkpoint/export.py.
 """
 
 from __future__ import annotations
@@ -15,11 +19,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from pithtrain.config import check_model_values
 from pithtrain.models import FAMILIES, build_model, to_empty
@@ -27,6 +35,7 @@ from pithtrain.models.balance import Balance
 from pithtrain.models.common import Rotary
 
 SHARD_BYTES = 4 << 30  # export shard size
+READ_BYTES = 8 << 20  # import: rows of a hub tensor read and converted at a time (float32 size)
 
 
 def family_of(config_json: dict, source: Path) -> str:
@@ -98,47 +107,152 @@ def load_hf(path: str | Path, device: str | torch.device = "cpu", dtype: torch.d
     family, cfg = read_config(path)
     for k, v in config_overrides.items():
         setattr(cfg, k, v)
-    fam = FAMILIES[family]
-    model = build_model(cfg, init=False)  # on meta: sizes are known before anything is allocated
+    model = build_model(cfg, init=False).to(dtype)  # meta: no memory until load_hf_into
     _check_fits(path, sum(p.numel() for p in model.parameters()) * dtype.itemsize, torch.device(device))
-    model = to_empty(model, device)
-    model.to(dtype)
-    for m in model.modules():  # buffers that are not in checkpoints; RoPE's table stays float32
-        if isinstance(m, (Rotary, Balance)):  # (in bf16, cos/sin at position 30000 are off by up to
-            m.float().reset_parameters()  # ~2); the balance=bias bias starts at zero (no family's hub has it)
-    params = dict(model.named_parameters())
-    written = {name: 0 for name in params}
-    key_file = shard_files(path)
-    handles = {}
+    load_hf_into(model, path, device)
+    return model
 
-    def get(key: str) -> torch.Tensor:
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+           "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+
+
+def _owned(t: torch.Tensor) -> tuple[list[tuple[int, int]], torch.Tensor]:
+    """([start, stop) per dim of the global tensor this rank holds, the local tensor holding it)."""
+    if isinstance(t, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local = t.to_local()
+        assert tuple(local.shape) == tuple(shape), (tuple(local.shape), tuple(shape))
+        return [(o, o + s) for o, s in zip(offset, shape)], local
+    return [(0, s) for s in t.shape], t
+
+
+def _index_box(index: tuple, shape) -> tuple[list[tuple[int, int]], list[int]]:
+    """The region `tensor[index]` covers ([start, stop) per dim) and the dims an int index drops."""
+    box, dropped = [], []
+    for d, n in enumerate(shape):
+        i = index[d] if d < len(index) else slice(None)
+        if isinstance(i, int):
+            box.append((i, i + 1))
+            dropped.append(d)
+        else:
+            start, stop, step = i.indices(n)
+            assert step == 1, index
+            box.append((start, stop))
+    return box, dropped
+
+
+def _mapped(fam, cfg, key: str, name: str, index: tuple, get) -> torch.Tensor:
+    """The value `fam.hf_to_native` gives for (name, index) from hub tensor `key`, read by `get`."""
+    return next(v for n, ix, v in fam.hf_to_native(cfg, key, get) if n == name and ix == index)
+
+
+def _copy(local, owned, value, value_box, inter) -> int:
+    """Copy the region `inter` (global coordinates) from `value` (covering `value_box`) into
+    `local` (covering `owned`); returns the number of elements written."""
+    src = tuple(slice(a - v, b - v) for (a, b), (v, _) in zip(inter, value_box))
+    dst = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inter, owned))
+    local[dst].copy_(value[src])
+    return local[dst].numel()
+
+
+@torch.no_grad()
+def load_hf_into(model: torch.nn.Module, path: str | Path, device: str | torch.device = "cpu"):
+    """Fill `model`, built on the meta device and possibly pruned to a pipeline stage and
+    parallelized (FSDP / expert-parallel DTensors), with this rank's part of a hub checkpoint.
+
+    The model is allocated here (to_empty: only this rank's shards, on `device`, in the dtype of
+    each parameter). Every hub tensor is first mapped on the meta device (the family's
+    `hf_to_native`, with shapes from the safetensors headers: no data read), which says which
+    parameter region it fills; a tensor whose region this rank does not hold is never read. A
+    value filling a whole parameter (per-layer tensors, fused experts, MXFP4 blocks) keeps the
+    hub tensor's dim 0, so only the rows this rank holds are read (`safe_open(...).get_slice`),
+    and MXFP4 blocks are dequantised for those experts only; per-expert hub tensors (Qwen3,
+    DeepSeek) are read whole when this rank holds any of them (one expert's matrix). Files are
+    opened one at a time, so the pages mapped from them stay bounded by one file. Host memory:
+    this rank's shard (when `device` is CPU) + one read piece (READ_BYTES, or one expert's
+    matrix) and its converted copy; device memory: the shard.
+
+    safe_open/get_slice rather than DCP's Hugging Face reader: the hub-to-native mapping is not
+    1:1 (per-expert tensors are slices of stacked ones, transposed; MXFP4 is two tensors to
+    decode), so a DCP key adapter would still need this planning, and DCP's reader copies whole
+    tensors before it narrows them. Every parameter element this rank holds must be written;
+    anything missing, unknown or of the wrong shape is an error naming the file."""
+    path = Path(path)
+    cfg = model.cfg
+    fam = FAMILIES[cfg.family]
+    whole = build_model(cfg, init=False)  # meta: names and full shapes (a pipeline stage has a subset)
+    whole_targets = {**dict(whole.named_parameters()), **dict(whole.named_buffers())}
+    to_empty(model, device)
+    for m in model.modules():  # buffers that are not in checkpoints; RoPE's table stays float32
+        if isinstance(m, (Rotary, Balance)):  # (in bf16, cos/sin at position 30000 are off by up
+            m.float().reset_parameters()  # to ~2); the balance=bias bias starts at zero (no hub has it)
+    targets = {n: _owned(t) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    written: dict[str, int] = {}  # elements written per target
+    key_file = shard_files(path)
+    handles: dict[Path, object] = {}
+
+    def handle(key: str):
         if key not in key_file:
             raise KeyError(f"{path}: tensor {key!r} not found in any shard")
         f = key_file[key]
         if f not in handles:
             handles[f] = safe_open(f, "pt", device="cpu")
-        return handles[f].get_tensor(key)
+        return handles[f]
 
-    for key in sorted(key_file, key=lambda k: (str(key_file[k]), k)):
-        if key == "lm_head.weight" and cfg.tie_word_embeddings:  # the embedding, written once
-            continue
-        try:
-            slices = fam.hf_to_native(cfg, key, get)
-        except KeyError:
-            raise ValueError(f"{key_file[key]}: unexpected tensor {key!r} for {family}") from None
-        for name, index, value in slices:
-            if name not in params and value.numel() == 0:  # e.g. DeepSeek's zero-width shared experts
-                continue  # (n_shared_experts=0: transformers saves empty tensors, this model has none)
-            if name not in params:
-                raise ValueError(f"{key_file[key]}: tensor {key!r} maps to unknown parameter {name!r}")
-            target = params[name][index] if index else params[name]
-            if tuple(target.shape) != tuple(value.shape):
-                raise ValueError(f"{key_file[key]}: tensor {key!r} has shape {tuple(value.shape)}, "
-                                 f"expected {tuple(target.shape)} for {name}")
-            target.copy_(value.to(dtype))
-            written[name] += value.numel()
-    handles.clear()
-    missing = [n for n, p in params.items() if written[n] != p.numel()]
+    def shape_only(key: str) -> torch.Tensor:
+        sl = handle(key).get_slice(key)
+        return torch.empty(sl.get_shape(), dtype=_DTYPES[sl.get_dtype()], device="meta")
+
+    files = sorted(set(key_file.values()))
+    t0 = last = time.monotonic()
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    for i, f in enumerate(files):
+        for key in sorted(k for k, v in key_file.items() if v == f):
+            if key == "lm_head.weight" and cfg.tie_word_embeddings:  # the embedding, written once
+                continue
+            try:
+                plan = fam.hf_to_native(cfg, key, shape_only)
+            except KeyError:
+                raise ValueError(f"{f}: unexpected tensor {key!r} for {cfg.family}") from None
+            for name, index, meta in plan:
+                if name not in whole_targets and meta.numel() == 0:  # e.g. DeepSeek's zero-width
+                    continue  # shared experts (n_shared_experts=0: transformers saves empty tensors)
+                if name not in whole_targets:
+                    raise ValueError(f"{f}: tensor {key!r} maps to unknown parameter {name!r}")
+                full = whole_targets[name]
+                region, dropped = _index_box(index, full.shape)
+                if tuple(full[index].shape) != tuple(meta.shape):
+                    raise ValueError(f"{f}: tensor {key!r} has shape {tuple(meta.shape)}, "
+                                     f"expected {tuple(full[index].shape)} for {name}")
+                if name not in targets:  # another pipeline stage's
+                    continue
+                owned, local = targets[name]
+                inter = [(max(a, o), min(b, p)) for (a, b), (o, p) in zip(region, owned)]
+                if any(a >= b for a, b in inter):
+                    continue  # another rank's slice: not read
+                if index or meta.ndim == 0:  # a slice of a parameter (one expert's matrix): read whole
+                    value = _mapped(fam, cfg, key, name, index, lambda k: handle(k).get_tensor(k))
+                    for d in dropped:
+                        value = value.unsqueeze(d)
+                    written[name] = written.get(name, 0) + _copy(local, owned, value, region, inter)
+                    continue
+                # A whole-parameter value keeps the hub tensor's dim 0: read the rows this rank
+                # holds, READ_BYTES of float32 at a time (one GPT-OSS-120B expert layer is 8.5 GB).
+                step = max(1, READ_BYTES // max(1, meta[0].numel() * 4))
+                for r0 in range(inter[0][0], inter[0][1], step):
+                    rows = (r0, min(r0 + step, inter[0][1]))
+                    value = _mapped(fam, cfg, key, name, index,
+                                    lambda k: handle(k).get_slice(k)[rows[0]:rows[1]])
+                    if value.shape[0] != rows[1] - rows[0]:
+                        raise AssertionError(f"{cfg.family}.hf_to_native must keep dim 0 of {key!r}")
+                    part = [rows, *inter[1:]]
+                    written[name] = written.get(name, 0) + _copy(local, owned, value, [rows, *region[1:]], part)
+        handles.clear()  # unmaps the file: its pages leave this process
+        if rank0 and (i + 1 == len(files) or time.monotonic() - last >= 10):  # minutes at 30B scale
+            last = time.monotonic()
+            print(f"init_from: {path}: read {i + 1} of {len(files)} files ({last - t0:.0f} s)", flush=True)
+    missing = [n for n, p in model.named_parameters() if written.get(n, 0) != targets[n][1].numel()]
     if missing:
         raise ValueError(f"{path}: checkpoint does not cover {len(missing)} parameters, e.g. {missing[:3]}")
     return model

@@ -187,13 +187,14 @@ FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0
 
 def dequantize_mxfp4(blocks_ERGB, scales_ERG, dtype=torch.float32):
     """(E, R, G, 16) uint8 codes + (E, R, G) uint8 scales -> (E, R, G*32) values, R the hub
-    weight's output rows. One expert at a time, to keep the temporaries small."""
+    weight's output rows. One expert at a time, to keep the temporaries small. On the meta device
+    it gives the shape only (the sharded import plans its reads that way)."""
     E, R, G, B = blocks_ERGB.shape
     if tuple(scales_ERG.shape) != (E, R, G):
         raise ValueError(f"MXFP4 scales of shape {tuple(scales_ERG.shape)} do not match blocks "
                          f"of shape {tuple(blocks_ERGB.shape)}")
-    lut = torch.tensor(FP4_E2M1, dtype=dtype)
-    out_ERC = torch.empty(E, R, G, 2 * B, dtype=dtype)
+    lut = torch.tensor(FP4_E2M1, dtype=dtype, device=blocks_ERGB.device)
+    out_ERC = torch.empty(E, R, G, 2 * B, dtype=dtype, device=blocks_ERGB.device)
     for e in range(E):
         codes = blocks_ERGB[e].to(torch.int64)
         out_ERC[e, ..., 0::2] = lut[codes & 0x0F]
