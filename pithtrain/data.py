@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import numpy as np
