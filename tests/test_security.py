@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pithtrain.checkpoint.dcp import CheckpointError, write_manifest
+from pithtrain.checkpoint.dcp import CheckpointError, hash_own_files, write_manifest
 from pithtrain.train import main
 
 TINY = ["train.micro_batch_size=2", "train.seq_len=32", "train.warmup_steps=1",
@@ -50,7 +50,8 @@ def evil_metadata(marker: Path) -> bytes:
 
 def plant(ckpt: Path, marker: Path):
     (ckpt / ".metadata").write_bytes(evil_metadata(marker))
-    write_manifest(ckpt, int(ckpt.name.removeprefix("step_")))  # hashes are no signature: updated too
+    hash_own_files(ckpt, 0, 1)  # hashes are no signature: the manifest is updated too
+    write_manifest(ckpt, int(ckpt.name.removeprefix("step_")))
 
 
 def test_crafted_dcp_index_runs_nothing_on_resume(run4, tmp_path, capsys):

@@ -108,7 +108,6 @@ def load_hf(path: str | Path, device: str | torch.device = "cpu", dtype: torch.d
     for k, v in config_overrides.items():
         setattr(cfg, k, v)
     model = build_model(cfg, init=False).to(dtype)  # meta: no memory until load_hf_into
-    _check_fits(path, sum(p.numel() for p in model.parameters()) * dtype.itemsize, torch.device(device))
     load_hf_into(model, path, device)
     return model
 
@@ -183,6 +182,8 @@ def load_hf_into(model: torch.nn.Module, path: str | Path, device: str | torch.d
     fam = FAMILIES[cfg.family]
     whole = build_model(cfg, init=False)  # meta: names and full shapes (a pipeline stage has a subset)
     whole_targets = {**dict(whole.named_parameters()), **dict(whole.named_buffers())}
+    _check_fits(path, sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                          for p in model.parameters()), torch.device(device))  # this rank's shards
     to_empty(model, device)
     for m in model.modules():  # buffers that are not in checkpoints; RoPE's table stays float32
         if isinstance(m, (Rotary, Balance)):  # (in bf16, cos/sin at position 30000 are off by up
@@ -259,7 +260,8 @@ def load_hf_into(model: torch.nn.Module, path: str | Path, device: str | torch.d
 
 
 def _check_fits(path: Path, nbytes: int, device: torch.device):
-    """The whole model is allocated on `device` (then sharded): refuse what cannot fit."""
+    """This rank's shards of the model (`nbytes`) are allocated on `device`: refuse what cannot fit
+    before allocating (a hub config.json's sizes are not to be trusted)."""
     if device.type == "cuda":
         have = torch.cuda.mem_get_info(device)[1]
     elif device.type == "cpu":
