@@ -142,7 +142,6 @@ def test_init_from_keeps_every_recipe_model_field(hub_dir, tmp_path, monkeypatch
     from pithtrain import config, train
     fields = ("aux_loss_coeff", "norm_topk_prob")
     monkeypatch.setattr(config, "RECIPE_MODEL_FIELDS", fields)
-    monkeypatch.setattr(train, "RECIPE_MODEL_FIELDS", fields)
     overrides = [f"train.init_from={hub_dir}", "model.aux_loss_coeff=0.02", "model.norm_topk_prob=false",
                  "model.hidden_size=64", "train.steps=1", "train.seq_len=16", "train.micro_batch_size=2",
                  "data.max_bytes=20000", "checkpoint.final=false", f"log.run_dir={tmp_path / 'run'}"]
@@ -152,7 +151,7 @@ def test_init_from_keeps_every_recipe_model_field(hub_dir, tmp_path, monkeypatch
     keep = {}
     train.train(cfg, resume=False, keep=keep)
     moes = [m for m in keep["model"].modules() if hasattr(m, "norm_topk_prob")]
-    assert moes and all(m.norm_topk_prob is False and m.aux_loss_coeff == 0.02 for m in moes)
+    assert moes and all(m.norm_topk_prob is False and m.balance.aux_loss_coeff == 0.02 for m in moes)
 
 
 def test_init_from_refuses_a_recipe_field_the_checkpoints_family_lacks(hub_dir, tmp_path, monkeypatch):

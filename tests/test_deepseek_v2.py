@@ -8,7 +8,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from pithtrain.checkpoint import load_hf, save_hf  # noqa: E402
-from pithtrain.config import load_config  # noqa: E402
+from pithtrain.config import RECIPE_MODEL_FIELDS, load_config  # noqa: E402
 from pithtrain.metrics import param_counts  # noqa: E402
 from pithtrain.models import FAMILIES, build_model  # noqa: E402
 from pithtrain.models.deepseek_v2 import DeepseekV2Config, MoE  # noqa: E402
@@ -152,7 +152,11 @@ V2_LITE_HUB = {
 
 def test_recipe_is_the_published_v2_lite_and_counts_15_7b_2_4b():
     cfg = load_config("deepseek-v2-lite").model
-    assert cfg == DeepseekV2Config.from_hf(V2_LITE_HUB)
+    hub = DeepseekV2Config.from_hf(V2_LITE_HUB)
+    assert cfg.balance == "sequence"  # recipe-owned (RECIPE_MODEL_FIELDS): DeepSeek-V2's own loss
+    for k in RECIPE_MODEL_FIELDS:
+        setattr(hub, k, getattr(cfg, k))
+    assert cfg == hub
     model = build_model(cfg, init=False)  # meta device: shapes only
     assert all(p.is_meta for p in model.parameters())
     total, active = param_counts(model, cfg)

@@ -144,7 +144,7 @@ def model_configs(family: str, sets: list[str]):
     raw = {"model": {"family": family, **EFFECT_MODEL}}
     variant = {"model": dict(raw["model"])}
     for s in sets:
-        apply_override(variant, s, "--set")
+        apply_override(variant, s)
     return (config_from_dict(raw, "base", cross_checks=False).model,
             config_from_dict(variant, "--set", cross_checks=False).model)
 
