@@ -138,9 +138,10 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
     dims = ParallelDims.from_config(cfg)  # layout vs WORLD_SIZE and model: fails before any collective
     check_runnable(cfg, device)
     dims.init(device)  # torchrun's process group and the meshes; nothing for one process
+    total, active = param_counts(build_model(cfg.model, init=False), cfg.model)  # meta: whole model
     run_lock = None  # rank 0 locks log.run_dir and checks its storage before anything is built
     if dims.rank == 0:  # (an error ends rank 0, and torchrun ends the other ranks with it)
-        run_lock = claim(cfg, param_counts(build_model(cfg.model, init=False), cfg.model)[0])
+        run_lock = claim(cfg, total)
     dtype = compute_dtype(cfg, device)
     torch.manual_seed(cfg.train.seed)
     say = dims.rank == 0
@@ -173,7 +174,6 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
         batches = build_batches(cfg.data, t.seq_len, global_batch, t.seed, hold_out=t.eval_every > 0)
     fpt = flops_per_token(cfg.model, t.seq_len)
     peak = peak_tflops(device, cfg.log.peak_tflops)
-    total, active = param_counts(build_model(cfg.model, init=False), cfg.model)  # meta: whole model
     if dims.rank == 0:
         print(f"pithtrain: {cfg.model.family} {total / 1e6:.2f}M params ({active / 1e6:.2f}M active) | "
               f"device {device} {str(dtype).removeprefix('torch.')} | recipe {cfg.source} | "
@@ -219,15 +219,15 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
             check_finite(step + 1, loss=loss_mean, grad_norm=grad_norm)  # before the update
             optimizer.step()
             fp8.CACHE.next_step()  # the weights changed: FP8 copies are made again on first use
-            logged = ((step + 1) % cfg.log.every == 0 or step + 1 == t.steps  # a val_loss step logs too
-                      or bool(t.eval_every and (step + 1) % t.eval_every == 0))
+            evaluating = bool(t.eval_every) and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps)
+            logged = (step + 1) % cfg.log.every == 0 or step + 1 == t.steps or evaluating  # val_loss logs
             routing = balance_after_step(model, dims, cfg.model, metrics=logged)  # global load: bias, metrics
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             rec = {"step": step + 1, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm}
             first.done()
-            if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+            if evaluating:
                 with log.excluded():  # evaluation time is not training throughput (tokens/s)
                     rec["val_loss"] = evaluate(model, batches, cfg, dims, device, autocast)
             history.append(rec)
