@@ -30,7 +30,7 @@ GPU_TARGET = {"h100": "hopper", "h200": "hopper", "b200": "blackwell", "b300": "
 
 # What the GPU changes in a recipe, appended after the recipe's own values (the recipe file stays
 # the whole truth of a model; these are the per-GPU numerics). Blackwell trains FP8 as in the paper's
-# 1x8 B200 run (pithtrain/fp8.py; Hopper: add train.fp8=true by hand, it is slower there for now).
+# 1x8 B200 run (pithtrain/kernels/fp8_linear.py; Hopper: add train.fp8=true by hand, it is slower there for now).
 GPU_OVERRIDES = {
     "h100": ["train.device=cuda", "train.dtype=bfloat16"],
     "h200": ["train.device=cuda", "train.dtype=bfloat16"],

@@ -13,9 +13,9 @@ A variant is '+'-joined words: `ref` (PyTorch reference operators, kernels=torch
 `grad_scale`, which divides the gradients inside the optimizer kernel, saving the clip's own pass);
 `fp32` (fp32 master weights and AdamW state under bf16 autocast, as train.py; default bf16
 parameters and AdamW state, as the peers run); `fp8` (train.fp8: blockwise FP8 expert GEMMs,
-pithtrain/fp8.py; `--fp8` adds `<first variant>+fp8` after each variant list, so bf16 and FP8
+pithtrain/kernels/fp8_linear.py; `--fp8` adds `<first variant>+fp8` after each variant list, so bf16 and FP8
 are timed in the same run); `no-NAME` turns one fused operator off
-(names: pithtrain.kernels.USE). The step timed is train.py's: forward (summed loss), backward of
+(names: pithtrain.kernels.NAMES). The step timed is train.py's: forward (summed loss), backward of
 loss / tokens, clip to 1.0, fused AdamW, zero_grad; the peer's is the same around its forward.
 Timing: CUDA events around each step after warm-up; the median of the timed steps.
 MFU = tokens/s x model FLOPs per token (pithtrain.metrics.flops_per_token) / 989e12.
@@ -33,11 +33,13 @@ import traceback
 
 import torch
 
-from pithtrain import fp8, kernels
+from pithtrain import kernels
 from pithtrain.compile import apply_activation_checkpoint, apply_compile
 from pithtrain.config import load_config
+from pithtrain.kernels import fp8_linear
 from pithtrain.metrics import flops_per_token
 from pithtrain.models import build_model
+from pithtrain.models.common import use_kernels
 from pithtrain.train import build_optimizer
 
 MODELS = ["deepseek-v2-lite", "qwen3-30b-a3b", "gpt-oss-20b"]  # recipe names
@@ -67,7 +69,7 @@ def parse_variant(v: str) -> dict:
     unknown = [w for w in words if w not in ("ref", "fused", "compile", "ac-full", "ac-sel", "fp32",
                                              "adamclip", "fp8")
                and not w.startswith("no-")]
-    if unknown or any(o not in kernels.USE for o in out["off"]):
+    if unknown or any(o not in kernels.NAMES for o in out["off"]):
         raise SystemExit(f"bench: unknown variant words in {v!r}: {unknown or out['off']}")
     if out["fp8"] and out["kernels"] == "torch":
         raise SystemExit(f"bench: {v!r}: fp8 runs Triton GEMMs, it does not go with ref (train.fp8 needs kernels=auto)")
@@ -111,12 +113,10 @@ def time_steps(step, warmup: int, steps: int) -> tuple[list[float], float]:
 
 
 def pithtrain_step(cfg, variant: dict, device):
-    kernels.configure(variant["kernels"], device, fp8=variant["fp8"])
-    for name in variant["off"]:
-        kernels.USE[name] = False
-    print("bench:   " + kernels.describe(), flush=True)
+    use = kernels.configure(variant["kernels"], device, fp8=variant["fp8"], off=variant["off"])
+    print("bench:   " + kernels.describe(use), flush=True)
     torch.manual_seed(0)
-    model = build_model(cfg.model, device)
+    model = use_kernels(build_model(cfg.model, device), use)
     if not variant["fp32"]:  # parameters (and so AdamW state) in bf16; buffers (RoPE) stay fp32
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
@@ -142,7 +142,7 @@ def pithtrain_step(cfg, variant: dict, device):
         else:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        fp8.CACHE.next_step()
+        fp8_linear.next_step(model)
         opt.zero_grad(set_to_none=True)
         return loss.detach() / y.numel()
 
@@ -194,9 +194,9 @@ def measure(name, side, cfg, make, warmup, steps, profile=None) -> dict:
         t0 = time.perf_counter()
         first = float(step())  # loss of a random model, ~ln(V); compilation happens here
         rec["first_step_s"] = time.perf_counter() - t0
-        q0 = fp8.CACHE.quantised
+        q0 = fp8_linear.quantised(model)
         times, warm_s = time_steps(step, warmup - 1, steps)
-        rec["fp8_quantised_per_step"] = (fp8.CACHE.quantised - q0) / (warmup - 1 + steps)
+        rec["fp8_quantised_per_step"] = (fp8_linear.quantised(model) - q0) / (warmup - 1 + steps)
         if profile:
             profile_steps(step, profile, f"{name} {side}")
         tokens = cfg.train.micro_batch_size * cfg.train.seq_len * cfg.train.grad_accum

@@ -31,7 +31,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pithtrain import kernels
 from pithtrain.models.common import GroupedExperts, decoder_layers
 
 
@@ -60,16 +59,10 @@ def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     """torch.compile(fullgraph=True) on the non-MoE parts of every layer (module identity and
-    parameter names unchanged: nn.Module.compile)."""
-    dyn = torch._dynamo.config
-    # Each layer instance is one more guarded entry of the same code; allow one per layer and mode.
-    layers = decoder_layers(model)  # a pipeline stage holds some of them
-    limit = 4 * len(layers) + 8
-    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
-        if hasattr(dyn, name):
-            setattr(dyn, name, max(getattr(dyn, name), limit if name != "accumulated_recompile_limit"
-                                   else 8 * limit))
-    for layer in layers:
+    parameter names unchanged: nn.Module.compile). Dynamo's recompile limits are left as they are:
+    its modules are inlined, so every layer shares the graphs of the first (one per kind: attention,
+    norm, router; tests/test_kernels.py checks this at 12 layers), far below the default limit."""
+    for layer in decoder_layers(model):  # a pipeline stage holds some of them
         for child in layer.children():
             if not _has_experts(child):
                 child.compile(fullgraph=True, backend=backend)
@@ -79,19 +72,3 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
             for sub in child.children():
                 if not _has_experts(sub) and not isinstance(sub, nn.Linear):  # e.g. shared experts
                     sub.compile(fullgraph=True, backend=backend)
-    cfg = model.cfg
-    windows = [cfg.attention_shapes(i)[0] for i in range(cfg.num_layers)]
-    flex = any(w is not None for w in windows) or any("sinks" in n for n, _ in model.named_parameters())
-    if kernels.USE["flex"] and flex:
-        hook = functools.partial(_prepare_flex_masks, windows)
-        for layer in layers:  # layers run eagerly also inside pipeline stages
-            layer.register_forward_pre_hook(hook)
-
-
-def _prepare_flex_masks(windows, layer, args):
-    """FlexAttention block masks are built here, in eager code before each layer, so compiled
-    attention only reads them from the cache (kernels/flex.py); after the first step a dict hit."""
-    from pithtrain.kernels.flex import prepare_masks
-
-    x_BSD = args[0]
-    prepare_masks(x_BSD.shape[1], windows, x_BSD.device)

@@ -46,7 +46,7 @@ Peak: the larger of
     backward         static + all gradients + one layer's activations (its backward transients)
                      + the other in-flight micro-batches' activations + comm
 with static = parameters + optimizer state (present from the first step on) + with train.fp8 the
-FP8 weight cache (2 B per unsharded expert weight element, pithtrain/fp8.py). The in-flight
+FP8 weight cache (2 B per unsharded expert weight element, pithtrain/kernels/fp8_linear.py). The in-flight
 micro-batches come from the pipeline schedule itself (a chunk's forward holds its activations
 until its weight-gradient or full backward). Not counted: the CUDA context, NCCL workspaces and
 allocator fragmentation; a plan fits when its peak is at most FIT_FRACTION of the GPU.

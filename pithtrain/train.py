@@ -20,7 +20,7 @@ import sys
 import torch
 from safetensors import SafetensorError
 
-from pithtrain import fp8, kernels
+from pithtrain import kernels
 from pithtrain.checkpoint.dcp import CheckpointError, Checkpointer, disk_estimate
 from pithtrain.checkpoint.hf import load_hf_into
 from pithtrain.config import Config, ConfigError, load_config
@@ -30,10 +30,11 @@ from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.distributed import pipeline
 from pithtrain.distributed.parallelize import materialize, parallelize
 from pithtrain.distributed.reductions import all_sum, balance_after_step, clip_grad_norm_
+from pithtrain.kernels import fp8_linear
 from pithtrain.metrics import (StepLog, check_finite, flops_per_token, memory_gb, param_counts,
                                peak_tflops, phase)
 from pithtrain.models import build_model
-from pithtrain.models.common import AuxLoss
+from pithtrain.models.common import set_aux_loss_scale, use_kernels
 from pithtrain.plan import check_launch
 from pithtrain.rundir import claim
 
@@ -149,9 +150,10 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
 
     model = build_model(cfg.model, init=False)  # meta: filled after parallelize (below), on any layout
     model.train()
-    kernels.configure(t.kernels, device, fp8=t.fp8)
+    use = kernels.configure(t.kernels, device, fp8=t.fp8)
     if dims.rank == 0:
-        print(kernels.describe(), flush=True)
+        print(kernels.describe(use), flush=True)
+    use_kernels(model, use)  # the model's own operators (models/common.py), before parallelize
     chunks = pipeline.prepare(model, cfg, dims) if dims.pp_enabled else None  # keep this stage's part
     parallelize(model, dims, t, device)  # EP -> CP -> activation checkpointing -> compile -> FSDP
     if t.init_from:  # each rank reads only the slices it holds (checkpoint/hf.py)
@@ -188,7 +190,7 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
                 else contextlib.nullcontext())
     runner = pipeline.make_runner(model, chunks, cfg, dims, device, autocast) if chunks else None
 
-    AuxLoss.loss_scale = 1.0 / (t.grad_accum * dp_size)  # mean over the global batch's micro-batches
+    set_aux_loss_scale(model, 1.0 / (t.grad_accum * dp_size))  # mean over the global batch's micro-batches
     history, tokens_since = [], 0
     log.tick()
     first = phase("first step" + (" (compiling the layers: can take minutes)" if t.compile else ""), say,
@@ -218,7 +220,7 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
             grad_norm = float(clip_grad_norm_(model.parameters(), t.grad_clip, dims))  # global over shards
             check_finite(step + 1, loss=loss_mean, grad_norm=grad_norm)  # before the update
             optimizer.step()
-            fp8.CACHE.next_step()  # the weights changed: FP8 copies are made again on first use
+            fp8_linear.next_step(model)  # the weights changed: FP8 copies are made again on first use
             evaluating = bool(t.eval_every) and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps)
             logged = (step + 1) % cfg.log.every == 0 or step + 1 == t.steps or evaluating  # val_loss logs
             routing = balance_after_step(model, dims, cfg.model, metrics=logged)  # global load: bias, metrics

@@ -1,5 +1,5 @@
 """FP8 operator check and timing on one GPU: Triton blockwise kernels against the PyTorch reference
-(pithtrain.fp8) and against bf16 at the bench's expert and dense shapes.
+(pithtrain.kernels.fp8_linear) and against bf16 at the bench's expert and dense shapes.
 
     python scripts/fp8_probe.py [--out DIR]
 
@@ -16,9 +16,9 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from pithtrain import fp8
 from pithtrain.bench import time_steps
 from pithtrain.kernels import fp8 as tk
+from pithtrain.kernels import fp8_linear as fp8
 
 
 def timeit(fn, n=20, warm=5):

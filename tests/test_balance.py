@@ -31,7 +31,7 @@ from pithtrain.distributed.parallel_dims import ParallelDims  # noqa: E402
 from pithtrain.distributed.reductions import balance_after_step  # noqa: E402
 from pithtrain.models import build_model  # noqa: E402
 from pithtrain.models.balance import Balance, BalanceConfig  # noqa: E402
-from pithtrain.models.common import AuxLoss  # noqa: E402
+from pithtrain.models.common import set_aux_loss_scale  # noqa: E402
 
 ONE = ParallelDims()  # one process: no collectives
 
@@ -115,7 +115,7 @@ def test_deepseek_sequence_loss_gradients_match_transformers_plus_the_paper_loss
     B, S = 3, 16
     torch.manual_seed(1)
     ids, labels = torch.randint(0, 96, (B, S)), torch.randint(0, 96, (B, S))
-    assert AuxLoss.loss_scale == 1.0  # the trainer's 1 / micro-batches; here one micro-batch
+    set_aux_loss_scale(ours, 1.0)  # the trainer's 1 / micro-batches; here one micro-batch
     ours(ids, labels_BS=labels).backward()
     loss_r = F.cross_entropy(ref(ids).logits.flatten(0, 1), labels.flatten(), reduction="sum")
     assert len(routed) == 2
@@ -129,6 +129,23 @@ def test_deepseek_sequence_loss_gradients_match_transformers_plus_the_paper_loss
         g_ref = ref_grads[f"model.layers.{i}.mlp.gate.weight"].grad
         assert rel(g_ours, g_ref) < 1e-5, i
     assert rel(ours.layers[1].self_attn.o_proj.weight.grad, ref_grads["model.layers.1.self_attn.o_proj.weight"].grad) < 1e-5
+
+
+def test_each_model_scales_its_own_balancing_gradient():
+    """The aux-loss scale lives on each MoE block: models with scales 0, 1 and 3, run interleaved
+    in one process, give router gradients linear in their own scale (g3 - g1 = 2 (g1 - g0))."""
+    cfg = load_config(None, ["model.num_layers=2", "model.aux_loss_coeff=0.5"])
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    models = []
+    for scale in (0.0, 1.0, 3.0):
+        torch.manual_seed(0)
+        models.append(build_model(cfg.model))
+        set_aux_loss_scale(models[-1], scale)
+    for m in models:
+        m(ids[:, :-1], labels_BS=ids[:, 1:]).backward()
+    g0, g1, g3 = (m.layers[0].mlp.gate.weight.grad for m in models)
+    assert rel(g1, g0) > 1e-3  # the balancing gradient is there at all
+    assert rel(g3 - g1, 2 * (g1 - g0)) < 1e-4
 
 
 # ---------------------------------------------------------------------------------------------

@@ -232,15 +232,15 @@ def test_dispatch_deduplication_sends_fewer_rows_same_result(tmp_path):
 
 def _fp8_ep_worker(rank: int, world: int, port: int, tmp: str):
     """FP8 expert GEMMs (PyTorch reference operators on CPU) behind the all-to-all dispatcher."""
-    from pithtrain import fp8, kernels
     from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
+    from pithtrain.kernels.fp8_linear import FP8GroupedMM
     from pithtrain.models.common import GroupedExperts, LocalDispatcher
     dist = _init(rank, world, port)
-    kernels.USE["fp8"] = True
     E, D, F, T, A = 8, 160, 136, 160, 2  # widths past one 128 block; 640 rows: several token tiles
     El = E // world
     torch.manual_seed(0)
     full = GroupedExperts(E, D, F)
+    full.mm = FP8GroupedMM()
     torch.nn.init.normal_(full.w13_EDF2, std=0.1)
     torch.nn.init.normal_(full.w2_EFD, std=0.1)
     x, g = torch.randn(world * T, D), torch.randn(world * T, D)
@@ -250,6 +250,7 @@ def _fp8_ep_worker(rank: int, world: int, port: int, tmp: str):
     y_ref = LocalDispatcher()(xr, idx, w, full)
     (y_ref * g).sum().backward()
     local = GroupedExperts(El, D, F)
+    local.mm = FP8GroupedMM()
     with torch.no_grad():
         local.w13_EDF2.copy_(full.w13_EDF2[rank * El:(rank + 1) * El])
         local.w2_EFD.copy_(full.w2_EFD[rank * El:(rank + 1) * El])
@@ -262,7 +263,7 @@ def _fp8_ep_worker(rank: int, world: int, port: int, tmp: str):
     torch.testing.assert_close(y, y_ref[mine].detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(xl.grad, xr.grad[mine], rtol=1e-5, atol=1e-5)
     # The weight grad is the unquantised product of those same operands: equal up to summation order.
-    out = {"quantised": fp8.CACHE.quantised}  # FP8 really ran: 2 weights of `full`, 2 of `local`
+    out = {"quantised": full.mm.cache.quantised + local.mm.cache.quantised}  # FP8 ran: 2 weights each
     for name in ("w13_EDF2", "w2_EFD"):
         a, b = getattr(local, name).grad, getattr(full, name).grad[rank * El:(rank + 1) * El]
         out[name] = ((a - b).norm() / b.norm()).item()

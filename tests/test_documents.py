@@ -110,34 +110,31 @@ def test_flex_document_mask_matches_the_eager_reference_on_gpu(family):
     """CUDA: the document mask runs as FlexAttention block masks (built once per batch); float32
     loss and every gradient equal the eager reference's, and outputs equal each document alone."""
     from pithtrain import kernels
+    from pithtrain.models.common import use_kernels
 
-    saved = dict(kernels.USE)
     torch.manual_seed(0)
     model = build_model(GPU_CONFIGS[family], "cuda")
     lengths = [100, 60, 96]
     x = torch.randint(0, V, (2, 256), device="cuda")
     docs = torch.tensor([sum([[d] * n for d, n in enumerate(lengths)], [])] * 2, device="cuda")
     runs = {}
-    try:
-        for mode in ("auto", "torch"):
-            kernels.configure(mode, "cuda")
-            seen = []
-            hook = model.rotary.register_forward_hook(lambda m, args, out: seen.append(out.docs))
-            model.zero_grad()
-            loss = model(x, labels_BS=x, docs_BS=docs)
-            loss.backward()
-            hook.remove()
-            assert (seen[0].block_masks is not None) == (mode == "auto")  # flex ran, or the reference
-            runs[mode] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
-            if mode == "auto":
-                with torch.no_grad():
-                    masked, start = model(x, docs_BS=docs), 0
-                    for n in lengths:
-                        torch.testing.assert_close(masked[0, start:start + n], model(x[:1, start:start + n])[0],
-                                                   rtol=1e-4, atol=1e-4)
-                        start += n
-    finally:
-        kernels.USE.update(saved)
+    for mode in ("auto", "torch"):
+        use_kernels(model, kernels.configure(mode, "cuda"))
+        seen = []
+        hook = model.rotary.register_forward_hook(lambda m, args, out: seen.append(out.docs))
+        model.zero_grad()
+        loss = model(x, labels_BS=x, docs_BS=docs)
+        loss.backward()
+        hook.remove()
+        assert (seen[0].block_masks is not None) == (mode == "auto")  # flex ran, or the reference
+        runs[mode] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        if mode == "auto":
+            with torch.no_grad():
+                masked, start = model(x, docs_BS=docs), 0
+                for n in lengths:
+                    torch.testing.assert_close(masked[0, start:start + n], model(x[:1, start:start + n])[0],
+                                               rtol=1e-4, atol=1e-4)
+                    start += n
     assert runs["auto"][0] == pytest.approx(runs["torch"][0], rel=1e-4)
     for n, g in runs["auto"][1].items():
         torch.testing.assert_close(g, runs["torch"][1][n], rtol=1e-3, atol=1e-5, msg=n)

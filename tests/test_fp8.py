@@ -1,4 +1,4 @@
-"""Blockwise FP8 (pithtrain/fp8.py) on CPU: the PyTorch reference operators, the autograd wiring
+"""Blockwise FP8 (pithtrain/kernels/fp8_linear.py) on CPU: the PyTorch reference operators, the autograd wiring
 (forward and data grad each equal to the matmul of the dequantised operands, the weight grad to
 the unquantised product), the per-step weight cache, the model hook, and the trainer's refusal on
 CPU.
@@ -11,9 +11,11 @@ e4m3 step (tests/test_fp8_gpu.py)."""
 import pytest
 import torch
 
-from pithtrain import fp8, kernels
+from pithtrain import kernels
 from pithtrain.config import ConfigError, load_config
+from pithtrain.kernels import fp8_linear as fp8
 from pithtrain.models import build_model
+from pithtrain.models.common import use_kernels
 from pithtrain.train import train
 
 
@@ -62,7 +64,7 @@ def test_grouped_mm_forward_and_grads_are_the_dequantised_products():
     weight grad is the unquantised product (computed in the activations' precision)."""
     x, w, offs = _grouped_case()
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = fp8.grouped_mm(xr, wr, offs)
+    y = fp8.FP8GroupedMM()(xr, wr, offs)
     dy = torch.randn_like(y)
     y.backward(dy)
     bounds = [0] + offs.tolist()
@@ -83,7 +85,7 @@ def test_grouped_mm_close_to_full_precision():
     ~2.6% RMS); 6% = 2^-4, the per-element worst case, is the tolerance."""
     x, w, offs = _grouped_case(counts=(256, 300, 200), K=512, N=384, seed=1)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = fp8.grouped_mm(xr, wr, offs)
+    y = fp8.FP8GroupedMM()(xr, wr, offs)
     dy = torch.randn_like(y)
     y.backward(dy)
     x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -98,7 +100,7 @@ def test_grouped_mm_close_to_full_precision():
 def test_no_rows():
     x, w, offs = _grouped_case(counts=(0, 0))
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = fp8.grouped_mm(xr, wr, offs)
+    y = fp8.FP8GroupedMM()(xr, wr, offs)
     assert y.shape == (0, 136)
     y.sum().backward()
     assert (wr.grad == 0).all() and xr.grad.shape == (0, 200)
@@ -128,38 +130,28 @@ def test_weight_cache_quantises_once_per_step_and_never_serves_stale_copies():
     assert cache.quantised == 5
 
 
-@pytest.fixture
-def fp8_on():
-    saved = dict(kernels.USE)
-    kernels.USE["fp8"] = True
-    yield
-    kernels.USE.update(saved)
-
-
-def test_model_hook_quantises_each_expert_weight_once_per_step(tiny_overrides, fp8_on):
+def test_model_hook_quantises_each_expert_weight_once_per_step(tiny_overrides):
     """A tiny Qwen3-MoE with FP8 experts (PyTorch reference operators on CPU): two micro-batches
     and an optimizer step quantise each routed-expert weight once; loss and gradients stay close
     to the same model's without FP8."""
     cfg = load_config(None, tiny_overrides)
     torch.manual_seed(0)
-    model = build_model(cfg.model, "cpu")
+    model = use_kernels(build_model(cfg.model, "cpu"), kernels.configure("torch", "cpu", fp8=True))
     ids = torch.randint(0, cfg.model.vocab_size, (2, 33))
-    fp8.CACHE.next_step()
-    q0 = fp8.CACHE.quantised
+    q0 = fp8.quantised(model)
     losses = []
     for _ in range(2):
         loss = model(ids[:, :-1], labels_BS=ids[:, 1:])
         loss.backward()
         losses.append(loss.item())
     n_expert_weights = 2 * cfg.model.num_layers  # w13 and w2 per MoE layer
-    assert fp8.CACHE.quantised - q0 == n_expert_weights
+    assert fp8.quantised(model) - q0 == n_expert_weights
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     torch.optim.SGD(model.parameters(), lr=0.1).step()
-    fp8.CACHE.next_step()
+    fp8.next_step(model)
     model(ids[:, :-1], labels_BS=ids[:, 1:])
-    assert fp8.CACHE.quantised - q0 == 2 * n_expert_weights
+    assert fp8.quantised(model) - q0 == 2 * n_expert_weights
 
-    kernels.USE["fp8"] = False
     torch.manual_seed(0)
     ref = build_model(cfg.model, "cpu")
     ref_loss = ref(ids[:, :-1], labels_BS=ids[:, 1:])

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pithtrain import fp8
 from pithtrain.config import load_config
+from pithtrain.kernels import fp8_linear as fp8
 
 tk = pytest.importorskip("pithtrain.kernels.fp8")  # Triton: absent on CPU machines (CI)
 from test_kernels_gpu import rel  # noqa: E402  (||a - b|| / ||b||, a finite)
@@ -78,7 +78,7 @@ def test_each_fp8_gemm_close_to_bf16():
     w = (torch.randn(E, D, N, device="cuda") * D ** -0.5).bfloat16()
     dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = fp8.grouped_mm(xa, wa, offs)
+    y = fp8.FP8GroupedMM()(xa, wa, offs)
     y.backward(dy)
     xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
     yb = F.grouped_mm(xb, wb, offs=offs)
@@ -95,9 +95,9 @@ def test_200_steps_fp8_loss_curve_in_band_of_bf16(tmp_path):
     def run(flag):
         cfg = load_config(None, ["train.device=cuda", "train.steps=200", f"train.fp8={flag}",
                                  "log.every=50", f"log.run_dir={tmp_path / flag}"])
-        before = fp8.CACHE.quantised
-        losses = [h["loss"] for h in train(cfg, resume=False)]
-        return losses, fp8.CACHE.quantised - before
+        keep = {}
+        losses = [h["loss"] for h in train(cfg, resume=False, keep=keep)]
+        return losses, fp8.quantised(keep["model"])
 
     (bf16, q_bf16), (f8, q_f8) = run("false"), run("true")
     assert len(bf16) == len(f8) == 200

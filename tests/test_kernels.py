@@ -1,5 +1,6 @@
-"""CPU side of the fused operators: the PyTorch paths (fused LM-head loss, activation
-checkpointing, compile-ability without graph breaks) against their references. GPU kernels:
+"""CPU side of the fused operators: the policy and each model's own choice, the PyTorch paths
+(fused LM-head loss, activation checkpointing, compile-ability without graph breaks) against their
+references, and no module-level mutable state read by model code. GPU kernels:
 tests/test_kernels_gpu.py."""
 
 import pytest
@@ -7,25 +8,41 @@ import torch
 
 from pithtrain import kernels
 from pithtrain.compile import apply_activation_checkpoint, apply_compile
+from pithtrain.kernels import fp8_linear
 from pithtrain.kernels.linear_ce import linear_cross_entropy_sum
 from pithtrain.models import FAMILIES
-from pithtrain.models.common import _ce_chunk
+from pithtrain.models.common import _ce_chunk, use_kernels
 from pithtrain.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-
-@pytest.fixture(autouse=True)
-def reference_kernels():
-    saved = dict(kernels.USE)
-    kernels.configure("torch", "cpu")
-    yield
-    kernels.USE.update(saved)
 
 
 def test_configure_on_cpu_picks_references_and_says_so():
     use = kernels.configure("auto", "cpu")
+    assert set(use) == set(kernels.NAMES)
     assert use["linear_ce"] and not use["swiglu"] and not use["permute"] and not use["flex"]
-    assert kernels.describe().startswith("kernels: fused linear_ce; PyTorch reference for swiglu")
+    assert kernels.describe(use).startswith("kernels: fused linear_ce; PyTorch reference for swiglu")
     assert not any(kernels.configure("torch", "cpu").values())
+    assert not any(kernels.configure("auto", "cpu", off=("linear_ce",)).values())  # the bench's no-NAME
+
+
+def test_two_models_in_one_process_each_run_their_own_kernels():
+    """Kernel choices live in each model (use_kernels), not in the process: an FP8 model and a
+    reference model built and run interleaved; only the FP8 one quantises, the reference one gives
+    exactly what a fresh reference model gives, and the FP8 one what it gives alone."""
+    x = torch.randint(0, 64, (2, 12))
+
+    def run(model):
+        model.zero_grad()
+        loss = model(x, labels_BS=x)
+        loss.backward()
+        return loss.item()
+
+    fast = use_kernels(tiny_qwen(), kernels.configure("auto", "cpu", fp8=True))
+    ref = use_kernels(tiny_qwen(), kernels.configure("torch", "cpu"))
+    fast_loss, ref_loss = run(fast), run(ref)
+    assert fp8_linear.quantised(fast) == 2 * 2 and fp8_linear.quantised(ref) == 0  # w13, w2 per layer
+    assert ref_loss == run(tiny_qwen()) and fast_loss != ref_loss
+    assert fast_loss == run(use_kernels(tiny_qwen(), kernels.configure("auto", "cpu", fp8=True)))
+    assert fast.cross_entropy.keywords["fused"] and not ref.cross_entropy.keywords["fused"]
 
 
 @pytest.mark.parametrize("chunk", [5, 7, 64])
@@ -62,12 +79,28 @@ def loss_and_grads(model, x, y):
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_activation_checkpoint_keeps_loss_and_grads(mode):
+def test_activation_checkpoint_recomputes_and_keeps_loss_and_grads(mode):
+    """Checkpointing really recomputes in backward (full: whole layers, attention included;
+    selective: the experts only), counted through the modules' swappable calls; loss and
+    gradients stay those of the run without it."""
     model = tiny_qwen()
+    calls = {"attention": 0, "experts": 0}
+
+    def counted(kind, fn):
+        def call(*args, **kwargs):
+            calls[kind] += 1
+            return fn(*args, **kwargs)
+        return call
+    for layer in model.layers:
+        layer.self_attn.attention = counted("attention", layer.self_attn.attention)
+        layer.mlp.experts.mm = counted("experts", layer.mlp.experts.mm)  # twice per forward: w13, w2
     x, y = torch.randint(0, 64, (2, 12)), torch.randint(0, 64, (2, 12))
     ref_loss, ref_grads = loss_and_grads(model, x, y)
+    assert calls == {"attention": 2, "experts": 4}  # 2 layers, no recompute
     apply_activation_checkpoint(model, mode)
     loss, grads = loss_and_grads(model, x, y)
+    recomputed = {"attention": 2 if mode == "full" else 0, "experts": 4}
+    assert calls == {k: 2 * v + recomputed[k] for k, v in {"attention": 2, "experts": 4}.items()}, calls
     torch.testing.assert_close(loss, ref_loss)
     assert grads.keys() == ref_grads.keys()
     for n in grads:
@@ -129,21 +162,45 @@ def test_bench_variant_words_and_table():
     assert "| m | fused+fp8 | 3.0K | 45.0% | 1.0 | 3.3 | 3.00x | 1.50x |" in out  # FP8 against its bf16 twin
 
 
-def test_compile_prepares_flex_masks_before_each_layer_eagerly():
-    """With FlexAttention on, block masks are made by an eager pre-hook, never while tracing."""
-    from pithtrain.kernels import flex
+def test_model_rotary_makes_its_flex_masks_eagerly():
+    """A model's FlexAttention masks (one per window and length) are made by its `rotary`, which runs
+    eagerly before the layers, and kept by that model only."""
+    from pithtrain.kernels.flex import FlexAttention
 
-    if "gpt_oss" not in FAMILIES:
-        pytest.skip("gpt_oss not in this build")
     cfg_cls, model_cls = FAMILIES["gpt_oss"][0], FAMILIES["gpt_oss"][1]
     cfg = cfg_cls(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, intermediate_size=32, num_experts=4, top_k=2, sliding_window=4)
-    model = model_cls(cfg)
+    model, other = model_cls(cfg), model_cls(cfg)
     model.init_weights()
-    kernels.USE["flex"] = True  # attention itself stays on the CPU reference (not CUDA)
-    flex._MASKS.clear()
+    made = []
+    model.rotary.flex = FlexAttention(cfg.window(i) for i in range(cfg.num_layers))  # attention: reference
+    model.rotary.flex.block_mask = lambda S, w, device, make=model.rotary.flex.block_mask: (
+        made.append((S, w, torch.compiler.is_compiling())) or make(S, w, device))
     torch._dynamo.reset()
     apply_compile(model, backend="eager")
     model(torch.randint(0, 64, (2, 12)), labels_BS=torch.randint(0, 64, (2, 12)))
-    assert {(12, 4, "cpu"), (12, None, "cpu")} <= set(flex._MASKS)
+    assert set(model.rotary.flex.masks) == {(12, 4, "cpu"), (12, None, "cpu")}
+    assert sorted(made, key=str) == [(12, 4, False), (12, None, False)]  # eagerly, before the layers
+    assert other.rotary.flex is None
+    torch._dynamo.reset()
+
+
+def test_layers_share_compiled_graphs_within_default_dynamo_limits():
+    """apply_compile leaves dynamo's process-wide limits alone: inlined modules make every layer
+    reuse the first layer's graphs, so 12 layers compile to one graph per kind (attention, norm,
+    router), not one per layer that would need raised recompile limits."""
+    torch.manual_seed(1)
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_layers=12, num_heads=4, num_kv_heads=2,
+                         head_dim=8, moe_intermediate_size=24, num_experts=4, top_k=2)
+    model = Qwen3MoeForCausalLM(cfg)
+    model.init_weights()
+    limits = dict(torch._dynamo.config.get_config_copy())
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    apply_compile(model, backend="eager")
+    x = torch.randint(0, 64, (2, 12))
+    model(x, labels_BS=x).backward()
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
+    assert dict(torch._dynamo.config.get_config_copy()) == limits
     torch._dynamo.reset()

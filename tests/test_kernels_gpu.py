@@ -19,14 +19,6 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-@pytest.fixture(autouse=True)
-def fused_kernels():
-    saved = dict(kernels.USE)
-    kernels.configure("auto", "cuda")
-    yield
-    kernels.USE.update(saved)
-
-
 def grads_of(fn, *xs):
     xs = [x.detach().clone().requires_grad_() for x in xs]
     out = fn(*xs)
@@ -42,7 +34,6 @@ def test_swiglu_triton_matches_reference(clamped):
     for X, F in [(4099, 768), (1000, 1408), (513, 2880)]:
         h = 4 * torch.randn(X, 2 * F, device="cuda", dtype=torch.bfloat16)  # clamp at 7 is active
         alpha, limit = (1.702, 7.0) if clamped else (None, None)
-        kernels.USE["swiglu"] = False
         ref = lambda t: common.swiglu(t.double(), alpha, limit)  # noqa: E731
         x = h.detach().clone().requires_grad_()
         out = swiglu(x, alpha, limit)
@@ -61,14 +52,14 @@ def test_permute_unpermute_match_index_add_reference():
     idx = torch.stack([torch.randperm(E, device="cuda")[:A] for _ in range(T)])
     w = torch.rand(T, A, device="cuda", dtype=torch.bfloat16)
     disp = common.LocalDispatcher()
+    disp.fused = True
 
     def through_dispatcher(x, w):
         x_XD, w_d, _, info = disp.dispatch(x, idx, w, E)
         return disp.combine(x_XD * 1.5, w_d, info)
 
-    kernels.USE["permute"] = True
     out, (gx, gw), g = grads_of(through_dispatcher, x, w)
-    kernels.USE["permute"] = False
+    disp.fused = False
     xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
     outr = through_dispatcher(xr, wr)
     outr.backward(g.double())
@@ -111,7 +102,7 @@ def test_expert_bias_matches_index_reference():
 
 @pytest.mark.parametrize("window, sinks, gqa", [(None, True, True), (128, True, True), (128, False, False)])
 def test_flex_attention_matches_eager(window, sinks, gqa):
-    from pithtrain.kernels.flex import flex_sink_attention
+    from pithtrain.kernels.flex import FlexAttention
 
     B, H, S, d = 2, 8, 512, 64
     K = 2 if gqa else H
@@ -123,7 +114,7 @@ def test_flex_attention_matches_eager(window, sinks, gqa):
     args = (q, k, v) + ((s,) if sinks else ())
 
     def fused(q, k, v, s=None):
-        return flex_sink_attention(q, k, v, scale=scale, window=window, sinks_H=s)
+        return FlexAttention([window])(q, k, v, scale=scale, window=window, sinks_H=s)
 
     def ref(q, k, v, s=None):
         return common.eager_attention(q, k, v, scale=scale, window=window, sinks_H=s)
@@ -142,7 +133,8 @@ def test_cudnn_sdpa_path_matches_eager():
     q = torch.randn(B, H, S, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, K, S, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(B, K, S, d, device="cuda", dtype=torch.bfloat16)
-    out, grads, g = grads_of(lambda q, k, v: common.attention(q, k, v, scale=d ** -0.5), q, k, v)
+    out, grads, g = grads_of(lambda q, k, v: common.attention(q, k, v, scale=d ** -0.5,
+                                                              sdpa_first=common.SDPA_CUDNN_FIRST), q, k, v)
     xr = [a.double().requires_grad_() for a in (q, k, v)]
     outr = common.eager_attention(*xr, scale=d ** -0.5)
     outr.backward(g.double())
@@ -158,9 +150,8 @@ def test_fused_and_compiled_model_matches_reference_model(family):
 
     from pithtrain.compile import apply_compile
     from pithtrain.models import FAMILIES
+    from pithtrain.models.common import use_kernels
 
-    if family not in FAMILIES:
-        pytest.skip(f"{family} not in this build")
     cfg_cls, model_cls = FAMILIES[family][0], FAMILIES[family][1]
     small = {"vocab_size": 1000, "hidden_size": 256, "num_layers": 2, "num_heads": 4,
              "num_kv_heads": 2, "head_dim": 64, "moe_intermediate_size": 128, "intermediate_size": 256,
@@ -186,10 +177,10 @@ def test_fused_and_compiled_model_matches_reference_model(family):
 
     # bf16 noise is the yardstick: the fused + compiled model must be as close to an fp32 run as
     # the bf16 reference model is
-    kernels.configure("torch", "cuda")
+    use_kernels(model, kernels.configure("torch", "cuda"))
     exact_loss, exact_g = run(autocast=False)
     ref_loss, ref_g = run()
-    kernels.configure("auto", "cuda")
+    use_kernels(model, kernels.configure("auto", "cuda"))
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()

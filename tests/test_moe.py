@@ -33,16 +33,16 @@ def test_moe_grouped_equals_loop_forward_backward(top_k):
     x = torch.randn(3, 10, 32)
     g = torch.randn(3, 10, 32)
 
-    def run(use_loop):
+    def run(mm):
         moe.zero_grad()
-        moe.experts.use_loop = use_loop
+        moe.experts.mm = mm
         xx = x.clone().requires_grad_()
         y = moe(xx)
         y.backward(g)
         return y.detach(), xx.grad, [p.grad.clone() for p in moe.parameters()]
 
-    y1, gx1, gp1 = run(False)
-    y2, gx2, gp2 = run(True)
+    y1, gx1, gp1 = run(grouped_mm)
+    y2, gx2, gp2 = run(grouped_mm_loop)
     torch.testing.assert_close(y1, y2)
     torch.testing.assert_close(gx1, gx2)
     for a, b in zip(gp1, gp2):
@@ -84,17 +84,18 @@ def test_aux_loss_pushes_router_gradient():
 
 @pytest.mark.parametrize("fp8_on", [False, True])
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_experts_compute_in_the_autocast_dtype_locally_and_behind_expert_parallel(fp8_on, monkeypatch, tmp_path):
+def test_experts_compute_in_the_autocast_dtype_locally_and_behind_expert_parallel(fp8_on, tmp_path):
     """Float32 master weights and residual stream under bf16 autocast (train.py on a GPU): the
     experts take bf16 operands like every nn.Linear, so the FP8 path's bf16 weight grad and
     saved activations hold, and the expert-parallel combine adds bf16 rows (it mixed dtypes)."""
     import torch.distributed as dist
 
-    from pithtrain import kernels
     from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
-    monkeypatch.setitem(kernels.USE, "fp8", fp8_on)  # CPU tensors: fp8.py's PyTorch reference
+    from pithtrain.kernels.fp8_linear import FP8GroupedMM
     torch.manual_seed(3)
     experts = GroupedExperts(8, 128, 128)
+    if fp8_on:  # CPU tensors: fp8_linear's PyTorch reference
+        experts.mm = FP8GroupedMM()
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.05)
     x = torch.randn(24, 128)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pithtrain.distributed import pipeline
-from pithtrain.models.common import AuxLoss
+from pithtrain.models.common import set_aux_loss_scale
 from pithtrain.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 CFG = dict(vocab_size=264, hidden_size=32, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -49,7 +49,7 @@ def micro_batches(M, seed=7):
 def reference(M):
     """One process, M micro-batches, loss_sum / global target count per micro-batch."""
     model = build()
-    AuxLoss.loss_scale = 1.0 / M
+    set_aux_loss_scale(model, 1.0 / M)
     mbs, denom = micro_batches(M)
     total = 0.0
     for x, y in mbs:
@@ -157,7 +157,7 @@ def _worker(rank, world, port, cases, out_dir, ep_cases=(), train_cases=()):
             ops = pipeline.build_schedule(schedule, world, M)[rank]
             runner = pipeline.PipelineRunner(model, chunks, ops, rank, world, schedule, M, group_f, group_b,
                                              (MBS, SEQ, CFG["hidden_size"]), torch.device("cpu"))
-            AuxLoss.loss_scale = 1.0 / M
+            set_aux_loss_scale(model, 1.0 / M)
             mbs, denom = micro_batches(M)
             runner.timeline = []
             loss = runner.step(mbs, denom)
@@ -191,7 +191,7 @@ def _pp_fsdp_ep(rank, world, name, schedule, M, out_dir):
     ops = pipeline.build_schedule(schedule, 2, M)[pp_rank]
     runner = pipeline.PipelineRunner(model, chunks, ops, pp_rank, 2, schedule, M, group_f, group_b,
                                      (MBS, SEQ, CFG["hidden_size"]), torch.device("cpu"))
-    AuxLoss.loss_scale = 1.0 / (M * dims.batch_size)
+    set_aux_loss_scale(model, 1.0 / (M * dims.batch_size))
     mbs, denom = micro_batches(M * dims.batch_size)
     mine = [mbs[m * dims.batch_size + dims.batch_rank] for m in range(M)]  # data.rows
     runner.timeline = []

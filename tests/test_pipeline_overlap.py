@@ -138,11 +138,9 @@ def _fsdp_w_worker(rank, world, port, out_dir):
     from pithtrain.distributed.parallelize import materialize, parallelize
     from pithtrain.distributed.schedule import Chunk
     from pithtrain.models import build_model
-    from pithtrain.models.common import AuxLoss
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    AuxLoss.loss_scale = 1.0  # the load-balancing gradient's scale (a class attribute the trainer sets)
     try:
         cfg = cfg_for("deepseek_v2", dict(fsdp=2, ep=2), out_dir)
         dims = ParallelDims.from_config(cfg, world_size=world, rank=rank).build_meshes("cpu")
@@ -171,8 +169,6 @@ def _fsdp_w_worker(rank, world, port, out_dir):
 def test_fsdp_reduce_scatter_is_deferred_to_w(tmp_path):
     from pithtrain.distributed.parallelize import materialize
     from pithtrain.models import build_model
-    from pithtrain.models.common import AuxLoss
-    AuxLoss.loss_scale = 1.0  # as in the workers (earlier tests in this process may have changed it)
     mp.spawn(_fsdp_w_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     cfg = cfg_for("deepseek_v2", {}, str(tmp_path))
     ref = build_model(cfg.model, init=False)

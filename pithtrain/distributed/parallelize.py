@@ -43,8 +43,7 @@ from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
 from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.models import to_empty
 from pithtrain.models.balance import Balance
-from pithtrain.models.common import (GroupedExperts, Rotary, attention, decoder_layers, init_block_seeded,
-                                     model_blocks)
+from pithtrain.models.common import GroupedExperts, Rotary, decoder_layers, init_block_seeded, model_blocks
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
@@ -69,7 +68,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, train_cfg, device: torch.d
         cp_attention = ContextParallelAttention(dims.cp_group, dims.cp_rank, dims.cp)
         cp_sum = ContextParallelSum(dims.cp_group)
         for m in model.modules():
-            if getattr(m, "attention", None) is attention:
+            if getattr(m, "attention", None) is not None:  # the reference or its kernels (use_kernels)
                 m.attention = cp_attention
             if isinstance(m, Balance):
                 m.stats_sum = cp_sum

@@ -13,7 +13,7 @@ chunk drives each layer's all-gather and reduce-scatter (the latter in W; overla
 interleaves its two micro-batches' phases when `parallel.pp_overlap` is on, else runs F then BW.
 Loss scaling: the last stage backpropagates loss_sum / (target tokens of the global batch),
 gradients accumulate over micro-batches in `.grad`, and the MoE auxiliary loss is scaled by 1 / M
-through `AuxLoss.loss_scale`, so the gradients equal a single process running the same
+through `common.set_aux_loss_scale`, so the gradients equal a single process running the same
 micro-batches (tests/test_pipeline.py, tests/test_pipeline_overlap.py).
 
 Communication: sends are asynchronous (isend, waited at the end of the step), receives block

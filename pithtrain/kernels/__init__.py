@@ -6,14 +6,29 @@
 | token permute / weighted unpermute | `permute.py` (Triton gathers, no atomics) | `LocalDispatcher` index/index_add |
 | per-expert bias (GPT-OSS) | `expert_bias.py` (Triton add, segment-sum backward) | `h + b[expert_X]` |
 | LM head + cross-entropy | `linear_ce.py` (grads made in forward; `ce.py` Triton rows) | `common.cross_entropy_sum` checkpointed |
-| attention with sinks / sliding window | `flex.py` (FlexAttention, block-sparse) | `common.eager_attention` |
-| plain causal attention | cuDNN / flash SDPA, chosen in `common.attention` | SDPA's own choice |
-| blockwise FP8 expert GEMMs (`train.fp8`) | `fp8.py` (Triton quantisation + scaled grouped GEMMs) | `pithtrain.fp8` (dequantise + fp32 matmul) |
+| attention with sinks / sliding window / documents | `flex.py` (FlexAttention, block-sparse) | `common.eager_attention` |
+| plain causal attention | cuDNN-first SDPA (`common.attention`'s `sdpa_first`) | SDPA's own choice |
+| blockwise FP8 expert GEMMs (`train.fp8`) | `fp8.py` (Triton quantisation + scaled grouped GEMMs) | `fp8_linear.py` (autograd, weight cache, dequantise + fp32 matmul) |
 
-The choice is explicit and global for the process: `configure(mode, device)` sets `USE` from the
-recipe's `train.kernels` ("auto": every fused operator whose requirements are met; "torch": none)
-and what is installed, and `describe()` is the line the trainer and the bench print at start-up.
-Model code asks `USE[name]` at call time and only for CUDA tensors; nothing is registered.
+The policy is here, the choice lives in the model. `configure(mode, device, fp8, off)` returns which
+operators a run uses (name -> on) from the recipe's `train.kernels` ("auto": every fused operator
+whose requirements are met; "torch": none) and what is installed; `describe(use)` is the line the
+trainer and the bench print at start-up. `models.common.use_kernels(model, use)` then resolves the
+choice into the model's own swappable attributes (the idiom `parallelize` uses for the
+dispatcher), so two models in one process each run their own kernels and nothing global is read:
+
+  GroupedExperts.mm       the grouped expert GEMM, (x_XD, w parameter, offs_E) -> y: common.grouped_mm,
+                          or a fp8_linear.FP8GroupedMM (one per experts module: it owns the weight cache)
+  GroupedExperts.swiglu, .bias_add   the activation and the per-expert bias add
+  LocalDispatcher.fused   the Triton permute / unpermute
+  <attention>.attention   functools.partial(common.attention, sdpa_first=, flex=) for every attention
+                          module (context parallel then replaces it); flex: one flex.FlexAttention
+                          per model, also held by `model.rotary` to build the batch's block masks eagerly
+  model.cross_entropy     the chunked LM-head loss (common.cross_entropy_sum or linear_ce's)
+
+A new backend (DeepGEMM for the expert GEMM, another attention kernel) is one more name in `NAMES`,
+its requirement in `configure`, and one more branch in `use_kernels` assigning a callable of the
+same signature; the model files do not change.
 """
 
 from __future__ import annotations
@@ -27,33 +42,26 @@ try:  # Triton is optional (CPU machines, CI); every Triton operator has a PyTor
 except ImportError:
     HAVE_TRITON = False
 
-try:
-    from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
-
-    HAVE_FLEX = True
-except ImportError:
-    HAVE_FLEX = False
-
-# What the hot path uses now. Everything off until `configure` runs (CPU tests, imports).
-USE = {"swiglu": False, "permute": False, "expert_bias": False, "linear_ce": False, "flex": False,
-       "cudnn_sdpa": False, "fp8": False}
+NAMES = ("swiglu", "permute", "expert_bias", "linear_ce", "flex", "cudnn_sdpa", "fp8")
 
 
-def configure(mode: str = "auto", device: torch.device | str = "cuda", fp8: bool = False) -> dict:
-    """Pick the operators for this process: mode "auto" (fastest available) or "torch" (references).
-    `fp8` (train.fp8) routes the routed experts' GEMMs through pithtrain.fp8; the trainer has
+def configure(mode: str = "auto", device: torch.device | str = "cuda", fp8: bool = False,
+              off: tuple = ()) -> dict:
+    """The operators a run uses (name -> on): mode "auto" (fastest available) or "torch"
+    (references); `off` names operators to keep on their reference (the bench's `no-NAME`).
+    `fp8` (train.fp8) routes the routed experts' GEMMs through fp8_linear; the trainer has
     already refused it where it cannot run (train.check_runnable)."""
     cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
     auto = mode == "auto"
     triton_ok = auto and cuda and HAVE_TRITON
-    USE.update(swiglu=triton_ok, permute=triton_ok, expert_bias=triton_ok, linear_ce=auto, flex=auto and cuda and HAVE_FLEX,
+    use = dict(swiglu=triton_ok, permute=triton_ok, expert_bias=triton_ok, linear_ce=auto, flex=auto and cuda,
                cudnn_sdpa=auto and cuda and torch.backends.cudnn.is_available(), fp8=fp8)
-    return dict(USE)
+    return {k: v and k not in off for k, v in use.items()}
 
 
-def describe() -> str:
+def describe(use: dict) -> str:
     why = "" if HAVE_TRITON else " (triton not installed)"
-    on = [k for k, v in USE.items() if v]
-    off = [k for k, v in USE.items() if not v]
+    on = [k for k, v in use.items() if v]
+    off = [k for k, v in use.items() if not v]
     return (f"kernels: fused {', '.join(on) or 'none'}; PyTorch reference for "
             f"{', '.join(off) or 'none'}{why}")

@@ -1,6 +1,6 @@
 """Blockwise FP8 (e4m3) in Triton: quantisation and the M-grouped scaled GEMM (forward, data grad).
 
-Reference: `pithtrain.fp8` (the same functions in plain PyTorch; tests/test_fp8_gpu.py compares).
+Reference: `kernels/fp8_linear.py` (the same functions in plain PyTorch; tests/test_fp8_gpu.py compares).
 
 Scaling (DeepSeek-V3's recipe): activations per 1 x 128 tile along the contraction dimension,
 weights per 128 x 128 block, one fp32 scale each, value = q * scale, scale = amax / 448.
@@ -13,7 +13,7 @@ Hopper's FP8 tensor cores read), so a weight is quantised into both layouts:
 | forward   y = x w     | x, 1x128 along D  | w^T (N x D), 128x128 |
 | data grad dx = dy w^T | dy, 1x128 along N | w   (D x N), 128x128 |
 
-The weight gradient is not here: pithtrain.fp8 computes it in bf16 (measured faster at the routed
+The weight gradient is not here: fp8_linear computes it in bf16 (measured faster at the routed
 experts' shapes, docs/perf-notes.md). M-grouped: rows sorted by group, group g owns rows
 [offs[g-1], offs[g]) and multiplies its own B. Every FP8 tensor made here has a row stride that is
 a multiple of 16 bytes (the last dimension padded in storage), as the TMA descriptors require.
@@ -26,9 +26,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-BLOCK = 128
+from pithtrain.kernels.fp8_linear import BLOCK, FP8
 
 
 def _fp8_empty(*shape: int, device) -> torch.Tensor:

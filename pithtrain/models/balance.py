@@ -91,6 +91,7 @@ class Balance(nn.Module):
         self.register_buffer("stats", torch.empty(num_experts + top_k + 1, dtype=torch.int64),
                              persistent=False)
         self.stats_sum = _identity  # context parallel: an all-reduce over the cp group
+        self.loss_scale = 1.0  # the trainer's 1 / micro-batches of the global batch (common.AuxLoss)
 
     @torch.no_grad()
     def reset_parameters(self):

@@ -9,6 +9,7 @@ K kv heads, E experts, F expert hidden width, A top-k slots, V vocabulary, X dis
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
@@ -21,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain import fp8, kernels  # which fused operators this process uses (kernels.USE)
 from pithtrain.models.balance import Balance
 
 
@@ -88,20 +88,27 @@ def rope_inv_freq(dim: int, theta: float, scaling: dict | None = None) -> tuple[
 
 
 class Rotary(nn.Module):
-    """cos/sin tables computed from positions on each call (cheap; nothing position-sized is cached)."""
+    """cos/sin tables computed from positions on each call (cheap; nothing position-sized is cached).
+    It runs eagerly before the layers (the pipeline's stages too), so with FlexAttention (`flex`,
+    set by use_kernels) it also makes the batch's block masks there: compiled attention reads them."""
 
     def __init__(self, dim: int, theta: float, scaling: dict | None = None):
         super().__init__()
         self.dim, self.theta, self.scaling = dim, theta, scaling
         self.register_buffer("inv_freq", torch.empty(dim // 2), persistent=False)
         self.mscale = 1.0
+        self.flex = None  # the model's kernels.flex.FlexAttention, or None (reference attention)
 
     def reset_parameters(self):
         inv_freq, self.mscale = rope_inv_freq(self.dim, self.theta, self.scaling)
         with torch.no_grad():
             self.inv_freq.copy_(inv_freq.to(self.inv_freq.device))
 
-    def forward(self, positions_BS: torch.Tensor, docs: Documents | None = None) -> Rope:
+    def forward(self, positions_BS: torch.Tensor, docs_BS: torch.Tensor | None = None) -> Rope:
+        """docs_BS: the document index per token (document masking), or None."""
+        docs = None if docs_BS is None else Documents(docs_BS, self.flex and self.flex.document_masks(docs_BS))
+        if self.flex is not None and docs is None:
+            self.flex.prepare(positions_BS.shape[1], positions_BS.device)
         freqs = positions_BS[..., None].float() * self.inv_freq  # (B, S, dim/2)
         return Rope(freqs.cos() * self.mscale, freqs.sin() * self.mscale, docs)
 
@@ -109,7 +116,7 @@ class Rotary(nn.Module):
 class Documents(NamedTuple):
     """Document masking (data.document_mask): attention stays inside each token's document."""
     ids_BS: torch.Tensor  # document index of each token, non-decreasing along S
-    block_masks: dict | None = None  # CUDA: window -> FlexAttention BlockMask of ids_BS (kernels/flex.py)
+    block_masks: dict | None = None  # with FlexAttention: window -> BlockMask of ids_BS (kernels/flex.py)
 
 
 class Rope(NamedTuple):
@@ -142,40 +149,36 @@ def apply_rope(x_BHSd, rope: Rope):
 
 
 def attention(q_BHSd, k_BKSd, v_BKSe, *, scale: float, window: int | None = None,
-              sinks_H: torch.Tensor | None = None, docs: Documents | None = None):
+              sinks_H: torch.Tensor | None = None, docs: Documents | None = None,
+              sdpa_first: list | None = None, flex=None):
     """Causal attention with optional sliding window (keys within the last `window` positions,
     Hugging Face's convention), learned sinks (an extra logit per head that takes softmax mass) and
     document masking (keys of the query's own document only).
-    GQA: K may divide H. The plain case uses SDPA: with kernels.USE["cudnn_sdpa"] cuDNN's fused
-    kernel first (it takes GQA as is, and d_qk != d_v as in DeepSeek's MLA, where SDPA's own order
-    falls back to the slower memory-efficient kernel), else SDPA's own order.
-    Windows / sinks / documents on GPU go to FlexAttention (kernels/flex.py; document masks come
-    built in `docs.block_masks`); on CPU to the eager reference."""
+    GQA: K may divide H. The plain case uses SDPA, trying the backends `sdpa_first` first (cuDNN's
+    fused kernel takes GQA as is, and d_qk != d_v as in DeepSeek's MLA, where SDPA's own order
+    falls back to the slower memory-efficient kernel), else in SDPA's own order.
+    Windows / sinks / documents go to `flex` (a kernels.flex.FlexAttention; document masks come
+    built in `docs.block_masks`), else to the eager reference. use_kernels binds `sdpa_first` and
+    `flex` per model (each attention module's `attention` is this function, bound)."""
     if docs is not None:
-        if docs.block_masks is not None:
-            from pithtrain.kernels.flex import flex_sink_attention
+        if flex is not None:
             S = q_BHSd.shape[2]
             mask = docs.block_masks[window if window is not None and window < S else None]
-            return flex_sink_attention(q_BHSd, k_BKSd, v_BKSe, scale=scale, window=window,
-                                       sinks_H=sinks_H, doc_mask=mask)
+            return flex(q_BHSd, k_BKSd, v_BKSe, scale=scale, window=window, sinks_H=sinks_H, doc_mask=mask)
         return eager_attention(q_BHSd, k_BKSd, v_BKSe, scale=scale, window=window, sinks_H=sinks_H,
                                docs_BS=docs.ids_BS)
     if window is None and sinks_H is None:
         gqa = k_BKSd.shape[1] != q_BHSd.shape[1]
-        if kernels.USE["cudnn_sdpa"] and q_BHSd.is_cuda:
-            with torch.nn.attention.sdpa_kernel(_SDPA_CUDNN_FIRST, set_priority=True):
-                return F.scaled_dot_product_attention(q_BHSd, k_BKSd, v_BKSe, is_causal=True,
-                                                      scale=scale, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q_BHSd, k_BKSd, v_BKSe, is_causal=True, scale=scale,
-                                              enable_gqa=gqa)
-    if kernels.USE["flex"] and q_BHSd.is_cuda:
-        from pithtrain.kernels.flex import flex_sink_attention
-        return flex_sink_attention(q_BHSd, k_BKSd, v_BKSe, scale=scale, window=window, sinks_H=sinks_H)
+        with torch.nn.attention.sdpa_kernel(sdpa_first, set_priority=True) if sdpa_first else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q_BHSd, k_BKSd, v_BKSe, is_causal=True, scale=scale,
+                                                  enable_gqa=gqa)
+    if flex is not None:
+        return flex(q_BHSd, k_BKSd, v_BKSe, scale=scale, window=window, sinks_H=sinks_H)
     return eager_attention(q_BHSd, k_BKSd, v_BKSe, scale=scale, window=window, sinks_H=sinks_H)
 
 
 # The math kernel last: float32 GQA (parity tests, fp32 validation runs) has no fused kernel.
-_SDPA_CUDNN_FIRST = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
+SDPA_CUDNN_FIRST = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
                      torch.nn.attention.SDPBackend.FLASH_ATTENTION,
                      torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
                      torch.nn.attention.SDPBackend.MATH]
@@ -230,10 +233,7 @@ class SwiGLUMLP(nn.Module):
 def swiglu(h_XF2, alpha: float | None = None, limit: float | None = None):
     """silu(gate) * up on the concatenated [gate | up] rows. With alpha/limit: GPT-OSS's clamped
     variant, gate.clamp(max=limit) * sigmoid(alpha * gate) * (up.clamp(-limit, limit) + 1).
-    CUDA with kernels.USE["swiglu"]: one Triton kernel each way (kernels/swiglu.py)."""
-    if kernels.USE["swiglu"] and h_XF2.is_cuda:
-        from pithtrain.kernels.swiglu import swiglu as fused
-        return fused(h_XF2, alpha, limit)
+    Fused: kernels/swiglu.py (GroupedExperts.swiglu, set by use_kernels)."""
     gate, up = h_XF2.chunk(2, dim=-1)
     if alpha is None:
         return F.silu(gate) * up
@@ -243,8 +243,10 @@ def swiglu(h_XF2, alpha: float | None = None, limit: float | None = None):
 
 
 def grouped_mm(x_XD, w_EDF, offs_E):
-    """rows of x (expert-contiguous, offs = cumulative end row per expert) @ w[e].
-    torch's grouped matmul where present and the shapes allow it; the per-expert loop otherwise."""
+    """rows of x (expert-contiguous, offs = cumulative end row per expert) @ w[e], in x's dtype
+    (w: the parameter; expert parallel's DTensor gives its local block). torch's grouped matmul
+    where present and the shapes allow it; the per-expert loop otherwise."""
+    w_EDF = _local(w_EDF).to(x_XD.dtype)
     ok = (hasattr(F, "grouped_mm") and x_XD.dtype in (torch.float32, torch.bfloat16)
           and (x_XD.is_cuda or x_XD.dtype == torch.float32)
           and all((n * x_XD.element_size()) % 16 == 0 for n in w_EDF.shape[1:]))
@@ -255,6 +257,7 @@ def grouped_mm(x_XD, w_EDF, offs_E):
 
 def grouped_mm_loop(x_XD, w_EDF, offs_E):
     """Reference: one matmul per expert over its contiguous rows."""
+    w_EDF = _local(w_EDF).to(x_XD.dtype)
     out = x_XD.new_empty(x_XD.shape[0], w_EDF.shape[-1])
     start = 0
     for e, end in enumerate(offs_E.tolist()):
@@ -265,7 +268,9 @@ def grouped_mm_loop(x_XD, w_EDF, offs_E):
 
 class GroupedExperts(nn.Module):
     """E SwiGLU experts as stacked weights: w13 (E, D, 2F) = [gate | up], w2 (E, F, D).
-    Optional biases (GPT-OSS) and the clamped activation (alpha/limit)."""
+    Optional biases (GPT-OSS) and the clamped activation (alpha/limit). The operators are
+    attributes, references until use_kernels binds the fused ones: `mm` the grouped GEMM
+    (x_XD, w parameter, offs_E) -> y, `swiglu`, `bias_add` (h, b_EN, expert_X, offs_E) -> h + b."""
 
     def __init__(self, num_experts: int, dim: int, hidden: int, bias: bool = False,
                  alpha: float | None = None, limit: float | None = None):
@@ -276,7 +281,7 @@ class GroupedExperts(nn.Module):
         self.w2_EFD = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.b13_EF2 = nn.Parameter(torch.empty(num_experts, 2 * hidden)) if bias else None
         self.b2_ED = nn.Parameter(torch.empty(num_experts, dim)) if bias else None
-        self.use_loop = False  # tests flip this to run the per-expert reference path
+        self.mm, self.swiglu, self.bias_add = grouped_mm, swiglu, add_expert_bias
 
     def forward(self, x_XD, counts_E):
         """x: rows sorted by expert, counts_E[e] rows for expert e (experts local to this rank).
@@ -287,30 +292,20 @@ class GroupedExperts(nn.Module):
         if torch.is_autocast_enabled(dev):
             x_XD = x_XD.to(torch.get_autocast_dtype(dev))
         offs_E = torch.cumsum(counts_E, 0)
-        if kernels.USE["fp8"]:  # blockwise FP8 GEMMs; the weights' FP8 copies are cached per step
-            w13, w2 = _local(self.w13_EDF2), _local(self.w2_EFD)
-            mm13 = functools.partial(fp8.grouped_mm, owner=self.w13_EDF2)
-            mm2 = functools.partial(fp8.grouped_mm, owner=self.w2_EFD)
-        else:
-            w13, w2 = _local(self.w13_EDF2).to(x_XD.dtype), _local(self.w2_EFD).to(x_XD.dtype)
-            mm13 = mm2 = grouped_mm_loop if self.use_loop else grouped_mm
-        h_XF2 = mm13(x_XD, w13, offs_E)
+        h_XF2 = self.mm(x_XD, self.w13_EDF2, offs_E)
         if self.b13_EF2 is not None:
             expert_X = torch.repeat_interleave(torch.arange(len(counts_E), device=x_XD.device),
                                                counts_E, output_size=x_XD.shape[0])
-            h_XF2 = _add_expert_bias(h_XF2, _local(self.b13_EF2).to(x_XD.dtype), expert_X, offs_E)
-        y_XD = mm2(swiglu(h_XF2, self.alpha, self.limit), w2, offs_E)
+            h_XF2 = self.bias_add(h_XF2, _local(self.b13_EF2).to(x_XD.dtype), expert_X, offs_E)
+        y_XD = self.mm(self.swiglu(h_XF2, self.alpha, self.limit), self.w2_EFD, offs_E)
         if self.b2_ED is not None:
-            y_XD = _add_expert_bias(y_XD, _local(self.b2_ED).to(x_XD.dtype), expert_X, offs_E)
+            y_XD = self.bias_add(y_XD, _local(self.b2_ED).to(x_XD.dtype), expert_X, offs_E)
         return y_XD
 
 
-def _add_expert_bias(h_XN, b_EN, expert_X, offs_E):
-    """h + b[expert of row]. CUDA with kernels.USE["expert_bias"]: Triton add and a segment-sum
-    backward (kernels/expert_bias.py) instead of index backward's sort + accumulate."""
-    if kernels.USE["expert_bias"] and h_XN.is_cuda:
-        from pithtrain.kernels.expert_bias import expert_bias_add
-        return expert_bias_add(h_XN, b_EN, expert_X, offs_E)
+def add_expert_bias(h_XN, b_EN, expert_X, offs_E):
+    """h + b[expert of row]. Fused: a Triton add and a segment-sum backward instead of index
+    backward's sort + accumulate (kernels/expert_bias.py)."""
     return h_XN + b_EN[expert_X]
 
 
@@ -329,13 +324,16 @@ class LocalDispatcher:
     weighted (combine). The expert-parallel dispatcher has the same methods and replaces this one.
     `dispatch` -> (x_XD rows for the experts, w: the routing weights in the form combine takes
     (differentiable), counts_E, info: what else combine needs, non-differentiable).
-    CUDA with kernels.USE["permute"]: the same maps as gathers only (kernels/permute.py)."""
+    `fused` (use_kernels; CUDA): the same maps as Triton gathers only (kernels/permute.py)."""
+
+    def __init__(self):
+        self.fused = False
 
     def dispatch(self, x_TD, idx_TA, w_TA, num_experts):
         flat_X = idx_TA.reshape(-1)
         order_X = torch.argsort(flat_X, stable=True)
         counts_E = torch.bincount(flat_X, minlength=num_experts)
-        if kernels.USE["permute"] and x_TD.is_cuda:
+        if self.fused:
             from pithtrain.kernels.permute import inverse_order, permute
             x_XD = permute(x_TD, order_X, inverse_order(order_X, idx_TA.shape[1]))
         else:
@@ -344,7 +342,7 @@ class LocalDispatcher:
 
     def combine(self, y_XD, w_TA, info):
         order_X, T = info
-        if kernels.USE["permute"] and y_XD.is_cuda:
+        if self.fused:
             from pithtrain.kernels.permute import inverse_order, unpermute
             return unpermute(y_XD, w_TA.to(y_XD.dtype), order_X, inverse_order(order_X, w_TA.shape[1]))
         w_X = w_TA.reshape(-1)[order_X].to(y_XD.dtype)
@@ -362,20 +360,27 @@ class LocalDispatcher:
 
 class AuxLoss(torch.autograd.Function):
     """Identity on x; in backward, adds d(scale * aux)/d(router) as if `scale * aux` were part of
-    the loss. `scale` is the coefficient times the trainer's loss scale (1 / micro-batches), set in
-    `AuxLoss.loss_scale` by the trainer; this keeps pipeline stages free of extra outputs."""
-
-    loss_scale = 1.0
+    the loss. `aux` carries the coefficient; `scale` is the trainer's loss scale (1 / micro-batches
+    of the global batch), the MoE block's `balance.loss_scale` (set_aux_loss_scale); this keeps
+    pipeline stages free of extra outputs."""
 
     @staticmethod
-    def forward(ctx, x, aux):
+    def forward(ctx, x, aux, scale: float):
         ctx.save_for_backward(aux)
+        ctx.scale = scale
         return x
 
     @staticmethod
     def backward(ctx, grad):
         (aux,) = ctx.saved_tensors
-        return grad, torch.full_like(aux, AuxLoss.loss_scale)
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float):
+    """The trainer's loss scale for the balancing losses of every MoE block of `model`."""
+    for m in model.modules():
+        if isinstance(m, Balance):
+            m.loss_scale = scale
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,7 +409,7 @@ def routed_experts(moe, x_TD, sequences: int | None = None):
     load-balancing gradient rides on the output."""
     w_TA, idx_TA, aux = route_tokens(moe, x_TD, sequences)
     y_TD = moe.dispatcher(x_TD, idx_TA, w_TA, moe.experts)
-    return y_TD if aux is None else AuxLoss.apply(y_TD, aux)
+    return y_TD if aux is None else AuxLoss.apply(y_TD, aux, moe.balance.loss_scale)
 
 
 @dataclass
@@ -487,7 +492,7 @@ class DecoderLayer(nn.Module):
             return {"y": mlp.dispatcher.combine(yd, wd, info)}
 
         def residual(h1, y, aux, ys=None):
-            y_TD = y if aux is None else AuxLoss.apply(y, aux)
+            y_TD = y if aux is None else AuxLoss.apply(y, aux, mlp.balance.loss_scale)
             if ys is not None:
                 y_TD = y_TD + ys
             return {"out": h1 + y_TD.view(h1.shape)}
@@ -508,6 +513,37 @@ class DecoderLayer(nn.Module):
                   none, unit)]
 
 
+def use_kernels(model: nn.Module, use: dict) -> nn.Module:
+    """Resolve a run's kernel choice (kernels.configure: name -> on) into `model`'s own swappable
+    attributes, in place: the fused operator where `use` says so, the reference elsewhere. Before
+    parallelize (context parallel then replaces the attention call) and before compile."""
+    flex = None
+    if use["flex"]:
+        from pithtrain.kernels.flex import FlexAttention
+        flex = FlexAttention(model.cfg.attention_shapes(i)[0] for i in range(model.cfg.num_layers))
+    model.rotary.flex = flex
+    bound = functools.partial(attention, sdpa_first=SDPA_CUDNN_FIRST if use["cudnn_sdpa"] else None, flex=flex)
+    model.cross_entropy = functools.partial(cross_entropy_sum, fused=use["linear_ce"])
+    for m in model.modules():
+        call = getattr(m, "attention", None)
+        if attention in (call, getattr(call, "func", None)):  # not context parallel's
+            m.attention = bound
+        if isinstance(getattr(m, "dispatcher", None), LocalDispatcher):
+            m.dispatcher.fused = use["permute"]
+        if isinstance(m, GroupedExperts):
+            if use["fp8"]:
+                from pithtrain.kernels.fp8_linear import FP8GroupedMM
+            m.mm = FP8GroupedMM() if use["fp8"] else grouped_mm  # each its own FP8 weight cache
+            m.swiglu, m.bias_add = swiglu, add_expert_bias
+            if use["swiglu"]:
+                from pithtrain.kernels.swiglu import swiglu as fused_swiglu
+                m.swiglu = fused_swiglu
+            if use["expert_bias"]:
+                from pithtrain.kernels.expert_bias import expert_bias_add
+                m.bias_add = expert_bias_add
+    return model
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's decoder layers in order: `model.layers` is a ModuleList, or on a pipeline stage
     a ModuleDict keyed by layer index holding only this stage's layers."""
@@ -519,19 +555,11 @@ def causal_lm_forward(model, input_ids_BS, positions_BS=None, labels_BS=None, do
     """embed -> layers -> norm -> logits (B, S, V), or the summed token loss when labels are given
     (chunked, so full-vocabulary logits never exist at once). Positions default to 0..S-1, or with
     docs_BS (document index per token: document masking) to 0.. from each document's start."""
-    docs = None
-    if docs_BS is not None:
-        if positions_BS is None:
-            positions_BS = document_positions(docs_BS)
-        masks = None
-        if kernels.USE["flex"] and docs_BS.is_cuda:  # built here, eagerly, so compiled layers only read them
-            from pithtrain.kernels.flex import document_block_masks
-            masks = document_block_masks(docs_BS, [model.cfg.attention_shapes(i)[0]
-                                                   for i in range(model.cfg.num_layers)])
-        docs = Documents(docs_BS, masks)
+    if docs_BS is not None and positions_BS is None:
+        positions_BS = document_positions(docs_BS)
     if positions_BS is None:
         positions_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(input_ids_BS)
-    rope = model.rotary(positions_BS, docs)
+    rope = model.rotary(positions_BS, docs_BS)
     h_BSD = model.embed_tokens(input_ids_BS)
     for layer in model.layers:
         h_BSD = layer(h_BSD, rope)
@@ -542,20 +570,21 @@ def causal_lm_forward(model, input_ids_BS, positions_BS=None, labels_BS=None, do
 
 def head_loss(model, h_BSD, labels_BS):
     """Final norm, LM head and the summed token loss (the pipeline's last stage calls this too)."""
-    return cross_entropy_sum(model.norm(h_BSD).flatten(0, 1), model.lm_head.weight, labels_BS.flatten())
+    return model.cross_entropy(model.norm(h_BSD).flatten(0, 1), model.lm_head.weight, labels_BS.flatten())
 
 
 # ---------------------------------------------------------------------------------------------
 # Loss
 
 
-def cross_entropy_sum(h_TD, weight_VD, labels_T, chunk: int = 4096):
+def cross_entropy_sum(h_TD, weight_VD, labels_T, chunk: int = 4096, fused: bool = False):
     """Sum of token cross-entropies (labels == -100 ignored), with logits made `chunk` rows at a
     time under activation checkpointing, so (T, V) logits never exist at once in fp32.
-    With kernels.USE["linear_ce"] and gradients wanted: each chunk once, its gradients made in the
-    forward pass (kernels/linear_ce.py), saving the recomputed LM-head matmul."""
+    `fused` (use_kernels binds it into the model's `cross_entropy`) and gradients wanted: each
+    chunk once, its gradients made in the forward pass (kernels/linear_ce.py), saving the
+    recomputed LM-head matmul."""
     wants_grad = torch.is_grad_enabled() and (h_TD.requires_grad or weight_VD.requires_grad)
-    if kernels.USE["linear_ce"] and wants_grad:
+    if fused and wants_grad:
         from pithtrain.kernels.linear_ce import linear_cross_entropy_sum
         return linear_cross_entropy_sum(h_TD, weight_VD, labels_T, chunk)
     total = h_TD.new_zeros((), dtype=torch.float32)

@@ -16,8 +16,8 @@ from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (DecoderLayer, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
-                                     SwiGLUMLP, apply_rope, attention, causal_lm_forward, hub_name,
-                                     init_by_block, init_normal, native_name,
+                                     SwiGLUMLP, apply_rope, attention, causal_lm_forward, cross_entropy_sum,
+                                     hub_name, init_by_block, init_normal, native_name,
                                      per_expert_to_stacked, routed_experts, stacked_to_per_expert)
 
 
@@ -210,6 +210,7 @@ class Qwen3MoeForCausalLM(nn.Module):
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.cross_entropy = cross_entropy_sum  # the head's loss; common.use_kernels may bind the fused one
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

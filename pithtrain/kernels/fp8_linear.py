@@ -1,7 +1,7 @@
 """Blockwise FP8 training GEMMs (e4m3, DeepSeek-V3's scaling) and the per-step FP8 weight cache.
 
-`train.fp8: true` (CUDA, compute capability >= 8.9, Triton, train.kernels=auto) routes the routed
-experts' grouped GEMMs (common.GroupedExperts) through `grouped_mm` below. Master weights,
+`train.fp8: true` (CUDA, compute capability >= 8.9, Triton, train.kernels=auto) gives each routed
+experts module (common.GroupedExperts) an `FP8GroupedMM` below as its grouped GEMM (`mm`). Master weights,
 gradients and AdamW state keep their dtype: only GEMM operands are FP8, each GEMM accumulates in
 fp32 and writes in its input's dtype (bf16: GroupedExperts casts to the autocast dtype). The router, embeddings, norms, attention, the dense projections and the LM
 head stay bf16 (DeepSeek-V3 keeps the first four and the head); on the lent H200 the dense FP8
@@ -15,16 +15,17 @@ GEMMs measured are no faster at the attention projections' sizes (docs/perf-note
                                  x and dy along the tokens cost more than an FP8 GEMM saves; the
                                  FP8 version measured 2.6x slower than bf16 (docs/perf-notes.md)
 
-Operators: Triton (`pithtrain/kernels/fp8.py`) for CUDA tensors; the functions below are the same
+Operators: Triton (`kernels/fp8.py`) for CUDA tensors; the functions below are the same
 maths in plain PyTorch (dequantise, fp32 matmul): the tests' reference, and what CPU tensors run,
 so the autograd and cache logic is tested in CI. Recipes with train.fp8 on a CPU are refused
 (train.check_runnable). DeepGEMM and Blackwell's MXFP8 are not wired: the Triton kernels are the
 one GPU path (DeepGEMM cannot be installed on the lent machine, and no B200 is lent).
 
-Weight cache: `CACHE.weights(param, w)` quantises a weight at most once per optimizer step
-(`CACHE.next_step()`, called by the trainer after `optimizer.step()`, drops every copy) and also
-re-quantises when the tensor was written in place since or moved (version counters, storage
-pointer). `CACHE.quantised` counts quantisations (the bench shows one per weight per step).
+Weight cache: each `FP8GroupedMM` (one per experts module) quantises a weight at most once per
+optimizer step (`next_step(model)`, called by the trainer after `optimizer.step()`, drops every
+copy) and also re-quantises when the tensor was written in place since or moved (version counters,
+storage pointer). `quantised(model)` counts the model's quantisations (the bench shows one per
+weight per step).
 Under FSDP the cache holds the unsharded FP8 copies (q and q^T, 2 bytes per element) of every
 expert weight for the whole step: memory the sharding otherwise saves (FSDP + FP8 is untested).
 """
@@ -42,7 +43,7 @@ BLOCK = 128
 
 
 # ---------------------------------------------------------------------------------------------
-# Reference operators (PyTorch): the same contracts as pithtrain.kernels.fp8 (whose FP8 tensors
+# Reference operators (PyTorch): the same contracts as kernels/fp8.py (whose FP8 tensors
 # are views of storage padded to 16-byte rows; these are contiguous).
 
 
@@ -91,7 +92,7 @@ def dequant_blocks(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 def mgrouped_mm(a, a_s, b, b_s, offs, out_dtype=torch.bfloat16):
     """out[rows of g] = deq(a)[rows of g] @ deq(b[g])^T; b (G, N, K) with b_s indexed (g, k block,
-    n block) -- pithtrain.kernels.fp8.mgrouped_mm's contract, in fp32."""
+    n block) -- kernels/fp8.py mgrouped_mm's contract, in fp32."""
     A = dequant_rows(a, a_s)
     B = dequant_blocks(b, b_s.transpose(1, 2))  # (G, N, K)
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
@@ -143,7 +144,20 @@ class WeightCache:
         return value
 
 
-CACHE = WeightCache()
+def caches(model: torch.nn.Module) -> list[WeightCache]:
+    """The weight caches of the model's FP8 experts modules (none without train.fp8)."""
+    return [m.mm.cache for m in model.modules() if isinstance(getattr(m, "mm", None), FP8GroupedMM)]
+
+
+def next_step(model: torch.nn.Module) -> None:
+    """After optimizer.step(): the weights changed, FP8 copies are made again on first use."""
+    for c in caches(model):
+        c.next_step()
+
+
+def quantised(model: torch.nn.Module) -> int:
+    """Weight quantisations so far in the model (the witness that the cache works)."""
+    return sum(c.quantised for c in caches(model))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,11 +202,18 @@ def _weight_grad(x_MK, dy_MN, offs_G, G):
     return dw
 
 
-def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor, owner=None) -> torch.Tensor:
-    """FP8 version of F.grouped_mm(x, w, offs) for rows sorted by group (offs: cumulative ends,
-    offs[-1] = rows). `owner`: the parameter w_GKN was taken from (the cache key; default w_GKN).
-    The output is in x's dtype; autocast is off inside (GroupedExperts casts x to its dtype first),
-    so the PyTorch reference's fp32 products stay fp32."""
-    wq, wqt, ws = CACHE.weights(w_GKN if owner is None else owner, w_GKN)
-    with torch.autocast(x_MK.device.type, enabled=False):
-        return _FP8GroupedMM.apply(x_MK, w_GKN, offs_G.to(torch.int32), wq, wqt, ws)
+class FP8GroupedMM:
+    """An experts module's grouped GEMM in FP8 (its `mm`), with that module's weight cache:
+    FP8 version of F.grouped_mm(x, w, offs) for rows sorted by group (offs: cumulative ends,
+    offs[-1] = rows); w: the parameter (a DTensor under expert parallel: its local block is used,
+    the parameter keys the cache). The output is in x's dtype; autocast is off inside
+    (GroupedExperts casts x to its dtype first), so the PyTorch reference's fp32 products stay fp32."""
+
+    def __init__(self):
+        self.cache = WeightCache()
+
+    def __call__(self, x_MK: torch.Tensor, w: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+        w_GKN = w.to_local() if hasattr(w, "to_local") else w
+        wq, wqt, ws = self.cache.weights(w, w_GKN)
+        with torch.autocast(x_MK.device.type, enabled=False):
+            return _FP8GroupedMM.apply(x_MK, w_GKN, offs_G.to(torch.int32), wq, wqt, ws)
