@@ -204,3 +204,88 @@ def test_layers_share_compiled_graphs_within_default_dynamo_limits():
     assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
     assert dict(torch._dynamo.config.get_config_copy()) == limits
     torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------
+# No module-level mutable state read by model code (STYLE 16)
+
+MUTATING_METHODS = {"update", "clear", "append", "extend", "pop", "popitem", "setdefault", "add", "remove",
+                    "insert", "discard", "setitem", "setattr"}  # the last two: monkeypatch.X(obj, ...)
+
+
+def mutable_state_reads(sources: dict, readers) -> list:
+    """(reader, module, name) for each read, in the `readers` modules, of a module-level name of
+    any module in `sources` (module name -> source) that some module mutates: item assignment,
+    a mutating method call, attribute assignment on it (a class attribute set from outside), or
+    rebinding through `global`."""
+    import ast
+
+    trees = {m: ast.parse(src) for m, src in sources.items()}
+    top = {m: {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+               for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+           | {n.name for n in tree.body if isinstance(n, ast.ClassDef)} for m, tree in trees.items()}
+
+    def resolver(mod, tree):
+        names = {}  # local name -> (module, None) for a module, (module, name) for a name in it
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and n.module in trees or (
+                    isinstance(n, ast.ImportFrom) and any(f"{n.module}.{a.name}" in trees for a in n.names)):
+                for a in n.names:
+                    sub = f"{n.module}.{a.name}"
+                    names[a.asname or a.name] = (sub, None) if sub in trees else (n.module, a.name)
+            elif isinstance(n, ast.Import):
+                names.update({a.asname: (a.name, None) for a in n.names if a.asname and a.name in trees})
+
+        def resolve(e):
+            if isinstance(e, ast.Name):
+                return names.get(e.id, (mod, e.id) if e.id in top[mod] else None)
+            if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name):
+                r = names.get(e.value.id)
+                return (r[0], e.attr) if r and r[1] is None else None
+            return None
+        return resolve
+
+    mutated = set()
+    for mod, tree in trees.items():
+        resolve = resolver(mod, tree)
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Global):
+                mutated |= {(mod, g) for g in n.names}
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                if isinstance(t, (ast.Subscript, ast.Attribute)):
+                    r = resolve(t.value)
+                    mutated.add(r if r is None or r[1] is not None else (r[0], t.attr))
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in MUTATING_METHODS:
+                mutated.add(resolve(n.args[0] if n.func.attr.startswith("set") and n.args else n.func.value))
+    mutated = {r for r in mutated if r and r[1] is not None and r[1] in top.get(r[0], ())}
+    reads = []
+    for mod in readers:
+        resolve = resolver(mod, trees[mod])
+        reads += [(mod, *r) for n in ast.walk(trees[mod]) if isinstance(n, (ast.Name, ast.Attribute))
+                  and isinstance(n.ctx, ast.Load) and (r := resolve(n)) in mutated]
+    return sorted(set(reads))
+
+
+def test_model_code_reads_no_module_level_mutable_state():
+    """pithtrain/models/ and compile.py read no module-level state that any module of the package
+    or the tests mutates; the scan itself finds such a read (the old kernels.USE pattern)."""
+    from pathlib import Path
+
+    old = {"pkg.kernels": "USE = {'swiglu': False}\ndef configure():\n    USE.update(swiglu=True)\n",
+           "pkg.common": "from pkg import kernels\ndef swiglu(h):\n    return kernels.USE['swiglu']\n",
+           "pkg.aux": "class AuxLoss:\n    scale = 1.0\n",
+           "pkg.train": "from pkg.aux import AuxLoss\nAuxLoss.scale = 0.5\n",
+           "pkg.model": "from pkg.aux import AuxLoss\ndef f():\n    return AuxLoss.scale\n"}
+    assert mutable_state_reads(old, ["pkg.common", "pkg.model"]) == [
+        ("pkg.common", "pkg.kernels", "USE"), ("pkg.model", "pkg.aux", "AuxLoss")]
+    root = Path(__file__).resolve().parents[1]
+    files = sorted(root.glob("pithtrain/**/*.py")) + sorted(root.glob("tests/*.py"))
+    name = {f: ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__") for f in files}
+    sources = {name[f]: f.read_text() for f in files}
+    readers = [m for m in sources if m.startswith("pithtrain.models") or m == "pithtrain.compile"]
+    assert len(readers) == 7
+    assert mutable_state_reads(sources, readers) == []
+    for m in readers:
+        for gone in ("kernels.USE", "fp8.CACHE", "AuxLoss.loss_scale", "_MASKS"):
+            assert gone not in sources[m], (m, gone)

@@ -161,7 +161,7 @@ def attention(q_BHSd, k_BKSd, v_BKSe, *, scale: float, window: int | None = None
     built in `docs.block_masks`), else to the eager reference. use_kernels binds `sdpa_first` and
     `flex` per model (each attention module's `attention` is this function, bound)."""
     if docs is not None:
-        if flex is not None:
+        if docs.block_masks is not None:  # made by the model's rotary with its `flex`
             S = q_BHSd.shape[2]
             mask = docs.block_masks[window if window is not None and window < S else None]
             return flex(q_BHSd, k_BKSd, v_BKSe, scale=scale, window=window, sinks_H=sinks_H, doc_mask=mask)
@@ -179,9 +179,9 @@ def attention(q_BHSd, k_BKSd, v_BKSe, *, scale: float, window: int | None = None
 
 # The math kernel last: float32 GQA (parity tests, fp32 validation runs) has no fused kernel.
 SDPA_CUDNN_FIRST = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
-                     torch.nn.attention.SDPBackend.FLASH_ATTENTION,
-                     torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
-                     torch.nn.attention.SDPBackend.MATH]
+                    torch.nn.attention.SDPBackend.FLASH_ATTENTION,
+                    torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
+                    torch.nn.attention.SDPBackend.MATH]
 
 
 def eager_attention(q_BHSd, k_BKSd, v_BKSe, *, scale, window=None, sinks_H=None, q_offset=0,
