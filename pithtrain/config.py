@@ -28,6 +28,17 @@ from pithtrain import ConfigError  # defined with the package: data.py raises it
 RECIPES_DIR = Path(__file__).parent / "recipes"
 DEFAULT_RECIPE = RECIPES_DIR / "default.yaml"
 
+# What each GPU (`invoke train --gpu`, `invoke plan --gpu`) changes in a recipe, appended after the
+# recipe's own values (the recipe file stays the whole truth of a model; these are the per-GPU
+# numerics). Blackwell trains FP8 as in the paper's 1x8 B200 run (pithtrain/fp8.py; Hopper: add
+# train.fp8=true by hand, it is slower there for now).
+GPU_OVERRIDES = {
+    "h100": ["train.device=cuda", "train.dtype=bfloat16"],
+    "h200": ["train.device=cuda", "train.dtype=bfloat16"],
+    "b200": ["train.device=cuda", "train.dtype=bfloat16", "train.fp8=true"],
+    "b300": ["train.device=cuda", "train.dtype=bfloat16", "train.fp8=true"],
+}
+
 # Model fields a recipe owns even with train.init_from (training-only options); the hub's config.json owns the rest.
 # balance, bias_update_rate, z_loss_coeff: models/balance.py.
 RECIPE_MODEL_FIELDS = ("aux_loss_coeff", "balance", "bias_update_rate", "z_loss_coeff")
