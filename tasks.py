@@ -7,11 +7,11 @@
     invoke plan --model=qwen3-30b-a3b --gpu=h100 --gpus=8    # per-rank memory plan, before launch
 
 Runtime. `--gpu` names the hardware and so the image (h100/h200 -> hopper, b200/b300 -> blackwell,
-auto -> ask nvidia-smi) and adds the GPU's recipe overrides (pithtrain/appliance.py:GPU_OVERRIDES).
+auto -> ask nvidia-smi) and adds the GPU's recipe overrides (pithtrain/config.py:GPU_OVERRIDES).
 With `--gpu`, commands run in that pinned image through the compose files (`--runtime=docker`);
 without it, or when already inside the image, they run here (`--runtime=native`). `--dry-run`
 prints the exact commands instead of running them. The command lines themselves are built by
-pithtrain/appliance.py; this file only chooses and runs them.
+tools/appliance.py; this file only chooses and runs them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 from invoke import task
 from invoke.exceptions import Exit
 
-from pithtrain import appliance as ap
+from tools import appliance as ap
 
 PY = shlex.quote(sys.executable)
 H_GPU = "h100 | h200 | b200 | b300 | auto: run in that GPU's pinned image with its recipe overrides"
@@ -240,7 +240,7 @@ def validate(c, recipe="", model="", set=None, gpu="", runtime="", nproc="", ste
     run_dir = f"runs/validate/{Path(recipe_ or 'default').stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     args = ap.train_args(recipe_, gpu_, [*(set or []), f"train.steps={steps}", "log.every=1",
                                          f"log.run_dir={run_dir}"])
-    check = ["-m", "pithtrain.appliance", "check-loss", f"{run_dir}/metrics.jsonl"]
+    check = ["-m", "tools.appliance", "check-loss", f"{run_dir}/metrics.jsonl"]
     lines = _train_lines(rt, gpu_, args, nproc) + _python(rt, gpu_, check)
     if rt == "docker":
         lines = lines[:2] + lines[3:]  # one ensure-image line is enough
@@ -334,7 +334,7 @@ def _build_lines(target: str, pins: dict, registry: str, push: bool) -> list[str
 @task(help={"gpu": H_GPU + " (default: the image's own target inside it)",
             "runtime": H_RUNTIME,
             "manifest": "check this manifest file instead of this environment",
-            "skill": "also check this skill's prerequisites (python -m pithtrain.skills check)",
+            "skill": "also check this skill's prerequisites (python -m tools.skills check)",
             "dry_run": H_DRY})
 def doctor(c, gpu="", runtime="", manifest="", skill="", dry_run=False):
     """Compare the environment (or an image manifest) with images/versions.yaml; exit 1 on drift.
@@ -349,7 +349,7 @@ def doctor(c, gpu="", runtime="", manifest="", skill="", dry_run=False):
         return
     problems = []
     if skill:
-        r = _py(c, f"-m pithtrain.skills check {shlex.quote(skill)}", warn=True)
+        r = _py(c, f"-m tools.skills check {shlex.quote(skill)}", warn=True)
         problems += [f"skill {skill}: prerequisites missing (above)"] if r.exited else []
     target = ap.target_for(gpu_) if gpu_ else os.environ.get("PITHTRAIN_TARGET")
     if target is None and not skill:

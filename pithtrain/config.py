@@ -23,8 +23,21 @@ from typing import Any, Literal
 
 import yaml
 
+from pithtrain import ConfigError  # defined with the package: data.py raises it too, without importing this
+
 RECIPES_DIR = Path(__file__).parent / "recipes"
 DEFAULT_RECIPE = RECIPES_DIR / "default.yaml"
+
+# What each GPU (`invoke train --gpu`, `invoke plan --gpu`) changes in a recipe, appended after the
+# recipe's own values (the recipe file stays the whole truth of a model; these are the per-GPU
+# numerics). Blackwell trains FP8 as in the paper's 1x8 B200 run (pithtrain/kernels/fp8_linear.py; Hopper: add
+# train.fp8=true by hand, it is slower there for now).
+GPU_OVERRIDES = {
+    "h100": ["train.device=cuda", "train.dtype=bfloat16"],
+    "h200": ["train.device=cuda", "train.dtype=bfloat16"],
+    "b200": ["train.device=cuda", "train.dtype=bfloat16", "train.fp8=true"],
+    "b300": ["train.device=cuda", "train.dtype=bfloat16", "train.fp8=true"],
+}
 
 # Model fields a recipe owns even with train.init_from (training-only options); the hub's config.json owns the rest.
 # balance, bias_update_rate, z_loss_coeff: models/balance.py.
@@ -41,10 +54,6 @@ HUB_MODEL_FIELDS = (
     "yarn_original_max_position", "yarn_beta_fast", "yarn_beta_slow", "yarn_truncate", "rms_norm_eps",
     "max_position_embeddings", "tie_word_embeddings", "attention_bias", "init_std",
 )
-
-
-class ConfigError(ValueError):
-    """A recipe problem, phrased for a person: '<file>: <key>: <what is allowed>'."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,7 +149,6 @@ class ParallelConfig:
     cp: int | None = None  # context parallel (sequence split)
     ep: int | None = None  # expert parallel (borrowed from a stage's fsdp x cp, or dp x fsdp x cp, ranks)
     pp_schedule: Literal["1f1b", "dualpipev"] = "1f1b"
-    pp_microbatches: int = 0  # 0: use train.grad_accum
     pp_layers: list | None = None  # layers per stage (virtual stage for dualpipev); None: balanced
     # DualPipeV's F&B pairs interleave one micro-batch's forward phases with another's backward,
     # each expert all-to-all (dispatch, combine) under a compute phase of the other (on CUDA on
@@ -305,7 +313,7 @@ def config_from_dict(raw: dict, source: str = "<dict>", cross_checks: bool = Tru
     """A typed Config from a recipe dict. `cross_checks=False` skips the checks between sections
     (vocabulary against the data, sequence length against the model), for readers that use the
     model section alone, such as export, where the training data need not exist."""
-    from pithtrain.models import FAMILIES  # the one literal mapping family -> (config, model)
+    from pithtrain.models import FAMILIES, read_config  # the one literal mapping family -> (config, model)
 
     def fail(key, msg):
         e = ConfigError(f"{source}: {key}: {msg}")
@@ -336,8 +344,7 @@ def config_from_dict(raw: dict, source: str = "<dict>", cross_checks: bool = Tru
     for name, cls in SECTIONS.items():
         built[name] = _build(cls, section(name), name, fail, all_classes)
     if built["train"].init_from:  # the checkpoint's config.json defines the model trained; the
-        from pithtrain.checkpoint.hf import read_config  # recipe keeps its RECIPE_MODEL_FIELDS
-        try:
+        try:  # recipe keeps its RECIPE_MODEL_FIELDS
             hub = read_config(Path(built["train"].init_from))[1]
         except (OSError, ValueError) as e:
             fail("train.init_from", str(e))
@@ -372,32 +379,11 @@ def _build(cls, values: dict, section: str, fail, all_classes):
         kwargs[k] = _coerce(v, hints[k], f"{section}.{k}", fail)
     obj = cls(**kwargs)
     if section == "model":
+        from pithtrain.models import check_model_values
         check_model_values(obj, lambda key, msg: fail(f"model.{key}", msg))
     if hasattr(obj, "validate"):
         obj.validate(lambda key, msg: fail(f"{section}.{key}", msg))
     return obj
-
-
-MAX_DIM = 1 << 24  # no size or count of a model this trains comes near it; bounds allocation
-MAX_LAYERS = 10_000
-
-
-def check_model_values(cfg, err):
-    """Types and ranges every family shares, checked before anything is allocated (a hub
-    config.json reaches the model without passing `_coerce`): integers are integers within
-    MAX_DIM, floats are finite, and RoPE's base, the norm epsilon and the init std are > 0."""
-    hints = typing.get_type_hints(type(cfg))
-    for f in dataclasses.fields(cfg):
-        v, tp = getattr(cfg, f.name), hints[f.name]
-        if tp is int and (isinstance(v, bool) or not isinstance(v, int) or v > MAX_DIM):
-            err(f.name, f"expected an integer <= {MAX_DIM}, got {v!r}")  # lower bounds: validate()
-        if tp is float and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
-            err(f.name, f"expected a finite number, got {v!r}")  # nan passes every `<` check
-    if cfg.num_layers > MAX_LAYERS:
-        err("num_layers", f"expected at most {MAX_LAYERS}, got {cfg.num_layers}")
-    for k in ("rope_theta", "rms_norm_eps", "init_std"):
-        if not getattr(cfg, k) > 0:
-            err(k, f"must be > 0, got {getattr(cfg, k)}")
 
 
 def _coerce(v, tp, key, fail):

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pithtrain.config import ConfigError
+from pithtrain import ConfigError
 
 BOS, EOS = 256, 257
 DATA_VOCAB_SIZE = 258  # 256 bytes + BOS + EOS

@@ -64,7 +64,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from pithtrain.appliance import GPU_OVERRIDES
+from pithtrain.config import GPU_OVERRIDES
 from pithtrain.config import LAYOUT_KEYS, Config, ConfigError, load_config
 from pithtrain.distributed import pipeline
 from pithtrain.distributed.parallel_dims import ParallelDims

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pithtrain import appliance as ap
+from pithtrain.config import GPU_OVERRIDES
+from tools import appliance as ap
 
 REPO = Path(__file__).resolve().parent.parent
 VERSIONS = ap.load_versions()
@@ -48,7 +49,7 @@ def _invoke(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 def test_both_targets_have_a_dockerfile():
     assert [p.parent.name for p in DOCKERFILES] == TARGETS == ["blackwell", "hopper"]
-    assert set(ap.GPU_TARGET.values()) == set(TARGETS) and set(ap.GPU_OVERRIDES) == set(ap.GPU_TARGET)
+    assert set(ap.GPU_TARGET.values()) == set(TARGETS) and set(GPU_OVERRIDES) == set(ap.GPU_TARGET)
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
@@ -75,9 +76,9 @@ def test_dockerfiles_write_the_manifest_and_run_non_root():
         assert "VOLUME /cache" in text and "TRITON_CACHE_DIR=/cache" in text
         # The build context is the repo root: its ignore file lets in only what is copied.
         ignore = f.with_name("Dockerfile.dockerignore").read_text().split()
-        assert "*" in ignore and "!pithtrain/appliance.py" in ignore
+        assert "*" in ignore and "!tools/appliance.py" in ignore
         assert [line.split()[1] for line in text.splitlines() if line.startswith("COPY ")
-                and "--from=" not in line] == ["pithtrain/appliance.py"]
+                and "--from=" not in line] == ["tools/appliance.py"]
 
 
 @pytest.mark.parametrize("compose", COMPOSE_FILES, ids=lambda p: p.name)
@@ -391,7 +392,7 @@ def test_other_tasks_dry_run():
     r = _invoke("validate", "--gpu=h200", "--dry-run")
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 3 and "log.every=1" in lines[1] and lines[2].endswith("metrics.jsonl")
-    assert "python -m pithtrain.appliance check-loss runs/validate/default-" in lines[2]
+    assert "python -m tools.appliance check-loss runs/validate/default-" in lines[2]
 
 
 def test_every_task_argument_has_help():
@@ -454,11 +455,29 @@ def test_doctor_reports_every_drift(tmp_path):
     assert "doctor: FAIL, 7 problem(s)" in r.stderr
 
 
-def test_collect_manifest_shape():
+def test_collect_manifest_reads_the_image_and_drift_compares_it(monkeypatch):
+    """What collect_manifest reads (the build's ENV, nvcc / nsys output, this interpreter and its
+    packages) is what drift compares: the same on a laptop and inside the image."""
+    pins = VERSIONS["targets"]["hopper"]
+    env = {"PITHTRAIN_TARGET": "hopper", "PITHTRAIN_BASE_IMAGE": ap.base_ref(pins), "CUDA_VERSION": pins["cuda"],
+           "PITHTRAIN_DRIVER_MIN": pins["driver_min"], "PITHTRAIN_DEEPGEMM_COMMIT": pins["deepgemm_commit"],
+           "PITHTRAIN_FA3_COMMIT": pins["fa3_commit"]}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    out = {"nvcc": "Cuda compilation tools, release 13.0, V13.0.88",
+           "nsys": f"NVIDIA Nsight Systems version {pins['nsys']}.266-1234567890"}
+    monkeypatch.setattr(ap, "_run_out", lambda cmd: out[cmd[0]])
     m = ap.collect_manifest()
     assert set(_matching_manifest("hopper")) <= set(m)
-    assert m["packages"]["pyyaml"] and m["python"].count(".") == 2
-    assert ap.drift(m, "hopper", VERSIONS["targets"]["hopper"])  # this CPU box is not the image
+    assert m["python"] == ".".join(map(str, sys.version_info[:3])) and m["packages"]["pyyaml"]
+    assert (m["nvcc"], m["nsys"]) == ("13.0.88", pins["nsys"] + ".266")
+    # Give this interpreter the image's Python, NCCL and pip set: nothing drifts; then one of each kind.
+    pinned = _matching_manifest("hopper")["packages"]
+    matching = {**m, "python": pins["python"] + ".3", "nccl_runtime": pins["nccl"],
+                "packages": {**m["packages"], **pinned}}
+    assert ap.drift(matching, "hopper", pins) == []
+    drifting = {**matching, "cuda": "12.8.1", "packages": {**matching["packages"], "triton": "3.5.1"}}
+    assert [line.split(":")[0] for line in ap.drift(drifting, "hopper", pins)] == ["cuda", "pip triton"]
 
 
 def test_driver_check():

@@ -33,6 +33,7 @@ def test_yaml_exponent_without_dot_is_a_number(tmp_path):
     # a key under the wrong section: names the file, the key and where it belongs
     ("model:\n  lr: 1e-3\n", "model.lr: unknown key; did you mean train.lr?"),
     ("train:\n  setps: 10\n", "train.setps: unknown key; did you mean 'steps'?"),
+    ("parallel:\n  pp_microbatches: 4\n", "parallel.pp_microbatches: unknown key"),  # removed: always grad_accum
     ("model:\n  num_experts: -1\n", "model.num_experts: must be >= 1, got -1"),
     ("train:\n  lr: fast\n", "train.lr: expected a number, got 'fast'"),
     ("train:\n  steps: 2.5\n", "train.steps: expected an integer, got 2.5"),

@@ -1,6 +1,8 @@
 """DeepSeek-V2 against Hugging Face's own DeepseekV2ForCausalLM: logits, gradients, import/export,
 config import, and the real V2-Lite parameter counts (meta device)."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from pithtrain.checkpoint import load_hf, save_hf  # noqa: E402
 from pithtrain.config import RECIPE_MODEL_FIELDS, load_config  # noqa: E402
 from pithtrain.metrics import param_counts  # noqa: E402
-from pithtrain.models import FAMILIES, build_model  # noqa: E402
+from pithtrain.models import FAMILIES, build_model, read_config  # noqa: E402
 from pithtrain.models.deepseek_v2 import DeepseekV2Config, MoE  # noqa: E402
 
 V = 96
@@ -169,11 +171,12 @@ def test_recipe_is_the_published_v2_lite_and_counts_15_7b_2_4b():
     assert total == sum(p.numel() for p in hf.parameters())
 
 
-def test_from_hf_refuses_what_transformers_does_not_implement():
-    for bad in ({"norm_topk_prob": True}, {"num_key_value_heads": 8}, {"topk_method": "noaux_tc"},
-                {"rope_scaling": {"type": "linear", "factor": 2.0}}):
-        with pytest.raises(ValueError):
-            DeepseekV2Config.from_hf({**V2_LITE_HUB, **bad})
+def test_hub_config_refuses_what_transformers_does_not_implement(tmp_path):
+    for bad, why in (({"norm_topk_prob": True}, "norm_topk_prob"), ({"num_key_value_heads": 8}, "MLA needs"),
+                     ({"topk_method": "noaux_tc"}, "topk_method"), ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope")):
+        (tmp_path / "config.json").write_text(json.dumps({**V2_LITE_HUB, **bad}))
+        with pytest.raises(ValueError, match=why):
+            read_config(tmp_path)
 
 
 def test_init_and_training_step_with_aux_loss():

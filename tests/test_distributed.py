@@ -311,6 +311,10 @@ def test_impossible_layouts_rejected_by_arithmetic():
     cfg.model.intermediate_size = 17
     with pytest.raises(ConfigError, match=r"fsdp\*cp/ep = 2 ranks, which must divide model.intermediate_size \(17\)"):
         ParallelDims.from_config(cfg, world_size=4, rank=0)
+    cfg = make_cfg("qwen3_moe", dict(fsdp=2), 1, "/tmp/unused")  # the family names its expert width
+    cfg.model.moe_intermediate_size = 17
+    with pytest.raises(ConfigError, match=r"2 ranks, which must divide model.moe_intermediate_size \(17\)"):
+        ParallelDims.from_config(cfg, world_size=2, rank=0)
     cfg = make_cfg("qwen3_moe", dict(fsdp=2), 1, "/tmp/unused")
     cfg.model.tie_word_embeddings = True
     with pytest.raises(ConfigError, match=r"model.tie_word_embeddings: a tied LM head is supported in one process"):
@@ -397,7 +401,7 @@ def test_materialize_holds_one_block_at_a_time_and_matches_init_weights(family):
     under the same seed -- GPT-OSS included, whose init_block adds sinks and router biases."""
     from pithtrain.distributed.parallelize import materialize
     from pithtrain.models import FAMILIES, build_model
-    from pithtrain.models.common import model_blocks
+    from pithtrain.models.init import model_blocks
 
     width = {"intermediate_size": 32, "sliding_window": 4} if family == "gpt_oss" else {"moe_intermediate_size": 32}
     cfg = FAMILIES[family].config(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,

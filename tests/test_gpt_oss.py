@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 from pithtrain.checkpoint import load_hf, save_hf  # noqa: E402
 from pithtrain.config import load_config  # noqa: E402
 from pithtrain.metrics import param_counts  # noqa: E402
-from pithtrain.models import FAMILIES, build_model  # noqa: E402
+from pithtrain.models import FAMILIES, build_model, read_config  # noqa: E402
 from pithtrain.models.gpt_oss import dequantize_mxfp4  # noqa: E402
 
 WINDOW, SEQ = 8, 24  # the sequence is 3 windows long
@@ -109,6 +109,13 @@ PUBLISHED_20B = {
     "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
     "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
 }
+
+
+def test_hub_config_is_checked_as_a_recipe_is(tmp_path):
+    # the family's validate() runs on a hub config.json too (it used to for two families of three)
+    (tmp_path / "config.json").write_text(json.dumps({**PUBLISHED_20B, "num_experts_per_tok": 64}))
+    with pytest.raises(ValueError, match=r"top_k: 64 exceeds num_experts \(32\)"):
+        read_config(tmp_path)
 
 
 def test_published_config_reads_as_the_recipe():

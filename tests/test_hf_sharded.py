@@ -289,7 +289,7 @@ def test_import_onto_the_gpu_allocates_the_model_once(tmp_path, fam):
     """One GPU: the device holds the float32 model and nothing more than one read piece besides
     (the old path built the model on the GPU and then copied each whole tensor there)."""
     from pithtrain.checkpoint.hf import READ_BYTES, load_hf_into
-    from pithtrain.checkpoint.hf import read_config
+    from pithtrain.models import read_config
     from pithtrain.models import build_model
 
     ref = make_hub(fam, tmp_path / "hub")

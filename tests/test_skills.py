@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pithtrain import skills
+from tools import skills
 
 ROOT = Path(__file__).resolve().parent.parent
 SKILLS = ["validate-correctness", "capture-profile", "add-moe-variant", "launch-multinode",
@@ -44,8 +44,8 @@ def test_every_skill_lints_clean():
 
 
 def test_lint_cli_is_deterministic():
-    a = subprocess.run([sys.executable, "-m", "pithtrain.skills", "lint"], cwd=ROOT, capture_output=True, text=True)
-    b = subprocess.run([sys.executable, "-m", "pithtrain.skills", "lint"], cwd=ROOT, capture_output=True, text=True)
+    a = subprocess.run([sys.executable, "-m", "tools.skills", "lint"], cwd=ROOT, capture_output=True, text=True)
+    b = subprocess.run([sys.executable, "-m", "tools.skills", "lint"], cwd=ROOT, capture_output=True, text=True)
     assert a.returncode == b.returncode == 0 and a.stdout == b.stdout and verdict(a) == "PASS"
 
 
@@ -59,7 +59,7 @@ def test_renaming_a_pin_without_updating_the_skills_fails(tmp_path):
     assert problems and all("'torch'" in p for p in problems)
     hit = {Path(p.split(":")[0]).parent.name for p in problems}
     assert "validate-correctness" in hit
-    r = subprocess.run([sys.executable, "-m", "pithtrain.skills", "lint", "--versions", str(versions)],
+    r = subprocess.run([sys.executable, "-m", "tools.skills", "lint", "--versions", str(versions)],
                        cwd=ROOT, capture_output=True, text=True)
     assert verdict(r) == "FAIL" and "targets.hopper.torch is not in images/versions.yaml" in r.stdout
 
@@ -137,7 +137,7 @@ def test_doctor_reports_broken_front_matter_like_lint(tmp_path, capsys):
 
 def copy_repo(dst: Path) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
-    for d in ("pithtrain", "tests", "skills", "images"):
+    for d in ("pithtrain", "tools", "tests", "skills", "images"):
         shutil.copytree(ROOT / d, dst / d, ignore=ignore)
     shutil.copy(ROOT / "pyproject.toml", dst / "pyproject.toml")
     return dst

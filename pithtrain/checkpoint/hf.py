@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from pathlib import Path
 
@@ -29,48 +28,12 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from pithtrain.config import check_model_values
-from pithtrain.models import FAMILIES, build_model, to_empty
+from pithtrain.models import FAMILIES, build_model, read_config, to_empty
 from pithtrain.models.balance import Balance
 from pithtrain.models.common import Rotary
 
 SHARD_BYTES = 4 << 30  # export shard size
 READ_BYTES = 8 << 20  # import: rows of a hub tensor read and converted at a time (float32 size)
-
-
-def family_of(config_json: dict, source: Path) -> str:
-    archs = config_json.get("architectures") or []
-    for name, fam in FAMILIES.items():
-        if fam.config.hf_architecture in archs:
-            return name
-    supported = ", ".join(f.config.hf_architecture for f in FAMILIES.values())
-    raise ValueError(f"{source}: unsupported architecture {archs or config_json.get('model_type')!r} "
-                     f"(supported: {supported})")
-
-
-def read_config(path: Path):
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"{cfg_file}: no config.json in the checkpoint directory")
-    try:
-        hf = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_file}: not valid JSON ({e.msg})") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"{cfg_file}: expected a JSON object, got {type(hf).__name__}")
-    for k, v in hf.items():  # "hidden_size": "4096" would reach comparisons and allocations
-        if isinstance(v, str) and re.fullmatch(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*", v):
-            raise ValueError(f"{cfg_file}: {k} is the string {v!r}, not a number")
-    family = family_of(hf, cfg_file)
-    def fail(key, msg):
-        raise ValueError(f"{key}: {msg}")
-
-    try:
-        cfg = FAMILIES[family].config.from_hf(hf)
-        check_model_values(cfg, fail)  # sizes typed and bounded before anything is allocated
-    except (KeyError, ValueError, TypeError) as e:  # TypeError: a size given as a string
-        raise ValueError(f"{cfg_file}: cannot read {family} config: {type(e).__name__}: {e}") from None
-    return family, cfg
 
 
 def shard_files(path: Path) -> dict[str, Path]:

@@ -104,8 +104,7 @@ class ParallelDims:
             fail("train.compile", "compiled attention (fullgraph) cannot hold context parallel's "
                                   "K/V all-gather; set train.compile=false or parallel.cp=1")
         if getattr(m, "num_experts", None) and self.efsdp > 1:  # FSDP2 shards experts' dim 1 evenly only
-            width = "moe_intermediate_size" if hasattr(m, "moe_intermediate_size") else "intermediate_size"
-            for key in ("hidden_size", width):  # w13 (E, D, 2F) and w2 (E, F, D)
+            for key in ("hidden_size", m.expert_width_field):  # w13 (E, D, 2F) and w2 (E, F, D)
                 size = getattr(m, key)
                 if size % self.efsdp:
                     fail("parallel", f"routed experts are FSDP-sharded on dim 1 over fsdp*cp/ep = {self.efsdp} "
@@ -125,10 +124,6 @@ class ParallelDims:
     @property
     def pp_enabled(self) -> bool:
         return self.pp > 1
-
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
 
     @property
     def fsdp_enabled(self) -> bool:

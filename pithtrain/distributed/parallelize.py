@@ -43,7 +43,8 @@ from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
 from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.models import to_empty
 from pithtrain.models.balance import Balance
-from pithtrain.models.common import GroupedExperts, Rotary, decoder_layers, init_block_seeded, model_blocks
+from pithtrain.models.common import GroupedExperts, Rotary, decoder_layers
+from pithtrain.models.init import init_block_seeded, model_blocks
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
@@ -122,9 +123,9 @@ def materialize(model: nn.Module, meta_model: nn.Module, device: torch.device, s
     """Allocate this rank's pieces (to_empty) and initialise them as one process would.
 
     `meta_model` is the whole model on the meta device (no memory). Block by block
-    (common.model_blocks: embedding, each layer, final norm, head) for the blocks this rank holds,
+    (models.init.model_blocks: embedding, each layer, final norm, head) for the blocks this rank holds,
     its meta twin is allocated on the CPU in fp32, initialised by the family's `init_block` under
-    the block's own seed (common.init_block_seeded: what `init_weights` does in one process), and
+    the block's own seed (models.init.init_block_seeded: what `init_weights` does in one process), and
     each parameter's slice for this rank is copied in; the twin is freed before the next block.
     Host memory: one block at a time (a DeepSeek-V2-Lite MoE layer is ~2.3 GB in fp32), not the
     whole model per rank. The draws come from the CPU generator, so every layout on every device

@@ -272,9 +272,6 @@ def prepare(model, cfg, dims) -> list[Chunk]:
     """Check the pipeline settings and prune the (meta) model to this rank's chunks."""
     from pithtrain.config import ConfigError
     p, t = cfg.parallel, cfg.train
-    if p.pp_microbatches not in (0, t.grad_accum):
-        raise ConfigError(f"{cfg.source}: parallel.pp_microbatches: the pipeline runs the step's "
-                          f"train.grad_accum = {t.grad_accum} micro-batches; set 0 or {t.grad_accum}")
     if p.pp_schedule == "dualpipev" and t.grad_accum < 2 * p.pp:
         raise ConfigError(f"{cfg.source}: train.grad_accum: dualpipev needs at least 2 * pp = "
                           f"{2 * p.pp} micro-batches, got {t.grad_accum}")

@@ -42,6 +42,11 @@ try:  # Triton is optional (CPU machines, CI); every Triton operator has a PyTor
 except ImportError:
     HAVE_TRITON = False
 
+# The blockwise FP8 format both FP8 implementations share (fp8.py in Triton, fp8_linear.py in PyTorch).
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+BLOCK = 128  # scale block: 1 x BLOCK for activations, BLOCK x BLOCK for weights
+
 NAMES = ("swiglu", "permute", "expert_bias", "linear_ce", "flex", "cudnn_sdpa", "fp8")
 
 

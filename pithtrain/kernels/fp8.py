@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from pithtrain.kernels.fp8_linear import BLOCK, FP8
+from pithtrain.kernels import BLOCK, FP8
 
 
 def _fp8_empty(*shape: int, device) -> torch.Tensor:

@@ -37,9 +37,7 @@ from types import SimpleNamespace
 
 import torch
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-BLOCK = 128
+from pithtrain.kernels import BLOCK, FP8, FP8_MAX
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import re
-import zlib
 from dataclasses import dataclass
 from typing import Callable
 from typing import NamedTuple
@@ -600,90 +598,7 @@ def _ce_chunk(h, w, labels):
 
 
 # ---------------------------------------------------------------------------------------------
-# Hugging Face names: the hub prefixes every tensor but the head with "model."
-
-
-def hub_name(native: str) -> str:
-    return native if native.startswith("lm_head.") else "model." + native
-
-
-def native_name(hub: str) -> str:
-    if hub.startswith("lm_head."):
-        return hub
-    if not hub.startswith("model."):
-        raise KeyError(hub)
-    return hub[len("model."):]
-
-
-_PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-_FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
-
-
-def per_expert_to_stacked(hf_key: str, get, hidden: int):
-    """Hub per-expert weights (out, in) (Qwen3, DeepSeek) as slices of the stacked (E, in, out)
-    tensors: gate -> w13[e, :, :F], up -> w13[e, :, F:], down -> w2[e]. transformers 5 can also
-    save them fused per layer (save_original_format=False): gate_up_proj (E, 2F, D) with [gate; up]
-    rows, down_proj (E, D, F); each is the stacked tensor transposed. None for other keys."""
-    m = _FUSED_EXPERTS.fullmatch(hf_key)
-    if m is not None:
-        name = "w13_EDF2" if m[2] == "gate_up_proj" else "w2_EFD"
-        return [(f"layers.{m[1]}.mlp.experts.{name}", (), get(hf_key).transpose(1, 2))]
-    m = _PER_EXPERT.fullmatch(hf_key)
-    if m is None:
-        return None
-    layer, e, which = int(m[1]), int(m[2]), m[3]
-    base = f"layers.{layer}.mlp.experts."
-    w = get(hf_key).t()
-    if which == "down":
-        return [(base + "w2_EFD", (e,), w)]
-    cols = slice(0, hidden) if which == "gate" else slice(hidden, 2 * hidden)
-    return [(base + "w13_EDF2", (e, slice(None), cols), w)]
-
-
-def stacked_to_per_expert(name: str, t: torch.Tensor, hidden: int):
-    """The inverse of per_expert_to_stacked for one native tensor; None for non-expert names."""
-    if name.endswith("experts.w13_EDF2"):
-        prefix = hub_name(name[: -len("w13_EDF2")])
-        return [(f"{prefix}{e}.{w}_proj.weight", t[e, :, cols].t())
-                for e in range(t.shape[0]) for w, cols in (("gate", slice(0, hidden)), ("up", slice(hidden, None)))]
-    if name.endswith("experts.w2_EFD"):
-        prefix = hub_name(name[: -len("w2_EFD")])
-        return [(f"{prefix}{e}.down_proj.weight", t[e].t()) for e in range(t.shape[0])]
-    return None
-
-
-def model_blocks(model: nn.Module):
-    """(name, block) for the pieces a model is initialised by: each child, and each layer of a
-    ModuleList / ModuleDict child (`layers`, or the ModuleDict a pipeline stage keeps), named as in
-    named_parameters. Children a pipeline stage dropped (None) are skipped."""
-    for name, child in model.named_children():
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            for sub, layer in child.named_children():
-                yield f"{name}.{sub}", layer
-        elif child is not None:
-            yield name, child
-
-
-def init_block_seeded(block: nn.Module, name: str, init_block, seed: int):
-    """Run `init_block(block)` with the CPU generator, and the generators of the GPUs the block is
-    on, seeded by (seed, block name); every generator's state is as it was afterwards."""
-    cuda = sorted({t.device.index or 0 for t in block.parameters() if t.is_cuda})
-    block_seed = (seed * 1_000_003 + zlib.crc32(name.encode())) % 2 ** 63
-    with torch.random.fork_rng(devices=cuda):  # only the generators seeded below, restored after
-        torch.default_generator.manual_seed(block_seed)
-        for d in cuda:
-            torch.cuda.default_generators[d].manual_seed(block_seed)
-        init_block(block)
-
-
-def init_by_block(model: nn.Module, init_block, seed: int | None = None):
-    """Initialise `model` block by block (model_blocks), each from its own seeded generator; seed
-    defaults to torch.initial_seed(), the run's torch.manual_seed. A block initialised alone gets
-    the same values, so a pipeline stage or a sharded rank builds only the blocks it holds, one at
-    a time (distributed.parallelize.materialize), and still starts where one process does."""
-    seed = torch.initial_seed() if seed is None else seed
-    for name, block in model_blocks(model):
-        init_block_seeded(block, name, init_block, seed)
+# Initialisation (block by block, each block from its own seed: models/init.py)
 
 
 @torch.no_grad()

@@ -28,9 +28,10 @@ from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (DecoderLayer, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
-                                     SwiGLUMLP, apply_rope, attention, causal_lm_forward, cross_entropy_sum,
-                                     hub_name, init_by_block, init_normal, native_name,
-                                     per_expert_to_stacked, routed_experts, stacked_to_per_expert)
+                                     SwiGLUMLP, apply_rope, attention, causal_lm_forward, cross_entropy_sum, init_normal,
+                                     routed_experts)
+from pithtrain.models.hub import hub_name, native_name, per_expert_to_stacked, stacked_to_per_expert
+from pithtrain.models.init import init_by_block
 
 
 # ---------------------------------------------------------------------------------------------
@@ -41,6 +42,7 @@ from pithtrain.models.common import (DecoderLayer, GroupedExperts, LocalDispatch
 class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rate, z_loss_coeff
     family: ClassVar[str] = "deepseek_v2"
     hf_architecture: ClassVar[str] = "DeepseekV2ForCausalLM"
+    expert_width_field: ClassVar[str] = "moe_intermediate_size"  # one routed expert's hidden width F (w13 is D x 2F)
     # DeepSeek's cards count "activated" without the embedding lookup (V2-Lite 2.45B, published
     # as 2.4B; V2 20.9B -> 21B; V3 36.6B -> 37B); pithtrain.metrics.param_counts honours this.
     active_counts_embedding: ClassVar[bool] = False
@@ -156,7 +158,7 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
                         ("scoring_func", "softmax")):
             if hf.get(key, ok) != ok:
                 raise ValueError(f"{key}={hf[key]!r} is not supported (only {ok!r})")
-        cfg = cls(
+        return cls(
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
             q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
@@ -175,12 +177,6 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
             attention_bias=hf.get("attention_bias", False),
             init_std=hf.get("initializer_range", 0.02),
             aux_loss_coeff=hf.get("aux_loss_alpha", 0.001))
-
-        def fail(key, msg):
-            raise ValueError(f"{key}: {msg}")
-
-        cfg.validate(fail)
-        return cfg
 
     def to_hf(self) -> dict:
         rope = {"rope_type": "default"} if self.rope_scaling is None else dict(self.rope_scaling)

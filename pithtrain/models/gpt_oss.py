@@ -22,8 +22,10 @@ from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (DecoderLayer, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
-                                     apply_rope, attention, causal_lm_forward, cross_entropy_sum, hub_name,
-                                     init_by_block, init_normal, native_name, routed_experts)
+                                     apply_rope, attention, causal_lm_forward, cross_entropy_sum, init_normal,
+                                     routed_experts)
+from pithtrain.models.hub import hub_name, native_name
+from pithtrain.models.init import init_by_block
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -36,6 +38,7 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rate, z_loss_coeff
     family: ClassVar[str] = "gpt_oss"
     hf_architecture: ClassVar[str] = "GptOssForCausalLM"
+    expert_width_field: ClassVar[str] = "intermediate_size"  # one routed expert's hidden width F (w13 is D x 2F)
     # OpenAI's model card counts the unembedding but not the embedding lookup as active
     # (gpt-oss-20b: 3.6B active); metrics.param_counts reads this.
     active_counts_embedding: ClassVar[bool] = False

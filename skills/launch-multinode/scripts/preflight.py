@@ -8,7 +8,7 @@ Prints PASS or FAIL.
 
 Without RANK in the environment it launches itself through torchrun (python -m torch.distributed.run):
 standalone for one node, or the c10d rendezvous that `invoke launch` uses when MASTER_ADDR,
-MASTER_PORT, NNODES and NODE_RANK are set (pithtrain/appliance.py checks them and says what is
+MASTER_PORT, NNODES and NODE_RANK are set (tools/appliance.py checks them and says what is
 missing). Each rank then runs, on NCCL (GPU) or Gloo (CPU): all_reduce, all_gather of host names,
 broadcast, all_to_all_single (expert-parallel dispatch), all_gather_into_tensor (FSDP), a
 barrier, and a bandwidth probe. Rank 0 prints the layout (hosts, ranks per host) and the verdict.
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 def launch(nproc: int, timeout: int) -> int:
     """Run this script under torchrun on this node; the exit status is the job's."""
-    from pithtrain import appliance as ap
+    from tools import appliance as ap
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if os.environ.get("MASTER_ADDR") or os.environ.get("NNODES"):

@@ -1,12 +1,13 @@
 """The appliance: GPU -> image target, the docker / torchrun commands, and the pin-drift checks.
 
     invoke train --gpu=b200 --model=gpt-oss-20b --dry-run   # prints what tasks.py would run
-    python pithtrain/appliance.py manifest --out FILE       # run by the image build (stdlib + yaml)
-    python -m pithtrain.appliance check-loss runs/x/metrics.jsonl
+    python tools/appliance.py manifest --out FILE            # run by the image build (stdlib + yaml)
+    python -m tools.appliance check-loss runs/x/metrics.jsonl  # from the repository root
 
 Plain functions that build argument lists; tasks.py prints or runs them. This file must stay
 importable on its own (the Dockerfiles copy it alone into the image to write the manifest), so it
-imports nothing from pithtrain and only the standard library plus PyYAML.
+imports only the standard library plus PyYAML, and pithtrain only inside the functions that run
+from a checkout. It reads images/versions.yaml next to it: repository tooling, not in the package.
 """
 
 from __future__ import annotations
@@ -28,16 +29,6 @@ MANIFEST = Path("/etc/pithtrain/manifest.json")  # written by the image build
 # One literal mapping: which image a GPU runs in.
 GPU_TARGET = {"h100": "hopper", "h200": "hopper", "b200": "blackwell", "b300": "blackwell"}
 
-# What the GPU changes in a recipe, appended after the recipe's own values (the recipe file stays
-# the whole truth of a model; these are the per-GPU numerics). Blackwell trains FP8 as in the paper's
-# 1x8 B200 run (pithtrain/kernels/fp8_linear.py; Hopper: add train.fp8=true by hand, it is slower there for now).
-GPU_OVERRIDES = {
-    "h100": ["train.device=cuda", "train.dtype=bfloat16"],
-    "h200": ["train.device=cuda", "train.dtype=bfloat16"],
-    "b200": ["train.device=cuda", "train.dtype=bfloat16", "train.fp8=true"],
-    "b300": ["train.device=cuda", "train.dtype=bfloat16", "train.fp8=true"],
-}
-
 # torchrun c10d rendezvous for multi-node runs reads these from the environment.
 MULTINODE_ENV = {
     "MASTER_ADDR": "address of node 0, reachable from every node (it hosts the rendezvous store)",
@@ -56,9 +47,15 @@ class ApplianceError(Exception):
 
 
 def load_versions(path: str | Path = VERSIONS) -> dict:
+    """images/versions.yaml, checked (the one loader: tasks, tests and the skills linter use it)."""
     import yaml
 
-    data = yaml.safe_load(Path(path).read_text())
+    path = Path(path)
+    if not path.is_file():
+        raise ApplianceError(f"{path}: no versions file (the image pins live in images/versions.yaml)")
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("targets"), dict):
+        raise ApplianceError(f"{path}: expected a mapping with a `targets` section")
     for target, pins in data["targets"].items():
         values = {**{k: v for k, v in pins.items() if k != "python_packages"},
                   **{f"python_packages.{k}": v for k, v in pins["python_packages"].items()}}
@@ -145,6 +142,8 @@ def build_command(target: str, pins: dict) -> list[str]:
 
 def train_args(recipe: str | None, gpu: str | None, overrides: list[str]) -> list[str]:
     """Arguments of `python -m pithtrain.train`: recipe, then the GPU's overrides, then the user's."""
+    from pithtrain.config import GPU_OVERRIDES  # here, not above: the image build runs this file alone
+
     return ([recipe] if recipe else []) + (GPU_OVERRIDES[gpu] if gpu else []) + list(overrides)
 
 
@@ -357,7 +356,7 @@ def count_lines(root: str | Path) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m pithtrain.appliance", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.appliance", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("manifest", help="write this environment's manifest (the image build runs it)")

@@ -1,7 +1,7 @@
 """Skills (skills/<name>/SKILL.md): lint them, and check one skill's prerequisites before it runs.
 
-    python -m pithtrain.skills check validate-correctness   # or: invoke doctor --skill validate-correctness
-    python -m pithtrain.skills lint                          # every skill; what tests/test_skills.py runs
+    python -m tools.skills check validate-correctness   # or: invoke doctor --skill validate-correctness
+    python -m tools.skills lint                          # every skill; what tests/test_skills.py runs
 
 A SKILL.md opens with YAML front matter (the Agent Skills format plus one key of ours):
 
@@ -32,9 +32,10 @@ from pathlib import Path
 
 import yaml
 
+from tools.appliance import VERSIONS, find_unpinned_versions, load_versions, pinned_values
+
 ROOT = Path(__file__).resolve().parent.parent
 SKILLS_DIR = ROOT / "skills"
-VERSIONS = ROOT / "images" / "versions.yaml"
 
 MAX_BODY_LINES = 500
 NAME_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")  # Agent Skills: lowercase, digits, single hyphens
@@ -85,15 +86,6 @@ def parse(skill_md: Path) -> Skill:
                  body=m[2], dir=skill_md.parent)
 
 
-def load_versions(path: Path = VERSIONS) -> dict:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no versions file (the image pins live in images/versions.yaml)")
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping")
-    return data
-
-
 def _get(node, dotted: str):
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
@@ -105,21 +97,9 @@ def _get(node, dotted: str):
 def lookup(versions: dict, key: str) -> dict[str, object]:
     """{full key: value} for a prerequisite key: 'targets.hopper.nsys' names one pin; a short key
     ('torch', 'python_packages.transformers') names that pin in every target. None: missing."""
-    if key.startswith("targets.") or "targets" not in versions:
+    if key.startswith("targets."):
         return {key: _get(versions, key)}
     return {f"targets.{t}.{key}": _get(pins, key) for t, pins in versions["targets"].items()}
-
-
-def _leaf_strings(node) -> set[str]:
-    if isinstance(node, (dict, list)):
-        return set().union(*map(_leaf_strings, node.values() if isinstance(node, dict) else node))
-    return {str(node)} if node is not None else set()
-
-
-def version_literals(versions: dict) -> set[str]:
-    """Pinned values that look like versions or commits (digits and dots, or long hex)."""
-    return {v for v in _leaf_strings(versions)
-            if re.fullmatch(r"v?\d+\.\d+[\w.+-]*", v) or re.fullmatch(r"[0-9a-f]{12,64}", v)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,17 +147,15 @@ def lint(skill_dir: Path, versions: dict) -> list[str]:
         problems.append(f"{skill_dir}: no scripts/ (every skill ends in a PASS/FAIL script)")
     # No version literal at all: a pin's value is named by its key (ours), and a version-looking
     # literal that is not a pin is drift (the appliance's checker, which also scans Dockerfiles).
-    literals = version_literals(versions)
+    literals = {v for v in pinned_values(versions)  # versions and commits, not names like linux/amd64
+                if re.fullmatch(r"v?\d+\.\d+[\w.+-]*", v) or re.fullmatch(r"[0-9a-f]{12,64}", v)}
     for f in [md, *scripts]:
         text = f.read_text()
         for v in sorted(literals):
             if re.search(rf"(?<![\w.]){re.escape(v)}(?![\w])", text):
                 problems.append(f"{f}: version literal {v!r}; refer to its images/versions.yaml key")
-    if "targets" in versions:
-        from pithtrain.appliance import find_unpinned_versions
-
-        problems += [f"{hit}: version literal not from images/versions.yaml"
-                     for hit in find_unpinned_versions([md, *scripts], versions)]
+    problems += [f"{hit}: version literal not from images/versions.yaml"
+                 for hit in find_unpinned_versions([md, *scripts], versions)]
     return problems
 
 
@@ -243,7 +221,7 @@ def report(name: str, **kw) -> bool:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pithtrain.skills", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.skills", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="check one skill's prerequisites on this machine")
