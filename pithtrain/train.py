@@ -5,8 +5,9 @@
     invoke train                                      # the same, through tasks.py
 
 One process per GPU (or CPU); several processes come from torchrun (`invoke train --nproc=N`).
-The step: for each micro-batch, forward (summed token loss) and backward with the loss divided by
-the global number of target tokens; then clip, AdamW, LR schedule, log.
+The step (`train_step`, which the benchmark times too): for each micro-batch, forward (summed
+token loss) and backward with the loss divided by the global number of target tokens; then clip,
+AdamW, balancing update, LR schedule; train() logs, evaluates and checkpoints around it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import contextlib
 import math
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError
@@ -127,11 +129,56 @@ def evaluate(model, batches, cfg: Config, dims: ParallelDims, device, autocast) 
 # Training
 
 
-def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> list[dict]:
-    """Run optimizer steps up to `cfg.train.steps`; returns the per-step records (loss, lr, grad norm).
+class Step(NamedTuple):
+    loss: float  # mean over the global batch's target tokens
+    grad_norm: float  # before clipping, over every shard
+    lr: float  # the step's learning rate
+    tokens: int  # the global batch's tokens, every rank's (tokens/s)
+    routing: dict  # routing metrics of the global batch (metrics=True), else {}
+
+
+def forward_backward(model, micro_batches, denom: float, autocast) -> tuple[torch.Tensor, int]:
+    """Forward (summed token loss) and backward of loss / denom for each micro-batch (input ids,
+    labels, positions, document ids) on this rank; returns the summed loss, on the device (no
+    host synchronisation per micro-batch), and the token count."""
+    loss_sum, n_tokens = 0.0, 0
+    for x_BS, y_BS, pos_BS, docs_BS in micro_batches:
+        with autocast:
+            loss = model(x_BS, positions_BS=pos_BS, labels_BS=y_BS, docs_BS=docs_BS)
+        (loss / denom).backward()
+        loss_sum = loss_sum + loss.detach()
+        n_tokens += y_BS.numel()
+    return loss_sum, n_tokens
+
+
+def train_step(model, optimizer, scheduler, micro_batches, denom: float, cfg: Config, dims: ParallelDims,
+               autocast, runner=None, step: int = 0, metrics: bool = False) -> Step:
+    """One optimizer step, the same for train() and the benchmark (bench.py): the micro-batches'
+    forward and backward (through the pipeline schedule when `runner` is given), the global loss,
+    the gradient norm over every shard and its clip, the finite check (before the update: the
+    weights stay finite), AdamW, the FP8 weight copies dropped, the balancing update, the LR schedule."""
+    if runner is None:
+        loss_sum, n_tokens = forward_backward(model, micro_batches, denom, autocast)
+    else:  # zero off the pipeline's last stage: the sum over ranks is right
+        loss_sum, n_tokens = pipeline.run_step(runner, micro_batches, denom, cfg, dims, step)
+    grad_norm = clip_grad_norm_(model.parameters(), cfg.train.grad_clip, dims)  # waits for the backward
+    loss_sum, n_tokens = all_sum([float(loss_sum), n_tokens], dims)
+    loss = loss_sum / denom  # per target (labels -100 carry no loss)
+    check_finite(step + 1, loss=loss, grad_norm=grad_norm)
+    optimizer.step()
+    fp8_linear.next_step(model)  # the weights changed: FP8 copies are made again on first use
+    routing = balance_after_step(model, dims, cfg.model, metrics=metrics)  # global load: bias, metrics
+    optimizer.zero_grad(set_to_none=True)
+    lr = scheduler.get_last_lr()[0]
+    scheduler.step()
+    return Step(loss, grad_norm, lr, n_tokens, routing)
+
+
+def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.Module]:
+    """Run optimizer steps up to `cfg.train.steps`; returns the per-step records (loss, lr, grad
+    norm, val_loss when evaluated) and the trained model (this rank's part of it).
     resume: True continues from the newest valid checkpoint in log.run_dir, False starts fresh,
-    a path continues from that checkpoint (pithtrain/checkpoint/dcp.py).
-    keep: a dict that receives the trained `model` (parity tests compare its parameters)."""
+    a path continues from that checkpoint (pithtrain/checkpoint/dcp.py)."""
     t = cfg.train  # with train.init_from, cfg.model is already the checkpoint's (load_config)
     device = pick_device(cfg)
     # parallel: auto -> a layout; on CUDA the memory plan must fit (pithtrain/plan.py): one-line errors
@@ -197,43 +244,26 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
                   announce=True)
     try:
         for step in range(start, t.steps):
-            loss_sum, n_tokens, micro_batches = 0.0, 0, []
             x_GS, y_GS = batches.batch(step)
             denom = (y_GS != -100).sum().item()  # loss = sum over the global batch / its target count
+            micro_batches = []
             for micro in range(t.grad_accum):
                 r = rows(micro, dp_rank, dp_size, t.micro_batch_size)
                 x_BS, y_BS = x_GS[r].to(device, non_blocking=True), y_GS[r].to(device, non_blocking=True)
                 x_BS, y_BS, pos_BS = split_batch(x_BS, y_BS, dims)  # cp: this rank's sequence chunks
                 docs_BS = batches.documents(x_BS) if cfg.data.document_mask else None  # cp, pp: refused
-                if runner is not None:  # pipeline: the schedule runs the micro-batches (below)
-                    micro_batches.append((x_BS, y_BS, pos_BS))
-                    continue
-                with autocast:
-                    loss = model(x_BS, positions_BS=pos_BS, labels_BS=y_BS, docs_BS=docs_BS)
-                (loss / denom).backward()
-                loss_sum += loss.item()
-                n_tokens += y_BS.numel()
-            if runner is not None:
-                loss_sum, n_tokens = pipeline.run_step(runner, micro_batches, denom, cfg, dims, step)
-            loss_sum, n_tokens = all_sum([loss_sum, n_tokens], dims)
-            loss_mean = loss_sum / denom  # per target (labels -100 carry no loss); n_tokens feeds tokens/s
-            grad_norm = float(clip_grad_norm_(model.parameters(), t.grad_clip, dims))  # global over shards
-            check_finite(step + 1, loss=loss_mean, grad_norm=grad_norm)  # before the update
-            optimizer.step()
-            fp8_linear.next_step(model)  # the weights changed: FP8 copies are made again on first use
+                micro_batches.append((x_BS, y_BS, pos_BS, docs_BS))
             evaluating = bool(t.eval_every) and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps)
             logged = (step + 1) % cfg.log.every == 0 or step + 1 == t.steps or evaluating  # val_loss logs
-            routing = balance_after_step(model, dims, cfg.model, metrics=logged)  # global load: bias, metrics
-            optimizer.zero_grad(set_to_none=True)
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            rec = {"step": step + 1, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm}
+            done = train_step(model, optimizer, scheduler, micro_batches, denom, cfg, dims, autocast,
+                              runner=runner, step=step, metrics=logged)
+            rec = {"step": step + 1, "loss": done.loss, "lr": done.lr, "grad_norm": done.grad_norm}
             first.done()
             if evaluating:
                 with log.excluded():  # evaluation time is not training throughput (tokens/s)
                     rec["val_loss"] = evaluate(model, batches, cfg, dims, device, autocast)
             history.append(rec)
-            tokens_since += n_tokens
+            tokens_since += done.tokens
             if logged:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -247,7 +277,7 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
                                                     dims)
                 log.write({**rec, "tokens_per_s": tps,  # all ranks together; MFU is per GPU
                            "mfu": tps * fpt / (peak * 1e12 * dims.world_size) if peak else None,
-                           "mem_gb": mem, **routing, **extra})
+                           "mem_gb": mem, **done.routing, **extra})
             ckpt.after_step(step + 1)  # saves when due (checkpoint.every, final)
     except BaseException:  # one process: a save of an earlier step still in flight is committed
         ckpt.abort()
@@ -260,10 +290,8 @@ def train(cfg: Config, resume: bool | str = True, keep: dict | None = None) -> l
     log.close()
     if run_lock is not None:  # after the last commit: the run dir is ours until then
         run_lock.close()
-    if keep is not None:
-        keep["model"] = model
     dims.close()
-    return history
+    return history, model
 
 
 def export_final(cfg: Config):

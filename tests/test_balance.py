@@ -297,8 +297,8 @@ def test_bias_survives_checkpoint_and_resume_bit_exactly(tmp_path, monkeypatch):
             "model.num_heads=4", "model.head_dim=8", "model.moe_intermediate_size=16", "train.seq_len=32",
             "train.micro_batch_size=2", "train.steps=6", "train.warmup_steps=1", "checkpoint.every=3",
             "data.max_bytes=20000", "log.every=1", "train.device=cpu"]
-    straight, keep_a = tmp_path / "a", {}
-    train(load_config(None, base + [f"log.run_dir={straight}"]), keep=keep_a)
+    straight = tmp_path / "a"
+    _, model_a = train(load_config(None, base + [f"log.run_dir={straight}"]))
     run, real = tmp_path / "b", TokenBatches.batch
 
     class Stop(Exception):
@@ -313,9 +313,8 @@ def test_bias_survives_checkpoint_and_resume_bit_exactly(tmp_path, monkeypatch):
     with pytest.raises(Stop):
         train(load_config(None, base + [f"log.run_dir={run}"]))
     monkeypatch.setattr(TokenBatches, "batch", real)
-    keep_b = {}
-    train(load_config(None, base + [f"log.run_dir={run}"]), keep=keep_b)
-    a, b = keep_a["model"].state_dict(), keep_b["model"].state_dict()
+    _, model_b = train(load_config(None, base + [f"log.run_dir={run}"]))
+    a, b = model_a.state_dict(), model_b.state_dict()
     assert "layers.0.mlp.balance.bias_E" in a and a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
@@ -354,10 +353,9 @@ def _dist_worker(rank, world, port, tmp):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out = {}
     for name in LAYOUTS:
-        keep = {}
-        hist = train(dist_cfg(name, os.path.join(tmp, f"r{rank}-{name}")), keep=keep)
+        hist, model = train(dist_cfg(name, os.path.join(tmp, f"r{rank}-{name}")))
         every = [None] * world
-        dist.all_gather_object(every, _biases(keep["model"]))
+        dist.all_gather_object(every, _biases(model))
         out[name] = {"biases": every, "loss": [h["loss"] for h in hist], "gnorm": [h["grad_norm"] for h in hist]}
     if rank == 0:
         with open(os.path.join(tmp, "dist.json"), "w") as f:
@@ -378,10 +376,9 @@ def test_bias_identical_on_every_rank_and_cp_sequence_loss_equals_one_process(tm
     from pithtrain.train import train
     refs = {}
     for name in LAYOUTS:
-        keep = {}
         accum = 1 if name == "cp=2" else 2  # the same global batch as the 2 batch ranks
-        hist = train(dist_cfg(name, str(tmp_path / f"ref-{name}"), grad_accum=accum, parallel={}), keep=keep)
-        refs[name] = {"biases": _biases(keep["model"]), "loss": [h["loss"] for h in hist],
+        hist, model = train(dist_cfg(name, str(tmp_path / f"ref-{name}"), grad_accum=accum, parallel={}))
+        refs[name] = {"biases": _biases(model), "loss": [h["loss"] for h in hist],
                       "gnorm": [h["grad_norm"] for h in hist]}
     mp.spawn(_dist_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     out = json.loads((tmp_path / "dist.json").read_text())

@@ -72,7 +72,7 @@ def assert_same(a, b):
 def ref(tmp_path_factory):
     """20 steps straight; checkpoints at 5, 10, 15, 20 (keep_last 3: 10, 15, 20 remain)."""
     run = tmp_path_factory.mktemp("ref") / "run"
-    hist = train(cfg_for(run))
+    hist, model = train(cfg_for(run))
     assert [h["step"] for h in hist] == list(range(1, 21))
     return run
 
@@ -107,7 +107,7 @@ def test_resume_is_bit_exact(ref, tmp_path, monkeypatch, capsys):
         train(cfg_for(run))
     monkeypatch.setattr(TokenBatches, "batch", real_batch)
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_10"
-    hist = train(cfg_for(run))  # no flag: resumes by itself
+    hist, _ = train(cfg_for(run))  # no flag: resumes by itself
     assert "resumed from" in capsys.readouterr().out
     assert [h["step"] for h in hist] == list(range(11, 21))
 
@@ -120,7 +120,7 @@ def test_resume_is_bit_exact(ref, tmp_path, monkeypatch, capsys):
 def test_resume_restores_rng_and_reports_nothing_left(ref, tmp_path, capsys):
     run = copy_run(ref, tmp_path)
     torch.manual_seed(0)
-    assert train(cfg_for(run)) == []  # already at step 20 of 20
+    assert train(cfg_for(run))[0] == []  # already at step 20 of 20
     out = capsys.readouterr().out
     assert "resumed from" in out and "step_20" in out and "nothing left to train" in out
     # loading restores exactly the RNG state the saving process had, not the current one
@@ -266,7 +266,7 @@ def test_death_inside_save_keeps_previous_checkpoint(tmp_path, capsys):
     assert (ck / "latest").read_text().strip() == "step_2"
     assert (ck / ".tmp-step_4" / ".metadata").is_file() and not (ck / "step_4").exists()
     verify(ck / "step_2")
-    hist = train(cfg_for(run, "train.steps=6", "checkpoint.every=2"))
+    hist, _ = train(cfg_for(run, "train.steps=6", "checkpoint.every=2"))
     said = capsys.readouterr().out
     assert "ignoring .tmp-step_4: a save that did not finish" in said
     assert "resumed from" in said and "step_2 at step 2" in said
@@ -297,7 +297,7 @@ def test_damaged_shard_is_named(ref, tmp_path, capsys, how, word):
     assert main(RUN + [f"log.run_dir={tmp_path / 'other'}", f"--resume={ck / 'step_20'}"]) == 2
     assert str(shard) in capsys.readouterr().err
     # automatic resume: skips it out loud, falls back to step_15, sets the damaged one aside
-    hist = train(cfg_for(run))
+    hist, _ = train(cfg_for(run))
     said = capsys.readouterr().out
     assert f"skipping step_20: {shard}" in said and "step_15 at step 15" in said
     assert "set aside step_20 -> .abandoned-step_20" in said
@@ -311,10 +311,10 @@ def test_resume_from_an_older_step_repoints_latest(ref, tmp_path, capsys):
     automatic resume finds no gap between the pointer and the newest checkpoint."""
     run = copy_run(ref, tmp_path)
     ck = run / "checkpoints"
-    assert train(cfg_for(run, "train.steps=10"), resume=str(ck / "step_10")) == []
+    assert train(cfg_for(run, "train.steps=10"), resume=str(ck / "step_10"))[0] == []
     assert (ck / "latest").read_text().strip() == "step_10"
     capsys.readouterr()
-    assert train(cfg_for(run, "train.steps=10")) == []
+    assert train(cfg_for(run, "train.steps=10"))[0] == []
     said = capsys.readouterr().out
     assert "resumed from" in said and "step_10" in said and "is newer" not in said
 
@@ -401,10 +401,8 @@ def _reshard_worker(rank: int, world: int, port: int, tmp: str, ref_ckpt: str):
     out = {}
     for phase, run, extra, resume in (("saved", "run4", RESHARD, False),
                                       ("loaded", "run4b", ["train.steps=20"], ref_ckpt)):
-        keep = {}
-        hist = train(load_config(None, RUN + layout + extra + [f"log.run_dir={tmp}/{run}"]),
-                     resume=resume, keep=keep)
-        model = keep["model"]
+        hist, model = train(load_config(None, RUN + layout + extra + [f"log.run_dir={tmp}/{run}"]),
+                     resume=resume)
         params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                   for n, p in model.named_parameters()}
         with torch.no_grad():
@@ -438,7 +436,7 @@ def test_reshard_between_four_processes_and_one(ref, tmp_path):
 
     # ... and optimizer moments and LR schedule too: one process resumed from the 4-process step 2
     # (grad_accum 4 = the same global batch) trains steps 3-4 like the 4 processes did
-    hist = train(cfg_for(tmp_path / "run1", *RESHARD, "train.grad_accum=4"),
+    hist, _ = train(cfg_for(tmp_path / "run1", *RESHARD, "train.grad_accum=4"),
                  resume=str(saved / "step_2"))
     assert [h["step"] for h in hist] == [3, 4]
     torch.testing.assert_close([h["loss"] for h in hist], got["saved"]["loss"][2:], rtol=1e-5, atol=0)

@@ -136,15 +136,14 @@ def test_final_export_and_weights_only_hand_off(tmp_path):
     run = tmp_path / "run"
     args = TINY + ["model.num_layers=4", "train.steps=2", "train.device=cpu", f"log.run_dir={run}",
                    "checkpoint.weights_only=true", "checkpoint.export_hf=true", "checkpoint.export_dtype=float32"]
-    keep = {}
-    train(load_config(None, args), resume=False, keep=keep)
+    _, model = train(load_config(None, args), resume=False)
     keys = SafeReader(run / "checkpoints" / "step_2").read_metadata().state_dict_metadata
     assert keys and all(k.startswith("model.") for k in keys)  # no optimizer moments, no RNG
     theirs = transformers.AutoModelForCausalLM.from_pretrained(run / "hf").eval()
     assert theirs.dtype == torch.float32
     x = torch.randint(0, 258, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(theirs(x).logits, keep["model"].eval()(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(theirs(x).logits, model.eval()(x), rtol=1e-5, atol=1e-5)
     with pytest.raises(CheckpointError, match="weights_only"):
         train(load_config(None, args[:-3] + ["train.steps=3"]), resume=True)
     with pytest.raises(ConfigError, match="checkpoint.export_hf: acts on the final save"):

@@ -149,9 +149,8 @@ def test_init_from_keeps_every_recipe_model_field(hub_dir, tmp_path, monkeypatch
     cfg = load_config(None, overrides)
     assert cfg.model.hidden_size == 32  # hub-owned: the checkpoint's
     assert (cfg.model.aux_loss_coeff, cfg.model.norm_topk_prob) == (0.02, False)  # recipe-owned
-    keep = {}
-    train.train(cfg, resume=False, keep=keep)
-    moes = [m for m in keep["model"].modules() if hasattr(m, "norm_topk_prob")]
+    _, model = train.train(cfg, resume=False)
+    moes = [m for m in model.modules() if hasattr(m, "norm_topk_prob")]
     assert moes and all(m.norm_topk_prob is False and m.balance.aux_loss_coeff == 0.02 for m in moes)
 
 

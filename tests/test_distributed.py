@@ -118,12 +118,11 @@ def _parity_worker(rank: int, world: int, port: int, tmp: str):
     results = {}
     for family, name in RUNS[world]:
         parallel = LAYOUTS[world][name]
-        keep = {}
         cfg = make_cfg(family, parallel, 1, os.path.join(tmp, f"r{rank}", family, name))
         cfg.train.activation_checkpoint = ACTIVATION_CHECKPOINT.get((world, name), "none")
-        hist = train(cfg, keep=keep)
+        hist, model = train(cfg)
         params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-                  for n, p in keep["model"].named_parameters()}
+                  for n, p in model.named_parameters()}
         if rank == 0:
             ref = torch.load(os.path.join(tmp, f"ref-{family}-{batch_ranks(parallel)}.pt"))
             assert params.keys() == ref["params"].keys()
@@ -149,10 +148,9 @@ def _reference(family: str, bs: int, tmp) -> None:
     cfg = make_cfg(family, {}, bs, str(tmp / "ref"))
     torch.manual_seed(cfg.train.seed)
     init = {n: p.detach().clone() for n, p in build_model(cfg.model, "cpu").named_parameters()}
-    keep = {}
-    hist = train(cfg, keep=keep)
+    hist, model = train(cfg)
     torch.save({"hist": hist, "init": init,
-                "params": {n: p.detach() for n, p in keep["model"].named_parameters()}}, path)
+                "params": {n: p.detach() for n, p in model.named_parameters()}}, path)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -95,7 +95,7 @@ def test_loss_falls_on_a_two_document_corpus(tmp_path, tiny_overrides):
     corpus = np.concatenate([np.concatenate([doc_a, [eos], doc_b, [eos]]) for _ in range(200)])
     d = write_shards(tmp_path / "s", [corpus], vocab_size=64, eos_id=eos)
     run = [o for o in tiny_overrides if not o.startswith(("train.steps", "data."))]
-    hist = train(load_config(None, run + ["train.steps=40", "data.source=shards", f"data.path={d}",
+    hist, _ = train(load_config(None, run + ["train.steps=40", "data.source=shards", f"data.path={d}",
                                           "model.vocab_size=64", "data.document_mask=true",
                                           "data.mask_separator_loss=true"]))
     first = sum(h["loss"] for h in hist[:3]) / 3

@@ -95,9 +95,9 @@ def test_200_steps_fp8_loss_curve_in_band_of_bf16(tmp_path):
     def run(flag):
         cfg = load_config(None, ["train.device=cuda", "train.steps=200", f"train.fp8={flag}",
                                  "log.every=50", f"log.run_dir={tmp_path / flag}"])
-        keep = {}
-        losses = [h["loss"] for h in train(cfg, resume=False, keep=keep)]
-        return losses, fp8.quantised(keep["model"])
+        history, model = train(cfg, resume=False)
+        losses = [h["loss"] for h in history]
+        return losses, fp8.quantised(model)
 
     (bf16, q_bf16), (f8, q_f8) = run("false"), run("true")
     assert len(bf16) == len(f8) == 200

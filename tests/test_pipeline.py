@@ -106,11 +106,10 @@ def _train(rank, world, parallel, out_dir):
 
     from pithtrain.train import train
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-    keep = {}
     name = train_name(parallel)
-    hist = train(train_cfg(parallel, os.path.join(out_dir, f"run-{name}")), keep=keep)
+    hist, model = train(train_cfg(parallel, os.path.join(out_dir, f"run-{name}")))
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-              for n, p in keep["model"].named_parameters()}
+              for n, p in model.named_parameters()}
     torch.save({"hist": hist, "params": params}, os.path.join(out_dir, f"train-{name}.{rank}.pt"))
 
 
@@ -121,9 +120,8 @@ def check_train(tmp_path, world, parallel):
     batch_ranks = parallel.get("fsdp", 1) * parallel.get("dp", 1)
     cfg = train_cfg({}, str(tmp_path / f"ref{batch_ranks}"))
     cfg.train.grad_accum *= batch_ranks
-    keep = {}
-    ref = train(cfg, keep=keep)
-    ref_params = {n: p.detach() for n, p in keep["model"].named_parameters()}
+    ref, model = train(cfg)
+    ref_params = {n: p.detach() for n, p in model.named_parameters()}
     name = train_name(parallel)
     got = [torch.load(tmp_path / f"train-{name}.{r}.pt") for r in range(world)]
     assert len(got[0]["hist"]) == len(ref) == 3

@@ -60,10 +60,9 @@ def _worker(rank, world, port, cases, out_dir):
     try:
         for family, layout in cases:
             parallel = dict(LAYOUTS[layout], pp_schedule="dualpipev", pp_overlap=True)
-            keep = {}
-            hist = train(cfg_for(family, parallel, os.path.join(out_dir, f"{family}-{layout}")), keep=keep)
+            hist, model = train(cfg_for(family, parallel, os.path.join(out_dir, f"{family}-{layout}")))
             params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-                      for n, p in keep["model"].named_parameters()}
+                      for n, p in model.named_parameters()}
             torch.save({"hist": hist, "params": params}, os.path.join(out_dir, f"{family}-{layout}.{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -103,9 +102,8 @@ def test_dualpipev_overlap_matches_one_process_for_every_family(tmp_path, layout
     mp.spawn(_worker, args=(4, free_port(), cases, str(tmp_path)), nprocs=4, join=True)
     for family, _ in cases:
         cfg = cfg_for(family, {}, str(tmp_path / f"ref-{family}"), grad_accum=2 * M)  # 2 batch ranks
-        keep = {}
-        ref = train(cfg, keep=keep)
-        ref_params = {n: p.detach() for n, p in keep["model"].named_parameters()}
+        ref, model = train(cfg)
+        ref_params = {n: p.detach() for n, p in model.named_parameters()}
         got = [torch.load(tmp_path / f"{family}-{layout}.{r}.pt") for r in range(4)]
         assert len(got[0]["hist"]) == len(ref) == 3
         for a, b in zip(got[0]["hist"], ref):

@@ -257,10 +257,10 @@ def _auto_worker(rank: int, world: int, port: int, tmp: str):
     dist = _init(rank, world, port)
     results = {}
     for recipe in SMALL:
-        cfg, keep = small_cfg(recipe, f"{tmp}/r{rank}/{recipe}"), {}
-        hist = train(cfg, keep=keep)
+        cfg = small_cfg(recipe, f"{tmp}/r{rank}/{recipe}")
+        hist, model = train(cfg)
         params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-                  for n, p in keep["model"].named_parameters()}
+                  for n, p in model.named_parameters()}
         if rank == 0:
             ref = torch.load(f"{tmp}/ref-{recipe}.pt")
             results[recipe] = {
@@ -287,11 +287,10 @@ def test_auto_layout_on_8_processes_matches_one(tmp_path):
         cfg = small_cfg(recipe, str(tmp_path / "ref" / recipe), grad_accum=WORLD)
         torch.manual_seed(cfg.train.seed)
         init = {n: p.detach().clone() for n, p in build_model(cfg.model, "cpu").named_parameters()}
-        keep = {}
-        hist = train(cfg, keep=keep)
+        hist, model = train(cfg)
         assert [cfg.parallel.fsdp, cfg.parallel.ep] == [1, 1]  # auto on one process
         torch.save({"hist": hist, "init": init,
-                    "params": {n: p.detach() for n, p in keep["model"].named_parameters()}},
+                    "params": {n: p.detach() for n, p in model.named_parameters()}},
                    tmp_path / f"ref-{recipe}.pt")
     mp.spawn(_auto_worker, args=(WORLD, free_port(), str(tmp_path)), nprocs=WORLD)
     results = json.loads((tmp_path / "auto.json").read_text())
@@ -354,3 +353,25 @@ def test_planned_peak_within_10_percent_of_measured(tmp_path):
         print(f"| {name} | {p:.2f} | {m:.2f} | {p / m:.3f} | {parts} |")
     for name, p, m, _ in rows:
         assert abs(p - m) <= 0.10 * m, f"{name}: planned {p:.2f} GiB, measured {m:.2f} GiB"
+
+
+@pytest.mark.parametrize("bad", [
+    ["parallel.pp=2", "parallel.fsdp=2", "parallel.pp_schedule=dualpipev", "train.grad_accum=2"],
+    ["parallel.pp=2", "parallel.cp=2", "train.compile=false"],
+    ["parallel.pp=2", "parallel.fsdp=2", "parallel.ep=2", "parallel.pp_schedule=dualpipev", "train.grad_accum=4",
+     "parallel.pp_overlap=true", "train.activation_checkpoint=full"],
+    ["parallel.fsdp=4", "parallel.ep=3"],
+    ["parallel.fsdp=3"],
+])
+def test_plan_and_train_reject_a_recipe_with_the_same_line(bad, monkeypatch, capsys):
+    """One set of layout checks (ParallelDims.validate): `invoke plan` and train.py, before any
+    process group or model exists, refuse the same recipe with the same one-line error."""
+    from pithtrain import train
+    layout = {"parallel.pp": "1", "parallel.dp": "1", "parallel.fsdp": "1", "parallel.cp": "1", "parallel.ep": "1"}
+    sets = [f"{k}={v}" for k, v in layout.items() if not any(b.startswith(k + "=") for b in bad)] + bad
+    assert planner.main(["--gpu", "h100", "--gpus", "4", *sum((["--set", s] for s in sets), [])]) == 2
+    planned = capsys.readouterr().err.strip()
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert train.main([*sets, "train.device=cpu"]) == 2
+    trained = capsys.readouterr().err.strip()
+    assert planned.startswith("error: ") and "\n" not in planned and planned == trained

@@ -193,7 +193,7 @@ def test_training_starts_from_an_imported_checkpoint(tmp_path, tiny_overrides):
     ref = transformers.Qwen3MoeForCausalLM(cfg).float().eval()
     ref.save_pretrained(tmp_path / "hf")
     run = load_config(None, tiny_overrides + ["train.steps=2", f"train.init_from={tmp_path / 'hf'}"])
-    hist = train(run)
+    hist, _ = train(run)
     x, y = build_batches(run.data, run.train.seq_len, run.train.micro_batch_size, run.train.seed).batch(0)
     with torch.no_grad():
         want = torch.nn.functional.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten()).item()

@@ -32,8 +32,7 @@ def read_events(run_dir) -> dict[str, list[tuple[int, float]]]:
 
 def test_val_loss_is_the_held_out_loss_in_the_record_stream(tiny_overrides, tmp_path):
     cfg = load_config(None, tiny_overrides + ["train.eval_every=15", "train.eval_batches=2"])
-    keep = {}
-    hist = train(cfg, keep=keep)
+    hist, model = train(cfg)
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [10, 15, 20, 30]  # log.every 10, plus the evaluation at 15
     assert [r["step"] for r in recs if "val_loss" in r] == [15, 30]
@@ -41,7 +40,7 @@ def test_val_loss_is_the_held_out_loss_in_the_record_stream(tiny_overrides, tmp_
     assert recs[1]["val_loss"] > recs[3]["val_loss"] and all(math.isfinite(r.get("val_loss", 0)) for r in recs)
     # the final value is the trained model's mean token loss on the held-out windows
     batches = build_batches(cfg.data, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.seed, hold_out=True)
-    model = keep["model"].eval()
+    model = model.eval()
     loss = n = 0
     with torch.no_grad():
         for i in range(2):

@@ -11,7 +11,7 @@ from pithtrain.train import main, train
 
 def test_short_run_loss_decreases(tiny_overrides, tmp_path):
     cfg = load_config(None, tiny_overrides)
-    hist = train(cfg)
+    hist, _ = train(cfg)
     assert len(hist) == 30
     first = sum(h["loss"] for h in hist[:3]) / 3
     last = sum(h["loss"] for h in hist[-3:]) / 3
@@ -31,8 +31,8 @@ def test_grad_accum_matches_one_big_batch(tiny_overrides):
     base = [o for o in tiny_overrides if not o.startswith(("train.steps", "train.micro"))]
     base += ["train.steps=4", "model.aux_loss_coeff=0"]
     # one run dir: without resume=False, b would resume from a's final checkpoint and train nothing
-    a = train(load_config(None, base + ["train.micro_batch_size=4", "train.grad_accum=2"]), resume=False)
-    b = train(load_config(None, base + ["train.micro_batch_size=8", "train.grad_accum=1"]), resume=False)
+    a, _ = train(load_config(None, base + ["train.micro_batch_size=4", "train.grad_accum=2"]), resume=False)
+    b, _ = train(load_config(None, base + ["train.micro_batch_size=8", "train.grad_accum=1"]), resume=False)
     assert len(a) == len(b) == 4
     for ra, rb in zip(a, b):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)

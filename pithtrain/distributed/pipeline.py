@@ -174,8 +174,8 @@ class PipelineRunner:
             del self.runs[(c, mb)]
 
     # --- one step
-    def step(self, micro_batches, denom: float) -> float:
-        """micro_batches: M (input ids, labels[, positions]) on the device (every rank gets them;
+    def step(self, micro_batches, denom: float) -> torch.Tensor:
+        """micro_batches: M (input ids, labels[, positions[, document ids: refused with pp]]) on the device (every rank gets them;
         the first stage reads the ids, the last the labels). Returns this rank's summed token
         loss (non-zero only where the last stage lives: a sum over ranks gives the total)."""
         assert len(micro_batches) == self.M
@@ -236,7 +236,7 @@ class PipelineRunner:
             overlap.resolve_timeline(self.phase_log, t0, origin)
             self.phases_timeline = self.phase_log
         assert not self.runs and not self.f_in and not self.b_in and not self.b_out, "schedule left work"
-        return float(self.loss_sum)
+        return self.loss_sum
 
     def _compute(self, op: Op):
         k, c, mb = op.kind, op.chunk, op.mb
@@ -269,23 +269,11 @@ class PipelineRunner:
 
 
 def prepare(model, cfg, dims) -> list[Chunk]:
-    """Check the pipeline settings and prune the (meta) model to this rank's chunks."""
-    from pithtrain.config import ConfigError
-    p, t = cfg.parallel, cfg.train
-    if p.pp_schedule == "dualpipev" and t.grad_accum < 2 * p.pp:
-        raise ConfigError(f"{cfg.source}: train.grad_accum: dualpipev needs at least 2 * pp = "
-                          f"{2 * p.pp} micro-batches, got {t.grad_accum}")
-    if dims.cp_enabled:
-        raise ConfigError(f"{cfg.source}: parallel.cp: pipeline x context parallel is not wired yet")
-    if p.pp_overlap and t.activation_checkpoint != "none":
-        raise ConfigError(f"{cfg.source}: parallel.pp_overlap: activation checkpointing runs each layer "
-                          "whole (no phases to overlap); set train.activation_checkpoint=none or "
-                          "parallel.pp_overlap=false")
-    try:
-        chunks = rank_chunks(dims.pp_rank, p.pp, p.pp_schedule, cfg.model.num_layers, p.pp_layers)
-        prune_model(model, chunks)
-    except ValueError as e:
-        raise ConfigError(f"{cfg.source}: {e}") from None
+    """Prune the (meta) model to this rank's chunks (the settings were checked with the layout:
+    ParallelDims.validate)."""
+    p = cfg.parallel
+    chunks = rank_chunks(dims.pp_rank, p.pp, p.pp_schedule, cfg.model.num_layers, p.pp_layers)
+    prune_model(model, chunks)
     return chunks
 
 

@@ -43,24 +43,29 @@ def clip_grad_norm_(params, max_norm: float, dims) -> float:
     the mesh dims where it is Replicate), and one all-reduce over the world (pipeline stages
     hold different parameters, so they sum too) gives the square of the global norm."""
     grads = [p.grad for p in params if p.grad is not None]
-    total = torch.zeros((), dtype=torch.float64, device=_grad_device(grads))
+    local, weight = [], []
     for g in grads:
-        weight = 1.0
+        w = 1.0
         if isinstance(g, DTensor):
             for size, pl in zip(g.device_mesh.shape, g.placements):
                 if isinstance(pl, Replicate):
-                    weight /= size
+                    w /= size
             g = g.to_local()
-        total += weight * torch.linalg.vector_norm(g).double() ** 2  # no gradient-sized temporary
+        local.append(g)
+        weight.append(w)
+    total = torch.zeros((), dtype=torch.float64, device=_grad_device(grads))
+    for dtype in {g.dtype for g in local}:  # one fused norm kernel per dtype, no gradient-sized temporary
+        i = [k for k, g in enumerate(local) if g.dtype == dtype]
+        norms = torch.stack(torch._foreach_norm([local[k] for k in i])).double()
+        total += (norms ** 2 * torch.tensor([weight[k] for k in i], dtype=torch.float64, device=norms.device)).sum()
     if dims.distributed:
         total = total.to(_comm_device())
         dist.all_reduce(total)
-    norm = math.sqrt(float(total))
+    norm = math.sqrt(float(total))  # the host waits here for the backward: one synchronisation per step
     if max_norm > 0:
         coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
+            torch._foreach_mul_(local, coef)
     return norm
 
 

@@ -54,7 +54,7 @@ def measure(recipe: str | None, overrides: list[str], steps: int, warmup: int) -
     with tempfile.TemporaryDirectory(prefix="pithtrain-bench-") as tmp:
         cfg = load_config(recipe, overrides + [f"train.steps={steps}", "log.every=1", "checkpoint.final=false",
                                                "checkpoint.every=0", f"log.run_dir={tmp}"])
-        hist = train(cfg, resume=False)
+        hist, _ = train(cfg, resume=False)
         recs = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in recs if r["step"] > warmup]
     tps = [r["tokens_per_s"] for r in timed]

@@ -84,7 +84,7 @@ def training(family: str, overrides: list[str]) -> tuple[str, str]:
         recipe = Path(tmp) / "tiny.yaml"
         recipe.write_text(yaml.safe_dump({"model": {"family": family, **TINY_MODEL}, **TINY_RUN}))
         try:
-            hist = train(load_config(recipe, [f"log.run_dir={tmp}/run", *overrides]), resume=False)
+            hist, _ = train(load_config(recipe, [f"log.run_dir={tmp}/run", *overrides]), resume=False)
         except Exception as e:  # a bad override or a non-finite loss: a FAIL, not a crash
             return "FAIL", f"training raised {type(e).__name__}: {e}"
     losses = [h["loss"] for h in hist]
