@@ -1,24 +1,25 @@
-"""Single-GPU throughput suite (../shared/BENCH.md): each family at its real widths, truncated to 4
-layers, micro-batch 2 x sequence 4096, bf16, AdamW, random init; PithTrain and Hugging Face
+"""Single-GPU throughput suite (docs/bench.md): each family at its real widths, truncated to
+--layers layers, micro-batch 2 x sequence 4096, random init; PithTrain and Hugging Face
 transformers on the identical configuration, in one process, one table.
 
     python -m pithtrain.bench                                   # all families, default variants
     python -m pithtrain.bench --models qwen3-30b-a3b --variants ref,fused+compile --steps 10
-    python -m pithtrain.bench --models qwen3-30b-a3b --no-hf --profile prof.txt
+    python -m pithtrain.bench --layers 12 --grad-accum 8 --variants fused+compile,fused+compile+bf16
     invoke bench
 
+The step timed is train.py's own (train.train_step: forward of each micro-batch, backward of loss /
+tokens, the recipe's global clip, fused AdamW on fp32 master weights under bf16 autocast, the
+balancing update, the LR schedule) on train.py's model path (use_kernels, parallelize); the
+peer's is forward, backward, clip to 1.0, fused AdamW around its own model.
 A variant is '+'-joined words: `ref` (PyTorch reference operators, kernels=torch) or `fused`
 (kernels=auto); `compile` (train.compile); `ac-full` / `ac-sel` (activation checkpointing);
-`adamclip` (an experiment, not train.py's step: the clip factor is handed to fused AdamW as its
-`grad_scale`, which divides the gradients inside the optimizer kernel, saving the clip's own pass);
-`fp32` (fp32 master weights and AdamW state under bf16 autocast, as train.py; default bf16
-parameters and AdamW state, as the peers run); `fp8` (train.fp8: blockwise FP8 expert GEMMs,
-pithtrain/kernels/fp8_linear.py; `--fp8` adds `<first variant>+fp8` after each variant list, so bf16 and FP8
-are timed in the same run); `no-NAME` turns one fused operator off
-(names: pithtrain.kernels.NAMES). The step timed is train.py's: forward (summed loss), backward of
-loss / tokens, clip to 1.0, fused AdamW, zero_grad; the peer's is the same around its forward.
+`bf16` (a comparison with the peers, not a training setting: bf16 parameters and AdamW state);
+`fp8` (train.fp8: blockwise FP8 expert GEMMs, pithtrain/kernels/fp8_linear.py; `--fp8` adds
+`<first variant>+fp8`, so bf16 and FP8 are timed in the same run); `no-NAME` turns one fused
+operator off (names: pithtrain.kernels.NAMES).
 Timing: CUDA events around each step after warm-up; the median of the timed steps.
-MFU = tokens/s x model FLOPs per token (pithtrain.metrics.flops_per_token) / 989e12.
+MFU = tokens/s x model FLOPs per token (pithtrain.metrics.flops_per_token) / the GPU's dense bf16
+peak (pithtrain.metrics.PEAK_TFLOPS: 989e12 on H100/H200).
 """
 
 from __future__ import annotations
@@ -34,17 +35,17 @@ import traceback
 import torch
 
 from pithtrain import kernels
-from pithtrain.compile import apply_activation_checkpoint, apply_compile
 from pithtrain.config import load_config
+from pithtrain.distributed.parallel_dims import ParallelDims
+from pithtrain.distributed.parallelize import parallelize
 from pithtrain.kernels import fp8_linear
-from pithtrain.metrics import flops_per_token
+from pithtrain.metrics import flops_per_token, peak_tflops
 from pithtrain.models import build_model
-from pithtrain.models.common import use_kernels
-from pithtrain.train import build_optimizer
+from pithtrain.models.common import set_aux_loss_scale, use_kernels
+from pithtrain.train import build_optimizer, lr_lambda, train_step
 
 MODELS = ["deepseek-v2-lite", "qwen3-30b-a3b", "gpt-oss-20b"]  # recipe names
 HF_ATTENTION = {"gpt_oss": "eager"}  # transformers 5.17 has no SDPA path for sinks
-PEAK_TFLOPS = 989.0  # H100/H200 dense bf16 datasheet
 DEFAULT_VARIANTS = "fused+compile"
 
 
@@ -53,8 +54,9 @@ DEFAULT_VARIANTS = "fused+compile"
 
 
 def bench_config(name: str, layers: int, batch: int, seq: int, grad_accum: int = 1):
+    one_gpu = [f"parallel.{k}=1" for k in ("pp", "dp", "fsdp", "cp", "ep")]
     cfg = load_config(name, [f"model.num_layers={layers}", f"train.micro_batch_size={batch}",
-                             f"train.seq_len={seq}", f"train.grad_accum={grad_accum}"])
+                             f"train.seq_len={seq}", f"train.grad_accum={grad_accum}", *one_gpu])
     if hasattr(cfg.model, "max_position_embeddings"):
         cfg.model.max_position_embeddings = max(cfg.model.max_position_embeddings, seq)
     return cfg
@@ -64,10 +66,9 @@ def parse_variant(v: str) -> dict:
     words = v.split("+")
     out = {"kernels": "torch" if "ref" in words else "auto", "compile": "compile" in words,
            "ac": "full" if "ac-full" in words else "selective" if "ac-sel" in words else "none",
-           "fp32": "fp32" in words, "adamclip": "adamclip" in words, "fp8": "fp8" in words,
+           "bf16": "bf16" in words, "fp8": "fp8" in words,
            "off": [w[3:] for w in words if w.startswith("no-")]}
-    unknown = [w for w in words if w not in ("ref", "fused", "compile", "ac-full", "ac-sel", "fp32",
-                                             "adamclip", "fp8")
+    unknown = [w for w in words if w not in ("ref", "fused", "compile", "ac-full", "ac-sel", "bf16", "fp8")
                and not w.startswith("no-")]
     if unknown or any(o not in kernels.NAMES for o in out["off"]):
         raise SystemExit(f"bench: unknown variant words in {v!r}: {unknown or out['off']}")
@@ -113,38 +114,34 @@ def time_steps(step, warmup: int, steps: int) -> tuple[list[float], float]:
 
 
 def pithtrain_step(cfg, variant: dict, device):
-    use = kernels.configure(variant["kernels"], device, fp8=variant["fp8"], off=variant["off"])
+    """train.py's own step (train.train_step) on train.py's model path: kernels bound by
+    use_kernels, checkpointing and compile by parallelize (one process), fp32 master weights and
+    AdamW state under bf16 autocast, the recipe's clip, the LR schedule and the balancing update.
+    Only `bf16` departs from it: parameters (and so AdamW state) in bf16, as the peers run."""
+    t = cfg.train
+    t.kernels, t.compile, t.activation_checkpoint, t.fp8 = (variant["kernels"], variant["compile"],
+                                                            variant["ac"], variant["fp8"])
+    use = kernels.configure(t.kernels, device, fp8=t.fp8, off=variant["off"])
     print("bench:   " + kernels.describe(use), flush=True)
     torch.manual_seed(0)
     model = use_kernels(build_model(cfg.model, device), use)
-    if not variant["fp32"]:  # parameters (and so AdamW state) in bf16; buffers (RoPE) stay fp32
+    if variant["bf16"]:  # a comparison with the peers, not a training setting; buffers (RoPE) stay fp32
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
     model.train()
-    apply_activation_checkpoint(model, variant["ac"])
-    if variant["compile"]:
-        torch._dynamo.reset()  # each variant compiles its own model from a clean cache
-        apply_compile(model)
+    torch._dynamo.reset()  # each variant compiles its own model from a clean cache
+    dims = ParallelDims.from_config(cfg, 1, 0)
+    parallelize(model, dims, t, device)  # one process: checkpointing, then compile
     opt = build_optimizer(model, cfg, device)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    set_aux_loss_scale(model, 1.0 / t.grad_accum)
     x, y = random_batch(cfg, device)
-    accum = cfg.train.grad_accum
-    denom = y.numel() * accum
-    params = [p for p in model.parameters() if p.requires_grad]
+    micro_batches = [(x, y, None, None)] * t.grad_accum
+    denom = y.numel() * t.grad_accum
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
 
     def step():
-        for _ in range(accum):  # micro-batches of one optimizer step
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(x, labels_BS=y)
-            (loss / denom).backward()
-        if variant["adamclip"]:  # grads / max(norm / max_norm, 1) inside the fused AdamW kernel
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-            opt.grad_scale = norm.float().clamp(min=1.0)
-        else:
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        fp8_linear.next_step(model)
-        opt.zero_grad(set_to_none=True)
-        return loss.detach() / y.numel()
+        return train_step(model, opt, sched, micro_batches, denom, cfg, dims, autocast).loss
 
     return model, step
 
@@ -204,7 +201,7 @@ def measure(name, side, cfg, make, warmup, steps, profile=None) -> dict:
         tps = tokens / (med / 1e3)
         fpt = flops_per_token(cfg.model, cfg.train.seq_len)
         rec.update(ok=True, first_loss=first, step_ms=med, step_ms_all=times, warmup_s=warm_s,
-                   tokens_per_s=tps, mfu=tps * fpt / (PEAK_TFLOPS * 1e12),
+                   tokens_per_s=tps, mfu=tps * fpt / (peak_tflops(torch.device("cuda")) * 1e12),
                    peak_gb=torch.cuda.max_memory_allocated() / 1e9, flops_per_token=fpt)
         print(f"bench: {name:18s} {side:32s} {tps / 1e3:7.1f}K tok/s  {100 * rec['mfu']:5.1f}% MFU  "
               f"{rec['peak_gb']:6.1f} GB  step {med:7.1f} ms (min {min(times):.1f}, max {max(times):.1f})"
@@ -236,20 +233,25 @@ def profile_steps(step, path, title, n=3):
 
 
 def table(recs: list[dict]) -> str:
-    lines = ["| model (4 layers) | side | tokens/s | MFU | peak GB | step ms | vs transformers | fp8 vs bf16 |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    hf = {r["model"]: r for r in recs if r["side"] == "transformers" and r.get("ok")}
+    """One row per record; `vs transformers` against the peer, `fp8 vs bf16` a +fp8 side against
+    its bf16 twin, `vs bf16 params` train.py's step against its +bf16 twin (the peers' precision)."""
+    lines = ["| model | side | tokens/s | MFU | peak GB | step ms | vs transformers | fp8 vs bf16 | vs bf16 params |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     ok = {(r["model"], r["side"]): r for r in recs if r.get("ok")}
+
+    def ratio(r, other):
+        return f"{r['tokens_per_s'] / other['tokens_per_s']:.2f}x" if other else "-"
+
     for r in recs:
         if not r.get("ok"):
-            lines.append(f"| {r['model']} | {r['side']} | failed: {r.get('error', '')[:60]} | | | | | |")
+            lines.append(f"| {r['model']} | {r['side']} | failed: {r.get('error', '')[:60]} | | | | | | |")
             continue
-        peer = hf.get(r["model"])
-        ratio = f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else "-"
-        bf16 = ok.get((r["model"], r["side"].replace("+fp8", ""))) if "+fp8" in r["side"] else None
-        vs_bf16 = f"{r['tokens_per_s'] / bf16['tokens_per_s']:.2f}x" if bf16 else "-"
-        lines.append(f"| {r['model']} | {r['side']} | {r['tokens_per_s'] / 1e3:.1f}K | "
-                     f"{100 * r['mfu']:.1f}% | {r['peak_gb']:.1f} | {r['step_ms']:.1f} | {ratio} | {vs_bf16} |")
+        m, side = r["model"], r["side"]
+        fp8 = ok.get((m, side.replace("+fp8", ""))) if "+fp8" in side else None
+        bf16 = ok.get((m, side + "+bf16")) if "bf16" not in side.split("+") else None
+        lines.append(f"| {m} | {side} | {r['tokens_per_s'] / 1e3:.1f}K | {100 * r['mfu']:.1f}% | "
+                     f"{r['peak_gb']:.1f} | {r['step_ms']:.1f} | {ratio(r, ok.get((m, 'transformers')))} | "
+                     f"{ratio(r, fp8)} | {ratio(r, bf16)} |")
     return "\n".join(lines)
 
 

@@ -142,8 +142,9 @@ def test_bench_variant_words_and_table():
     from pithtrain.bench import parse_variant, table
 
     v = parse_variant("fused+compile+ac-sel+no-permute")
-    assert v == {"kernels": "auto", "compile": True, "ac": "selective", "fp32": False,
-                 "adamclip": False, "fp8": False, "off": ["permute"]}
+    assert v == {"kernels": "auto", "compile": True, "ac": "selective", "bf16": False, "fp8": False,
+                 "off": ["permute"]}
+    assert parse_variant("fused+bf16")["bf16"]
     assert parse_variant("ref")["kernels"] == "torch"
     assert parse_variant("fused+compile+fp8")["fp8"]
     with pytest.raises(SystemExit):
@@ -156,10 +157,12 @@ def test_bench_variant_words_and_table():
             {"model": "m", "side": "transformers", "ok": True, "tokens_per_s": 1e3, "mfu": 0.15,
              "peak_gb": 2.0, "step_ms": 10.0},
             {"model": "m", "side": "fused+fp8", "ok": True, "tokens_per_s": 3e3, "mfu": 0.45, "peak_gb": 1.0,
-             "step_ms": 3.3}]
+             "step_ms": 3.3},
+            {"model": "m", "side": "fused+bf16", "ok": True, "tokens_per_s": 2.5e3, "mfu": 0.375, "peak_gb": 0.8,
+             "step_ms": 4.0}]
     out = table(recs)
-    assert "| m | fused | 2.0K | 30.0% | 1.0 | 5.0 | 2.00x | - |" in out
-    assert "| m | fused+fp8 | 3.0K | 45.0% | 1.0 | 3.3 | 3.00x | 1.50x |" in out  # FP8 against its bf16 twin
+    assert "| m | fused | 2.0K | 30.0% | 1.0 | 5.0 | 2.00x | - | 0.80x |" in out  # train.py's step vs bf16 params
+    assert "| m | fused+fp8 | 3.0K | 45.0% | 1.0 | 3.3 | 3.00x | 1.50x | - |" in out  # FP8 against its bf16 twin
 
 
 def test_model_rotary_makes_its_flex_masks_eagerly():

@@ -183,9 +183,7 @@ def test_fsdp_reduce_scatter_is_deferred_to_w(tmp_path):
 
 def test_pp_overlap_where_it_cannot_apply_is_a_config_error():
     from pithtrain.config import ConfigError
-    from pithtrain.distributed import pipeline
     from pithtrain.distributed.parallel_dims import ParallelDims
-    from pithtrain.models import build_model
     for parallel, why in ((dict(fsdp=2, ep=2), "needs a pipeline"),
                           (dict(pp=2, fsdp=2, ep=2, pp_schedule="1f1b"), "needs pp_schedule=dualpipev"),
                           (dict(pp=2, pp_schedule="dualpipev"), r"needs expert parallelism \(ep > 1\)")):
@@ -193,6 +191,5 @@ def test_pp_overlap_where_it_cannot_apply_is_a_config_error():
             cfg_for("qwen3_moe", dict(parallel, pp_overlap=True), "/tmp/unused")
     cfg = cfg_for("qwen3_moe", dict(LAYOUTS["fsdp"], pp_schedule="dualpipev", pp_overlap=True), "/tmp/unused")
     cfg.train.activation_checkpoint = "full"
-    dims = ParallelDims.from_config(cfg, world_size=4, rank=0)
     with pytest.raises(ConfigError, match="pp_overlap: activation checkpointing runs each layer whole"):
-        pipeline.prepare(build_model(cfg.model, init=False), cfg, dims)
+        ParallelDims.from_config(cfg, world_size=4, rank=0)  # with the layout, before any model
