@@ -17,9 +17,9 @@ is this rank's share: float32 master weights (4 B), float32 gradients (4 B: FSDP
 float32 sharded gradient), AdamW's two float32 moments (8 B).
 
 Activations: an analytic count of the tensors autograd saves per token on the CUDA bf16 path,
-with c the compute bytes (2) and r the residual stream's (4 without FSDP, where float32 master
-weights under autocast keep it float32; c under FSDP's bf16 gathers):
-    RMSNorm of width D                2 r D        its input and the normalised input
+with c the compute bytes (2; the residual stream is bf16 too, as every weight is: FSDP's bf16
+gathers, or without FSDP the step's bf16 copy, parallelize.bf16_weights):
+    RMSNorm of width D                2 c D        its input and the normalised input
     nn.Linear (attention, router, MLP) c in         its bf16 input
     attention core                    c H (2 d_qk + 2 d_v) + 4 H d_qk    q, k, v (k, v counted
                                       with H heads: an upper bound under GQA), the output, q's
@@ -27,9 +27,8 @@ weights under autocast keep it float32; c under FSDP's bf16 gathers):
     dense SwiGLU MLP of width F       3 c F        gate, up and their product
     routed experts, top-k A           c A (2 D + 3 F) + 4 E   dispatched rows, [gate | up],
                                       the SwiGLU output, the expert output; router probabilities
-and, without FSDP, autocast's bf16 copy of each float32 layer weight (2 B per parameter, held
-until backward; a linear's cast is made for each micro-batch). Activation checkpointing keeps
-each layer's input only (full: r D per token) or the layer without its MLP internals
+Activation checkpointing keeps
+each layer's input only (full: c D per token) or the layer without its MLP internals
 (selective). One micro-batch is T = micro_batch_size * seq_len / cp tokens per rank. A GPU test
 (tests/test_plan.py, marked gpu) compares the peak with torch.cuda.max_memory_allocated.
 
@@ -45,10 +44,13 @@ Peak: the larger of
                      forward) + one 4096-row chunk of bf16 logits + comm
     backward         static + all gradients + one layer's activations (its backward transients)
                      + the other in-flight micro-batches' activations + comm
-with static = parameters + optimizer state (present from the first step on) + with train.fp8 the
-FP8 weight cache (2 B per unsharded expert weight element, pithtrain/kernels/fp8_linear.py). The in-flight
+with static = parameters + optimizer state (present from the first step on) + without FSDP under
+bf16 the step's bf16 copy of the weights (2 B per parameter) + with train.fp8 the
+FP8 weight cache (2 B per unsharded expert weight element, pithtrain/kernels/fp8_linear.py) + the
+cuBLAS workspaces (WORKSPACE: 32 MiB per handle on Hopper, one for the forward's thread and one
+for autograd's, allocated through the caching allocator; measured on the H200). The in-flight
 micro-batches come from the pipeline schedule itself (a chunk's forward holds its activations
-until its weight-gradient or full backward). Not counted: the CUDA context, NCCL workspaces and
+until its weight-gradient or full backward). Not counted: the CUDA context, NCCL's buffers and
 allocator fragmentation; a plan fits when its peak is at most FIT_FRACTION of the GPU.
 """
 
@@ -78,6 +80,7 @@ GIB = 2 ** 30
 GPU_GIB = {"h100": 79.6, "h200": 140.4, "b200": 179.1, "b300": 268.0}
 FIT_FRACTION = 0.92  # the rest: CUDA context, NCCL, allocator fragmentation
 LOSS_CHUNK = 4096  # rows of logits at a time (models.common.cross_entropy_sum)
+WORKSPACE = 2 * 32 * 2 ** 20  # cuBLAS: 32 MiB per handle (Hopper), the forward's and autograd's threads
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,15 +122,14 @@ def local_numel(p: torch.Tensor) -> int:
 # Activations (the module docstring's table)
 
 
-def layer_activations(layer: nn.Module, i: int, cfg: Config, c: int, r: int, copies: bool):
-    """Bytes a decoder layer saves for backward on one micro-batch of T tokens, as
-    (attention part per token, MLP part per token, attention part fixed, MLP part fixed)."""
+def layer_activations(layer: nn.Module, i: int, cfg: Config, c: int) -> tuple[int, int]:
+    """Bytes per token a decoder layer saves for backward, as (attention part, MLP part)."""
     m = cfg.model
-    per_tok, fixed = [0, 0], [0, 0]
+    per_tok = [0, 0]
     for name, mod in layer.named_modules():
         part = 1 if name.split(".")[0] in ("mlp", "post_attention_layernorm") else 0
         if isinstance(mod, RMSNorm) and mod.weight.shape[0] == m.hidden_size:
-            per_tok[part] += 2 * r * m.hidden_size
+            per_tok[part] += 2 * c * m.hidden_size
         elif isinstance(mod, nn.Linear):
             per_tok[part] += c * mod.in_features
         elif isinstance(mod, SwiGLUMLP):
@@ -136,22 +138,19 @@ def layer_activations(layer: nn.Module, i: int, cfg: Config, c: int, r: int, cop
             per_tok[part] += c * m.top_k * (2 * mod.dim + 3 * mod.hidden) + 4 * mod.num_experts
     _, d_qk, d_v, heads = m.attention_shapes(i)
     per_tok[0] += c * heads * (2 * d_qk + 2 * d_v) + 4 * heads * d_qk
-    if copies:  # autocast's bf16 casts of float32 weights, saved for backward
-        for name, p in layer.named_parameters():
-            fixed[1 if name.startswith("mlp.") else 0] += 2 * local_numel(p)
-    return per_tok[0], per_tok[1], fixed[0], fixed[1]
+    return per_tok[0], per_tok[1]
 
 
-def saved_per_layer(layer, i, cfg, c, r, copies, T) -> tuple[int, int]:
+def saved_per_layer(layer, i, cfg, c, T) -> tuple[int, int]:
     """(bytes kept between forward and backward under train.activation_checkpoint, bytes of the
     layer's whole activations: what its backward (or recompute) holds at once)."""
-    a_tok, m_tok, a_fix, m_fix = layer_activations(layer, i, cfg, c, r, copies)
-    whole = T * (a_tok + m_tok) + a_fix + m_fix
+    a_tok, m_tok = layer_activations(layer, i, cfg, c)
+    whole = T * (a_tok + m_tok)
     mode = cfg.train.activation_checkpoint
     if mode == "full":
-        return T * r * cfg.model.hidden_size, whole
+        return T * c * cfg.model.hidden_size, whole
     if mode == "selective":
-        return T * (a_tok + r * cfg.model.hidden_size) + a_fix, whole
+        return T * (a_tok + c * cfg.model.hidden_size), whole
     return whole, whole
 
 
@@ -181,8 +180,7 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks) -> dict
     t, m = cfg.train, cfg.model
     c = 4 if t.dtype == "float32" else 2
     fsdp = dims.fsdp_enabled
-    r = c if fsdp else 4
-    pbytes = c if fsdp else 4  # the gathered parameters' dtype (parallelize.mp_policy)
+    pbytes = c  # the compute weights' dtype (parallelize.mp_policy, parallelize.bf16_weights)
     rbytes = 4 if t.reduce_dtype == "float32" else 2
     params = list({id(p): p for p in model.parameters()}.values())
     n = sum(local_numel(p) for p in params)
@@ -193,9 +191,9 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks) -> dict
                                      else enumerate(model.layers))}
     saved, whole = {}, {}
     for i, layer in layers.items():
-        saved[i], whole[i] = saved_per_layer(layer, i, cfg, c, r, not fsdp and c == 2, T)
+        saved[i], whole[i] = saved_per_layer(layer, i, cfg, c, T)
     head = getattr(model, "lm_head", None) is not None
-    ends = T * (2 * r * D + 2 * c * D) if head else 0  # final norm; the loss's bf16 h and dh
+    ends = T * 4 * c * D if head else 0  # final norm; the loss's bf16 h and dh
     chunks = chunks or [pipeline.Chunk(0, sorted(layers), True, True)]
     chunk_bytes = [sum(saved[i] for i in ch.layer_ids) + (ends if ch.last else 0) for ch in chunks]
     acts = in_flight(cfg, dims, chunk_bytes)
@@ -218,14 +216,16 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks) -> dict
     grads = 4 * n
     held = grads + head_grad if t.grad_accum > 1 else head_grad
     logits = c * min(LOSS_CHUNK, T) * V if head else 0
-    static = 4 * n + 8 * n + cache
+    copy = 2 * n if c == 2 and not fsdp else 0  # parallelize.bf16_weights: the step's bf16 weights
+    static = 4 * n + 8 * n + copy + cache + WORKSPACE
     largest = max(whole.values(), default=0)
     fwd = static + acts + held + logits + comm
     bwd = static + grads + max(acts - max(chunk_bytes), 0) + largest + comm
     fsdp_traffic = {k: fsdp_bytes(model, dims, t.grad_accum, pb, rb)
                     for k, (pb, rb) in (("float32", (4, 4)), ("policy", (pbytes, rbytes)))}
     return {"rank": dims.rank, "stage": dims.pp_rank, "params": 4 * n, "grads": grads,
-            "optimizer": 8 * n, "activations": acts, "comm": comm, "fp8_cache": cache, "peak": max(fwd, bwd),
+            "optimizer": 8 * n, "activations": acts, "comm": comm, "fp8_cache": cache,
+            "workspace": WORKSPACE, "peak": max(fwd, bwd),
             "fsdp_bytes_per_step": fsdp_traffic}
 
 
@@ -370,7 +370,7 @@ def check_launch(cfg: Config, device: torch.device, world_size: int, rank: int =
 
 
 def table(result: dict) -> str:
-    cols = ("params", "grads", "optimizer", "activations", "comm", "fp8_cache", "peak")
+    cols = ("params", "grads", "optimizer", "activations", "comm", "fp8_cache", "workspace", "peak")
     lines = [f"plan: {describe(result)}, activation checkpointing {result['activation_checkpoint']}",
              f"{'rank':>5} {'stage':>5} " + " ".join(f"{c:>11}" for c in cols) + "   (GiB)"]
     for x in result["ranks"]:

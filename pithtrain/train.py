@@ -30,7 +30,7 @@ from pithtrain.data import build_batches, rows
 from pithtrain.distributed.context_parallel import split_batch
 from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.distributed import pipeline
-from pithtrain.distributed.parallelize import materialize, parallelize
+from pithtrain.distributed.parallelize import bf16_weights, materialize, parallelize, uses_bf16_weights
 from pithtrain.distributed.reductions import all_sum, balance_after_step, clip_grad_norm_
 from pithtrain.kernels import fp8_linear
 from pithtrain.metrics import (StepLog, check_finite, flops_per_token, memory_gb, param_counts,
@@ -112,15 +112,16 @@ def evaluate(model, batches, cfg: Config, dims: ParallelDims, device, autocast) 
     was_training = model.training
     model.eval()
     loss_sum = n = 0.0
-    for i in range(t.eval_batches):
-        x_GS, y_GS = batches.val_batch(i)
-        n += (y_GS != -100).sum().item()
-        for micro in range(t.grad_accum):
-            r = rows(micro, dims.batch_rank, dims.batch_size, t.micro_batch_size)
-            x_BS, y_BS, pos_BS = split_batch(x_GS[r].to(device), y_GS[r].to(device), dims)
-            docs_BS = batches.documents(x_BS) if cfg.data.document_mask else None
-            with autocast:
-                loss_sum += model(x_BS, positions_BS=pos_BS, labels_BS=y_BS, docs_BS=docs_BS).item()
+    with bf16_weights(model, uses_bf16_weights(dims, autocast)):
+        for i in range(t.eval_batches):
+            x_GS, y_GS = batches.val_batch(i)
+            n += (y_GS != -100).sum().item()
+            for micro in range(t.grad_accum):
+                r = rows(micro, dims.batch_rank, dims.batch_size, t.micro_batch_size)
+                x_BS, y_BS, pos_BS = split_batch(x_GS[r].to(device), y_GS[r].to(device), dims)
+                docs_BS = batches.documents(x_BS) if cfg.data.document_mask else None
+                with autocast:
+                    loss_sum += model(x_BS, positions_BS=pos_BS, labels_BS=y_BS, docs_BS=docs_BS).item()
     model.train(was_training)
     return all_sum([loss_sum], dims)[0] / n
 
@@ -156,11 +157,14 @@ def train_step(model, optimizer, scheduler, micro_batches, denom: float, cfg: Co
     """One optimizer step, the same for train() and the benchmark (bench.py): the micro-batches'
     forward and backward (through the pipeline schedule when `runner` is given), the global loss,
     the gradient norm over every shard and its clip, the finite check (before the update: the
-    weights stay finite), AdamW, the FP8 weight copies dropped, the balancing update, the LR schedule."""
-    if runner is None:
-        loss_sum, n_tokens = forward_backward(model, micro_batches, denom, autocast)
-    else:  # zero off the pipeline's last stage: the sum over ranks is right
-        loss_sum, n_tokens = pipeline.run_step(runner, micro_batches, denom, cfg, dims, step)
+    weights stay finite), AdamW, the FP8 weight copies dropped, the balancing update, the LR schedule.
+    Under bf16 autocast without FSDP the micro-batches run on one bf16 copy of the weights made for
+    the step, gradients accumulating in float32 (parallelize.bf16_weights)."""
+    with bf16_weights(model, uses_bf16_weights(dims, autocast)):
+        if runner is None:
+            loss_sum, n_tokens = forward_backward(model, micro_batches, denom, autocast)
+        else:  # zero off the pipeline's last stage: the sum over ranks is right
+            loss_sum, n_tokens = pipeline.run_step(runner, micro_batches, denom, cfg, dims, step)
     grad_norm = clip_grad_norm_(model.parameters(), cfg.train.grad_clip, dims)  # waits for the backward
     loss_sum, n_tokens = all_sum([float(loss_sum), n_tokens], dims)
     loss = loss_sum / denom  # per target (labels -100 carry no loss)

@@ -82,3 +82,52 @@ def test_a_non_finite_gradient_stops_before_the_update(tiny_overrides, tmp_path,
     model = build_model(load_config(None, overrides).model, "cpu")
     load_model_weights(ckpt, model)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_bf16_step_weights_are_fsdps_numbers_without_fsdp(tiny_overrides):
+    """Under bf16 autocast without FSDP, train_step runs its micro-batches on one bf16 copy of the
+    weights and accumulates each micro-batch's bf16 gradient in float32 (parallelize.bf16_weights):
+    the reference is a pure-bf16 twin of the model whose per-micro-batch gradients are summed in
+    float32 by hand (what FSDP's bf16 gathers and float32 reduction give). SGD at lr 1 with no clip
+    makes the update the gradient itself; outside the step the modules hold the float32 masters."""
+    import copy
+
+    import torch
+
+    from pithtrain.distributed.parallel_dims import ParallelDims
+    from pithtrain.distributed.parallelize import uses_bf16_weights
+    from pithtrain.models import build_model
+    from pithtrain.models.common import set_aux_loss_scale
+    from pithtrain.train import train_step
+
+    cfg = load_config(None, tiny_overrides + ["train.grad_accum=3", "train.grad_clip=0"])
+    dims = ParallelDims.from_config(cfg, 1, 0)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, torch.device("cpu"))
+    twin = copy.deepcopy(model)
+    for p in twin.parameters():  # parameters only: buffers (RoPE tables) stay float32, as in the step
+        p.data = p.data.to(torch.bfloat16)
+    for m in (model, twin):
+        set_aux_loss_scale(m, 1 / 3)
+    g = torch.Generator().manual_seed(1)
+    mbs = [(x, x.roll(-1, 1), None, None) for x in torch.randint(0, 250, (3, 4, 64), generator=g)]
+    denom = 3 * 4 * 64
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    assert uses_bf16_weights(dims, autocast) and not uses_bf16_weights(dims, __import__("contextlib").nullcontext())
+
+    want = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for x, y, _, _ in mbs:
+        with autocast:
+            loss = twin(x, labels_BS=y)
+        (loss / denom).backward()
+        for n, p in twin.named_parameters():
+            want[n] += p.grad.float()
+            p.grad = None
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    masters = {n: p for n, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    train_step(model, opt, sched, mbs, denom, cfg, dims, autocast)
+    for n, p in model.named_parameters():
+        assert p is masters[n] and p.dtype == torch.float32, n
+        torch.testing.assert_close(before[n] - p.detach(), want[n], rtol=0, atol=1e-6, msg=n)

@@ -22,6 +22,8 @@ default) parameters are all-gathered in bf16 and gradients reduce-scattered in `
 (float32 by default); the sharded parameters FSDP keeps, and so AdamW's master weights and
 moments, stay float32. Half the all-gather bytes of a float32 gather, and no autocast copies of
 the gathered weights held for backward. float32 compute (CPU, parity tests) gathers float32.
+Without FSDP the same numbers come from `bf16_weights` (one bf16 copy per optimizer step, float32
+gradient accumulation), which the train step enters around its micro-batches.
 
 Gradient reduction is a SUM (divide factor 1): the trainer divides the loss by the global target
 count, so summing every rank's gradient gives the single-process gradient. Experts need this:
@@ -30,6 +32,9 @@ mean over efsdp would divide by the wrong count.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -87,6 +92,49 @@ def mp_policy(train_cfg, device: torch.device) -> MixedPrecisionPolicy:
     bf16 = device.type == "cuda" and train_cfg.dtype in ("auto", "bfloat16")
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else torch.float32,
                                 reduce_dtype=getattr(torch, train_cfg.reduce_dtype))
+
+
+def uses_bf16_weights(dims: ParallelDims, autocast) -> bool:
+    """bf16 autocast without FSDP (one GPU, or ep / cp / pp alone): the step's weights come from
+    `bf16_weights`; under FSDP its MixedPrecisionPolicy gathers them in bf16 itself."""
+    return isinstance(autocast, torch.autocast) and autocast.fast_dtype == torch.bfloat16 and not dims.fsdp_enabled
+
+
+@contextlib.contextmanager
+def bf16_weights(model: nn.Module, on: bool = True):
+    """The numbers of FSDP's MixedPrecisionPolicy without FSDP: inside the `with` (one optimizer
+    step) every float32 parameter is replaced in its module by a bf16 leaf cast once, and each
+    micro-batch's bf16 gradient is added into the float32 master's .grad as autograd accumulates
+    it (float32 accumulation, as FSDP's float32 reduction); on exit the modules hold the masters
+    again, so clip, AdamW, checkpoints and export see only float32. Plain autocast would cast
+    every weight in each micro-batch's forward and recompute and cast and accumulate each gradient
+    on its own: 20% of a 4-layer Qwen3 step at 8 micro-batches (docs/perf-notes.md). on=False:
+    nothing changes (float32 runs, FSDP)."""
+    if not on:
+        yield
+        return
+    slots = [(mod, name, p) for mod in model.modules() for name, p in mod._parameters.items()
+             if p is not None and p.dtype == torch.float32]
+    copies = {}  # tied parameters share one copy
+    for mod, name, p in slots:
+        if id(p) not in copies:
+            b = copies[id(p)] = nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
+            if p.requires_grad:
+                b.register_post_accumulate_grad_hook(functools.partial(_into_master, p))
+        mod._parameters[name] = copies[id(p)]
+    try:
+        yield
+    finally:
+        for mod, name, p in slots:
+            mod._parameters[name] = p
+
+
+def _into_master(master: torch.Tensor, b: torch.Tensor) -> None:
+    if master.grad is None:
+        master.grad = b.grad.to(master.dtype)
+    else:
+        master.grad.add_(b.grad)
+    b.grad = None
 
 
 def shard_experts(experts: GroupedExperts, dims: ParallelDims):
