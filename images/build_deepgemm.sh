@@ -72,7 +72,8 @@ mkdir -p "$WHEEL_DIR"
 start=$SECONDS
 (cd "$SRC" && DG_USE_LOCAL_VERSION=0 DG_FORCE_BUILD=1 MAX_JOBS="${MAX_JOBS:-8}" \
   "$PYTHON" -m pip wheel --no-build-isolation --no-deps -w "$WHEEL_DIR" .)
-echo "build_deepgemm: wheel built in $((SECONDS - start)) s: $(ls "$WHEEL_DIR"/deep_gemm-*.whl)"
+wheel="$(ls "$WHEEL_DIR"/deep_gemm-*.whl)"  # fails the script when pip made none
+echo "build_deepgemm: wheel built in $((SECONDS - start)) s: $wheel"
 if [ -n "$TARGET" ]; then
   "$PYTHON" -m pip install -q --no-deps --no-index --target "$TARGET" "$WHEEL_DIR"/deep_gemm-*.whl
   export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"

@@ -119,8 +119,9 @@ def _ops(t: torch.Tensor):
 class WeightCache:
     """FP8 copies (q, q^T, block scales) of weights, made once per optimizer step."""
 
-    def __init__(self):
+    def __init__(self, quant=None):
         self.quantised = 0
+        self.quant = quant  # quant_blocks' contract; None: Triton on CUDA, the reference otherwise
         self._entries: dict[int, tuple] = {}
 
     def next_step(self) -> None:
@@ -136,7 +137,7 @@ class WeightCache:
         if e is not None and e[0]() is owner and e[1] == stamp:
             return e[2]
         with torch.no_grad():
-            value = _ops(w_GRC).quant_blocks(w_GRC.detach())
+            value = (self.quant or _ops(w_GRC).quant_blocks)(w_GRC.detach())
         self._entries[id(owner)] = (weakref.ref(owner), stamp, value)
         self.quantised += 1
         return value
