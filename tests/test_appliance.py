@@ -76,9 +76,29 @@ def test_dockerfiles_write_the_manifest_and_run_non_root():
         assert "VOLUME /cache" in text and "TRITON_CACHE_DIR=/cache" in text
         # The build context is the repo root: its ignore file lets in only what is copied.
         ignore = f.with_name("Dockerfile.dockerignore").read_text().split()
-        assert "*" in ignore and "!tools/appliance.py" in ignore
+        assert "*" in ignore and "!tools/appliance.py" in ignore and "!images/build_deepgemm.sh" in ignore
         assert [line.split()[1] for line in text.splitlines() if line.startswith("COPY ")
-                and "--from=" not in line] == ["tools/appliance.py"]
+                and "--from=" not in line] == ["images/build_deepgemm.sh", "tools/appliance.py"]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+def test_dockerfiles_build_deepgemm_with_the_script_at_the_pins(dockerfile):
+    """DeepGEMM is built only by images/build_deepgemm.sh, fed the three pins as build args, which
+    build_args takes from versions.yaml; the tag's commit and submodules are checked when the source
+    tarball is packed (scripts/pack_deepgemm_src.sh) and again by the script's git path."""
+    text = dockerfile.read_text()
+    pins = VERSIONS["targets"][dockerfile.parent.name]
+    run = [line for line in text.replace("\\\n", " ").splitlines() if "build_deepgemm.sh --" in line]
+    assert len(run) == 1 and "DeepGEMM.git" not in text  # no second, inline build
+    for arg, key in (("DEEPGEMM_COMMIT", "deepgemm_commit"), ("CUTLASS_COMMIT", "cutlass_commit"),
+                     ("FMT_COMMIT", "fmt_commit")):
+        assert f'{arg}="${{{arg}}}"' in run[0]
+        assert ap.build_args(dockerfile.parent.name, pins)[arg] == pins[key]
+    assert "TORCH_CUDA_ARCH_LIST=${CUDA_ARCH}" in text
+    script = (REPO / "images/build_deepgemm.sh").read_text()
+    for name in ("DEEPGEMM_COMMIT", "CUTLASS_COMMIT", "FMT_COMMIT", "TORCH_CUDA_ARCH_LIST"):
+        assert f"${{{name}:?" in script  # required, no default: no second home for a pin
+    assert ap.find_unpinned_versions([REPO / "images/build_deepgemm.sh"], VERSIONS, allowed=set()) == []
 
 
 @pytest.mark.parametrize("compose", COMPOSE_FILES, ids=lambda p: p.name)

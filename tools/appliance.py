@@ -122,7 +122,8 @@ def build_args(target: str, pins: dict) -> dict[str, str]:
     args = {"BASE_IMAGE": base_ref(pins), "PITHTRAIN_TARGET": target,
             "PYTHON_VERSION": pins["python"], "NSYS_VERSION": pins["nsys"],
             "CUDA_ARCH": pins["cuda_arch"], "DRIVER_MIN": pins["driver_min"],
-            "PIP_PACKAGES": " ".join(pip_pins(pins)), "DEEPGEMM_COMMIT": pins["deepgemm_commit"]}
+            "PIP_PACKAGES": " ".join(pip_pins(pins)), "DEEPGEMM_COMMIT": pins["deepgemm_commit"],
+            "CUTLASS_COMMIT": pins["cutlass_commit"], "FMT_COMMIT": pins["fmt_commit"]}
     if "fa3_commit" in pins:
         args["FA3_COMMIT"] = pins["fa3_commit"]
     return args

@@ -9,6 +9,7 @@
 | attention with sinks / sliding window / documents | `flex.py` (FlexAttention, block-sparse) | `common.eager_attention` |
 | plain causal attention | cuDNN-first SDPA (`common.attention`'s `sdpa_first`) | SDPA's own choice |
 | blockwise FP8 expert GEMMs (`train.fp8`) | `fp8.py` (Triton quantisation + scaled grouped GEMMs) | `fp8_linear.py` (autograd, weight cache, dequantise + fp32 matmul) |
+| same, through DeepGEMM (optional, not wired yet) | `deepgemm.py` (`load()`, FP8 m/k-grouped, bf16 m-grouped) | `fp8_linear.py`; `F.grouped_mm` |
 
 The policy is here, the choice lives in the model. `configure(mode, device, fp8, off)` returns which
 operators a run uses (name -> on) from the recipe's `train.kernels` ("auto": every fused operator

@@ -13,8 +13,10 @@ Hopper's FP8 tensor cores read), so a weight is quantised into both layouts:
 | forward   y = x w     | x, 1x128 along D  | w^T (N x D), 128x128 |
 | data grad dx = dy w^T | dy, 1x128 along N | w   (D x N), 128x128 |
 
-The weight gradient is not here: fp8_linear computes it in bf16 (measured faster at the routed
-experts' shapes, docs/perf-notes.md). M-grouped: rows sorted by group, group g owns rows
+`quant_tokens` makes the weight gradient's operands for DeepGEMM's k-grouped GEMM (128 x 1 tiles
+along the tokens; kernels/deepgemm.py). The ue8m0 flags round scales up to powers of 2 (Blackwell's
+DeepGEMM kernels read them as exponents). No Triton weight gradient here: fp8_linear computes it in
+bf16 (measured faster at the routed experts' shapes, docs/perf-notes.md). M-grouped: rows sorted by group, group g owns rows
 [offs[g-1], offs[g]) and multiplies its own B. Every FP8 tensor made here has a row stride that is
 a multiple of 16 bytes (the last dimension padded in storage), as the TMA descriptors require.
 """
@@ -40,21 +42,35 @@ def _fp8_empty(*shape: int, device) -> torch.Tensor:
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, sx_m, sx_k, sq_m, BM: tl.constexpr, BK: tl.constexpr):
+def _scale(amax, UE8M0: tl.constexpr):
+    """(scale, 1 / scale) for an amax: amax / 448, or (UE8M0, Blackwell's DeepGEMM) rounded up to a power of 2."""
+    if UE8M0:
+        s = tl.exp2(tl.ceil(tl.log2(amax / 448.0)))
+        inv = 1.0 / s
+    else:
+        s = amax / 448.0
+        inv = 448.0 / amax
+    return s, inv
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, sx_m, sx_k, sq_m, BM: tl.constexpr, BK: tl.constexpr,
+                       UE8M0: tl.constexpr):
     """x (M, K) -> q (M, K) fp8, s (cdiv(K, BK), M): one scale per row per BK columns."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     kb = tl.program_id(1)
     rk = kb * BK + tl.arange(0, BK)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     x = tl.load(x_ptr + rm[:, None].to(tl.int64) * sx_m + rk[None, :] * sx_k, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30)
-    q = tl.clamp(x * (448.0 / amax)[:, None], -448.0, 448.0)
+    s, inv = _scale(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30), UE8M0)
+    q = tl.clamp(x * inv[:, None], -448.0, 448.0)
     tl.store(q_ptr + rm[:, None].to(tl.int64) * sq_m + rk[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + kb * M + rm, amax / 448.0, mask=rm < M)
+    tl.store(s_ptr + kb * M + rm, s, mask=rm < M)
 
 
 @triton.jit
-def _quant_blocks_kernel(w_ptr, q_ptr, s_ptr, R, C, sw_g, sw_r, sw_c, sq_g, sq_r, ss_g, ss_r, ss_c, B: tl.constexpr):
+def _quant_blocks_kernel(w_ptr, q_ptr, s_ptr, R, C, sw_g, sw_r, sw_c, sq_g, sq_r, ss_g, ss_r, ss_c, B: tl.constexpr,
+                         UE8M0: tl.constexpr):
     """w (G, R, C) -> q (G, R, C) fp8 (unit last stride), s (G, cdiv(R, B), cdiv(C, B)) (any strides)."""
     g = tl.program_id(2).to(tl.int64)
     rb, cb = tl.program_id(0), tl.program_id(1)
@@ -62,24 +78,47 @@ def _quant_blocks_kernel(w_ptr, q_ptr, s_ptr, R, C, sw_g, sw_r, sw_c, sq_g, sq_r
     rc = cb * B + tl.arange(0, B)
     mask = (rr[:, None] < R) & (rc[None, :] < C)
     w = tl.load(w_ptr + g * sw_g + rr[:, None] * sw_r + rc[None, :] * sw_c, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.max(tl.abs(w), axis=1), axis=0), 1e-30)
-    q = tl.clamp(w * (448.0 / amax), -448.0, 448.0).to(q_ptr.dtype.element_ty)
+    s, inv = _scale(tl.maximum(tl.max(tl.max(tl.abs(w), axis=1), axis=0), 1e-30), UE8M0)
+    q = tl.clamp(w * inv, -448.0, 448.0).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + g * sq_g + rr[:, None] * sq_r + rc[None, :], q, mask=mask)
-    tl.store(s_ptr + g * ss_g + rb * ss_r + cb * ss_c, amax / 448.0)
+    tl.store(s_ptr + g * ss_g + rb * ss_r + cb * ss_c, s)
 
 
-def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) -> (q (M, K) e4m3, s (cdiv(K, 128), M) fp32), 1 x 128 tiles along K."""
+@triton.jit
+def _quant_tokens_kernel(x_ptr, q_ptr, s_ptr, start_ptr, len_ptr, D, sx_m, B: tl.constexpr, BD: tl.constexpr,
+                         TRANSPOSE: tl.constexpr, UE8M0: tl.constexpr):
+    """x (Mp, D), its rows in groups padded to B -> s (Mp / B, D): one scale per column per B rows.
+    q: (Mp, D) like x, or (TRANSPOSE) each group's rows [g0, g0 + n) stored transposed at q[g0 * D:]
+    as a (D, n) block (tile t's group: start_ptr[t], len_ptr[t])."""
+    t = tl.program_id(0)
+    rm = t * B + tl.arange(0, B)
+    rd = tl.program_id(1) * BD + tl.arange(0, BD)
+    dmask = rd < D
+    x = tl.load(x_ptr + rm[:, None].to(tl.int64) * sx_m + rd[None, :], mask=dmask[None, :], other=0.0).to(tl.float32)
+    s, inv = _scale(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30), UE8M0)
+    q = tl.clamp(x * inv[None, :], -448.0, 448.0).to(q_ptr.dtype.element_ty)
+    if TRANSPOSE:
+        g0 = tl.load(start_ptr + t).to(tl.int64)
+        n = tl.load(len_ptr + t).to(tl.int64)
+        offs = g0 * D + rd[None, :].to(tl.int64) * n + (rm[:, None] - g0)
+    else:
+        offs = rm[:, None].to(tl.int64) * D + rd[None, :]
+    tl.store(q_ptr + offs, q, mask=dmask[None, :])
+    tl.store(s_ptr + t * D + rd, s, mask=dmask)
+
+
+def quant_rows(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) -> (q (M, K) e4m3, s (cdiv(K, 128), M) fp32), 1 x 128 tiles along K (ue8m0: power-of-2 scales)."""
     M, K = x.shape
     q = _fp8_empty(M, K, device=x.device)
     s = torch.empty(triton.cdiv(K, BLOCK), M, device=x.device, dtype=torch.float32)
     if M:
         _quant_rows_kernel[(triton.cdiv(M, 32), triton.cdiv(K, BLOCK))](
-            x, q, s, M, K, x.stride(0), x.stride(1), q.stride(0), BM=32, BK=BLOCK, num_warps=4)
+            x, q, s, M, K, x.stride(0), x.stride(1), q.stride(0), BM=32, BK=BLOCK, UE8M0=ue8m0, num_warps=4)
     return q, s
 
 
-def quant_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quant_blocks(w: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(G, R, C) any strides -> (q (G, R, C), q^T (G, C, R), s (G, cdiv(R, 128), cdiv(C, 128)))."""
     G, R, C = w.shape
     nrb, ncb = triton.cdiv(R, BLOCK), triton.cdiv(C, BLOCK)
@@ -95,8 +134,25 @@ def quant_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     for src, dst, sc in ((w, q, s), (w.transpose(1, 2), qt, s.transpose(1, 2))):
         _quant_blocks_kernel[(sc.shape[1], sc.shape[2], G)](
             src, dst, sc, src.shape[1], src.shape[2], *src.stride(), dst.stride(0), dst.stride(1), *sc.stride(),
-            B=BLOCK, num_warps=8)
+            B=BLOCK, UE8M0=ue8m0, num_warps=8)
     return q, qt, s
+
+
+def quant_tokens(x: torch.Tensor, tile_start: torch.Tensor, tile_len: torch.Tensor, transpose: bool,
+                 ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight gradient's operands for DeepGEMM's k-grouped GEMM (kernels/deepgemm.py): x (Mp, D),
+    unit last stride, rows in groups padded to 128 (tile_start / tile_len: each 128-row tile's group
+    start and length) -> (q, s (Mp / 128, D) fp32), 128 x 1 tiles along the rows; q is (Mp, D), or
+    (transpose) flat (Mp * D,) with each group's block stored (D, rows), K-major for Hopper."""
+    Mp, D = x.shape
+    assert x.stride(1) == 1 and Mp % BLOCK == 0
+    q = torch.empty(Mp * D if transpose else (Mp, D), device=x.device, dtype=FP8)
+    s = torch.empty(Mp // BLOCK, D, device=x.device, dtype=torch.float32)
+    if Mp:
+        _quant_tokens_kernel[(Mp // BLOCK, triton.cdiv(D, 64))](
+            x, q, s, tile_start, tile_len, D, x.stride(0), B=BLOCK, BD=64, TRANSPOSE=transpose, UE8M0=ue8m0,
+            num_warps=4)
+    return q, s
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ GEMMs measured are no faster at the attention projections' sizes (docs/perf-note
 Operators: Triton (`kernels/fp8.py`) for CUDA tensors; the functions below are the same
 maths in plain PyTorch (dequantise, fp32 matmul): the tests' reference, and what CPU tensors run,
 so the autograd and cache logic is tested in CI. Recipes with train.fp8 on a CPU are refused
-(train.check_runnable). DeepGEMM and Blackwell's MXFP8 are not wired: the Triton kernels are the
-one GPU path (DeepGEMM cannot be installed on the lent machine, and no B200 is lent).
+(train.check_runnable). DeepGEMM (kernels/deepgemm.py, the same contract) and Blackwell's MXFP8 are not
+wired: the Triton kernels are the one GPU path (no B200 is lent).
 
 Weight cache: each `FP8GroupedMM` (one per experts module) quantises a weight at most once per
 optimizer step (`next_step(model)`, called by the trainer after `optimizer.step()`, drops every
@@ -119,8 +119,9 @@ def _ops(t: torch.Tensor):
 class WeightCache:
     """FP8 copies (q, q^T, block scales) of weights, made once per optimizer step."""
 
-    def __init__(self):
+    def __init__(self, quant=None):
         self.quantised = 0
+        self.quant = quant  # quant_blocks' contract; None: Triton on CUDA, the reference otherwise
         self._entries: dict[int, tuple] = {}
 
     def next_step(self) -> None:
@@ -136,7 +137,7 @@ class WeightCache:
         if e is not None and e[0]() is owner and e[1] == stamp:
             return e[2]
         with torch.no_grad():
-            value = _ops(w_GRC).quant_blocks(w_GRC.detach())
+            value = (self.quant or _ops(w_GRC).quant_blocks)(w_GRC.detach())
         self._entries[id(owner)] = (weakref.ref(owner), stamp, value)
         self.quantised += 1
         return value
