@@ -17,6 +17,14 @@ The plan costs one host sync (the k-grouped API takes the group sizes as a host 
 is pithtrain's Triton (fp8.quant_rows / quant_blocks / quant_tokens), not DeepGEMM's PyTorch casts.
 Hopper: fp32 scales. Blackwell: power-of-2 (UE8M0) scales behind the same calls -- untested (no
 B200 lent). `mgrouped_bf16` is DeepGEMM's bf16 m-grouped GEMM (SM90 only in this release).
+
+Measured on the H200 (2026-12-01, scripts/device22.sh, issue #22): the pinned source builds in 87 s
+and `load()` imports it and runs the smoke GEMM with no LD_PRELOAD (the libstdc++ promotion works).
+Forward and data gradient match the bf16 reference on Qwen3's gate/up shape (rel. error 0.037);
+the weight gradient does not (0.167: a layout or quant_tokens fault, not found yet), and the
+down-projection shape (K 768) ends in an illegal instruction in the weight-gradient GEMM. Through
+these wrappers the GEMMs ran at 196-225 TFLOP/s against torch's 564 (padding, the plan's host sync
+and first-call JIT in the timing, not yet separated). So this stays unwired until #22 fixes both.
 """
 
 from __future__ import annotations
