@@ -475,29 +475,61 @@ def test_doctor_reports_every_drift(tmp_path):
     assert "doctor: FAIL, 7 problem(s)" in r.stderr
 
 
-def test_collect_manifest_reads_the_image_and_drift_compares_it(monkeypatch):
-    """What collect_manifest reads (the build's ENV, nvcc / nsys output, this interpreter and its
-    packages) is what drift compares: the same on a laptop and inside the image."""
-    pins = VERSIONS["targets"]["hopper"]
+def _fed_manifest(monkeypatch, pins: dict, python: tuple, nccl: tuple, dists: dict) -> dict:
+    """collect_manifest with everything it reads fed explicitly: the build's ENV, nvcc / nsys
+    output, the interpreter's version, torch's NCCL and the installed distributions
+    (name as its metadata spells it -> version), so its result is the same on any machine."""
+    from importlib import metadata
+    from types import SimpleNamespace
+
+    import torch
+
     env = {"PITHTRAIN_TARGET": "hopper", "PITHTRAIN_BASE_IMAGE": ap.base_ref(pins), "CUDA_VERSION": pins["cuda"],
            "PITHTRAIN_DRIVER_MIN": pins["driver_min"], "PITHTRAIN_DEEPGEMM_COMMIT": pins["deepgemm_commit"],
            "PITHTRAIN_FA3_COMMIT": pins["fa3_commit"]}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
     out = {"nvcc": "Cuda compilation tools, release 13.0, V13.0.88",
            "nsys": f"NVIDIA Nsight Systems version {pins['nsys']}.266-1234567890"}
-    monkeypatch.setattr(ap, "_run_out", lambda cmd: out[cmd[0]])
-    m = ap.collect_manifest()
+    with monkeypatch.context() as m:
+        for k, v in env.items():
+            m.setenv(k, v)
+        m.setattr(ap, "_run_out", lambda cmd: out[cmd[0]])
+        m.setattr(ap, "sys", SimpleNamespace(version_info=python))
+        m.setattr(torch.cuda.nccl, "version", lambda: nccl)
+        m.setattr(metadata, "distributions", lambda: [SimpleNamespace(metadata={"Name": n}, version=v)
+                                                       for n, v in dists.items()])
+        return ap.collect_manifest()
+
+
+def test_collect_manifest_reads_the_environment_and_drift_compares_it(monkeypatch):
+    """What collect_manifest reads (the build's ENV, nvcc / nsys output, the interpreter, NCCL and
+    the installed packages) is what drift compares, fed explicitly: an environment holding the
+    pinned set drifts nowhere, whatever this machine has; one package, the interpreter or NCCL
+    off its pin is reported by name."""
+    pins = VERSIONS["targets"]["hopper"]
+    py = tuple(int(v) for v in pins["python"].split(".")) + (3,)
+    nccl = tuple(int(v) for v in pins["nccl"].split("."))
+    pinned = {r.split("==")[0]: r.split("==")[1] for r in ap.pip_pins(pins)}
+    assert "nvidia-cudnn-cu13" in pinned and "pyyaml" in pinned
+    # as distributions' metadata spells them: underscores, capitals, a local version tag
+    installed = {n.replace("-", "_"): v for n, v in pinned.items() if n != "pyyaml"}
+    installed.update(PyYAML=pinned["pyyaml"], torch=pins["torch"] + "+cu130", sympy="1.14.0")
+    m = _fed_manifest(monkeypatch, pins, py, nccl, installed)
     assert set(_matching_manifest("hopper")) <= set(m)
-    assert m["python"] == ".".join(map(str, sys.version_info[:3])) and m["packages"]["pyyaml"]
-    assert (m["nvcc"], m["nsys"]) == ("13.0.88", pins["nsys"] + ".266")
-    # Give this interpreter the image's Python, NCCL and pip set: nothing drifts; then one of each kind.
-    pinned = _matching_manifest("hopper")["packages"]
-    matching = {**m, "python": pins["python"] + ".3", "nccl_runtime": pins["nccl"],
-                "packages": {**m["packages"], **pinned}}
-    assert ap.drift(matching, "hopper", pins) == []
-    drifting = {**matching, "cuda": "12.8.1", "packages": {**matching["packages"], "triton": "3.5.1"}}
-    assert [line.split(":")[0] for line in ap.drift(drifting, "hopper", pins)] == ["cuda", "pip triton"]
+    assert (m["python"], m["nccl_runtime"], m["nvcc"], m["nsys"]) == (
+        pins["python"] + ".3", pins["nccl"], "13.0.88", pins["nsys"] + ".266")
+    assert (m["packages"]["nvidia-cudnn-cu13"], m["packages"]["pyyaml"]) == (pins["cudnn"], pinned["pyyaml"])
+    assert ap.drift(m, "hopper", pins) == []
+
+    old = {**installed, "triton": "3.5.1"}
+    del old["numpy"]
+    m = _fed_manifest(monkeypatch, pins, (3, 11, 9), (2, 27, 3), old)
+    assert ap.drift(m, "hopper", pins) == [
+        f"python: versions.yaml pins {pins['python']}, found 3.11.9",
+        f"nccl_runtime: versions.yaml pins {pins['nccl']}, found 2.27.3",
+        f"pip triton: versions.yaml pins {pins['triton']}, found 3.5.1",
+        f"pip numpy: versions.yaml pins {pins['python_packages']['numpy']}, found None"]
+    live = ap.collect_manifest()  # unpatched: this interpreter and its packages
+    assert live["python"] == ".".join(map(str, sys.version_info[:3])) and live["packages"]["pyyaml"]
 
 
 def test_driver_check():

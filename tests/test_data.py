@@ -7,7 +7,7 @@ import torch
 
 from pithtrain.config import ConfigError, load_config
 from pithtrain.data import (BOS, DATA_VOCAB_SIZE, EOS, ShardedTokens, TokenBatches, build_batches, prepare_data,
-                            shard_tokens, stdlib_tokens)
+                            rows, shard_tokens, stdlib_tokens)
 
 
 def test_stdlib_tokens_are_bytes_with_document_markers():
@@ -20,7 +20,7 @@ def test_stdlib_tokens_are_bytes_with_document_markers():
     assert "import" in text or "def " in text or '"""' in text
 
 
-def test_batches_are_deterministic_shifted_and_layout_independent():
+def test_batches_are_deterministic_and_shifted():
     t = stdlib_tokens(100_000)
     b = TokenBatches(t, seq_len=32, global_batch=4, seed=7)
     x1, y1 = b.batch(3)
@@ -34,14 +34,46 @@ def test_batches_are_deterministic_shifted_and_layout_independent():
 
 
 def test_rows_partition_the_global_batch():
-    from pithtrain.data import rows
-
     seen = []
     for micro in range(3):
         for r in range(2):
             s = rows(micro, r, 2, 4)
             seen += list(range(s.start, s.stop))
     assert sorted(seen) == list(range(24))
+
+
+# (dp, fsdp, cp, grad_accum, micro_batch_size): 8 rows per step in every layout
+LAYOUTS = [(1, 1, 1, 4, 2), (1, 1, 1, 1, 8), (2, 1, 1, 2, 2), (4, 1, 1, 1, 2), (2, 1, 1, 4, 1),
+           (2, 2, 1, 1, 2), (1, 2, 2, 2, 2), (2, 1, 4, 1, 4)]
+
+
+@pytest.mark.parametrize("dp,fsdp,cp,grad_accum,mbs", LAYOUTS)
+def test_every_layout_reads_the_single_rank_batch(dp, fsdp, cp, grad_accum, mbs):
+    """The step's tokens are the same whatever the layout: each rank builds its own TokenBatches
+    and takes what train.py takes (data.rows of its batch rank for each micro-batch, then its cp
+    chunks); the shards, put back by micro-batch, batch rank and cp positions, are exactly the one
+    rank, one micro-batch global batch, and each token is read once per batch rank."""
+    from pithtrain.distributed.context_parallel import split_batch
+    from pithtrain.distributed.parallel_dims import ParallelDims
+
+    t, S, G, step = stdlib_tokens(100_000), 16, 8, 5
+    ref_x, ref_y = TokenBatches(t, S, G, seed=7).batch(step)
+    world = dp * fsdp * cp
+    x, y, seen = torch.full_like(ref_x, -1), torch.full_like(ref_y, -1), torch.zeros_like(ref_x)
+    for rank in range(world):
+        dims = ParallelDims(dp=dp, fsdp=fsdp, cp=cp, world_size=world, rank=rank)
+        assert mbs * grad_accum * dims.batch_size == G  # train.py's global batch
+        x_GS, y_GS = TokenBatches(t, S, G, seed=7).batch(step)
+        for micro in range(grad_accum):
+            r = rows(micro, dims.batch_rank, dims.batch_size, mbs)
+            x_BS, y_BS, pos_BS = split_batch(x_GS[r], y_GS[r], dims)
+            pos_BS = torch.arange(S).expand_as(x_BS) if pos_BS is None else pos_BS
+            assert x_BS.shape == (mbs, S // cp)
+            x[r] = x[r].scatter(1, pos_BS, x_BS)
+            y[r] = y[r].scatter(1, pos_BS, y_BS)
+            seen[r] = seen[r].scatter_add(1, pos_BS, torch.ones_like(pos_BS))
+    assert torch.equal(seen, torch.ones_like(seen))
+    assert torch.equal(x, ref_x) and torch.equal(y, ref_y)
 
 
 def test_too_little_data_is_an_error():

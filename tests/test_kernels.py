@@ -3,6 +3,8 @@
 references, and no module-level mutable state read by model code. GPU kernels:
 tests/test_kernels_gpu.py."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -71,9 +73,17 @@ def tiny_qwen():
     return model
 
 
-def loss_and_grads(model, x, y):
+def loss_and_grads(model, x, y, saved=None):
+    """saved: a list that gets the bytes autograd saves for backward outside any checkpoint (inside
+    one, non-reentrant checkpointing's own saved-tensor hooks take over and keep nothing)."""
     model.zero_grad()
-    loss = model(x, labels_BS=y)
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with hooks if saved is not None else contextlib.nullcontext():
+        loss = model(x, labels_BS=y)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -81,8 +91,10 @@ def loss_and_grads(model, x, y):
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpoint_recomputes_and_keeps_loss_and_grads(mode):
     """Checkpointing really recomputes in backward (full: whole layers, attention included;
-    selective: the experts only), counted through the modules' swappable calls; loss and
-    gradients stay those of the run without it."""
+    selective: the experts only), counted through the modules' swappable calls, and really saves
+    less for backward (full: little beyond the layers' inputs; selective: at least the experts'
+    hidden activations, top_k rows per token, 2F + F wide); loss and gradients stay those of the
+    run without it."""
     model = tiny_qwen()
     calls = {"attention": 0, "experts": 0}
 
@@ -95,12 +107,17 @@ def test_activation_checkpoint_recomputes_and_keeps_loss_and_grads(mode):
         layer.self_attn.attention = counted("attention", layer.self_attn.attention)
         layer.mlp.experts.mm = counted("experts", layer.mlp.experts.mm)  # twice per forward: w13, w2
     x, y = torch.randint(0, 64, (2, 12)), torch.randint(0, 64, (2, 12))
-    ref_loss, ref_grads = loss_and_grads(model, x, y)
+    ref_saved, saved = [0], [0]
+    ref_loss, ref_grads = loss_and_grads(model, x, y, ref_saved)
     assert calls == {"attention": 2, "experts": 4}  # 2 layers, no recompute
     apply_activation_checkpoint(model, mode)
-    loss, grads = loss_and_grads(model, x, y)
+    loss, grads = loss_and_grads(model, x, y, saved)
     recomputed = {"attention": 2 if mode == "full" else 0, "experts": 4}
     assert calls == {k: 2 * v + recomputed[k] for k, v in {"attention": 2, "experts": 4}.items()}, calls
+    cfg = model.cfg
+    hidden = cfg.num_layers * x.numel() * cfg.top_k * 3 * cfg.moe_intermediate_size * 4  # float32 bytes
+    assert ref_saved[0] - saved[0] >= hidden, (mode, ref_saved, saved)
+    assert (saved[0] < ref_saved[0] / 4) == (mode == "full"), (mode, ref_saved, saved)
     torch.testing.assert_close(loss, ref_loss)
     assert grads.keys() == ref_grads.keys()
     for n in grads:

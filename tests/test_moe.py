@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from pithtrain.models.common import GroupedExperts, LocalDispatcher, grouped_mm, grouped_mm_loop
+from pithtrain.models.common import (GroupedExperts, LocalDispatcher, grouped_mm, grouped_mm_loop,
+                                     set_aux_loss_scale)
 from pithtrain.models.qwen3_moe import MoE, Qwen3MoeConfig
 
 
@@ -69,17 +70,38 @@ def test_dispatch_matches_dense_mixture():
     torch.testing.assert_close(y, ref.detach(), rtol=1e-5, atol=1e-5)
 
 
-def test_aux_loss_pushes_router_gradient():
-    """With aux_loss_coeff > 0 the router receives gradient even when the output grad is zero."""
+@pytest.mark.parametrize("balance", ["switch", "sequence"])
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_aux_loss_router_gradient_is_the_hand_written_loss_gradient(balance, micro_batches):
+    """With a zero output gradient only the balancing loss reaches the router: its gradient is
+    that of scale * coeff * E * sum_e f_e * P_e written out here (f_e the share of the T * A routed
+    slots sent to expert e, P_e the mean router probability of e; per sequence and averaged over
+    the B sequences for `sequence`), with scale = 1 / micro-batches as the trainer sets it
+    (set_aux_loss_scale). The experts get nothing."""
     torch.manual_seed(3)
-    cfg = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=32, num_experts=4, top_k=2, aux_loss_coeff=0.1)
+    B, S, D, E, A, coeff = 2, 8, 32, 4, 2, 0.1
+    cfg = Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=32, num_experts=E, top_k=A, aux_loss_coeff=coeff,
+                         balance=balance)
     moe = MoE(cfg)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    y = moe(torch.randn(2, 8, 32))
+    set_aux_loss_scale(moe, 1.0 / micro_batches)
+    x = torch.randn(B, S, D)
+    y = moe(x)
     y.backward(torch.zeros_like(y))
-    assert moe.gate.weight.grad.abs().sum() > 0
-    assert moe.experts.w13_EDF2.grad.abs().sum() == 0
+
+    w = moe.gate.weight.detach().clone().requires_grad_()
+    probs_BSE = torch.softmax(x @ w.T, dim=-1)
+    idx_BSA = probs_BSE.topk(A, dim=-1).indices
+    if balance == "switch":  # the micro-batch is one group
+        probs_BSE, idx_BSA = probs_BSE.reshape(1, B * S, E), idx_BSA.reshape(1, B * S, A)
+    f_BE = torch.stack([torch.bincount(i.flatten(), minlength=E) for i in idx_BSA]) / (idx_BSA.shape[1] * A)
+    P_BE = probs_BSE.mean(1)
+    loss = coeff * E * (f_BE * P_BE).sum(1).mean() / micro_batches
+    (ref,) = torch.autograd.grad(loss, w)
+    assert ref.abs().sum() > 0
+    torch.testing.assert_close(moe.gate.weight.grad, ref)
+    assert moe.experts.w13_EDF2.grad.abs().sum() == 0 and moe.experts.w2_EFD.grad.abs().sum() == 0
 
 
 @pytest.mark.parametrize("fp8_on", [False, True])

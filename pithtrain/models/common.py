@@ -243,9 +243,9 @@ def swiglu(h_XF2, alpha: float | None = None, limit: float | None = None):
 def grouped_mm(x_XD, w_EDF, offs_E):
     """rows of x (expert-contiguous, offs = cumulative end row per expert) @ w[e], in x's dtype
     (w: the parameter; expert parallel's DTensor gives its local block). torch's grouped matmul
-    where present and the shapes allow it; the per-expert loop otherwise."""
+    where its dtype, device and alignment rules allow it; the per-expert loop otherwise."""
     w_EDF = _local(w_EDF).to(x_XD.dtype)
-    ok = (hasattr(F, "grouped_mm") and x_XD.dtype in (torch.float32, torch.bfloat16)
+    ok = (x_XD.dtype in (torch.float32, torch.bfloat16)
           and (x_XD.is_cuda or x_XD.dtype == torch.float32)
           and all((n * x_XD.element_size()) % 16 == 0 for n in w_EDF.shape[1:]))
     if ok:
