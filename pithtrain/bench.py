@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--grad-accum", type=int, default=1,
-                   help="micro-batches per optimizer step (the protocol's figure is 1)")
+                   help="micro-batches per optimizer step (docs/bench.md: 1 and 8)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--json", default="bench.json", help="where to write all records")

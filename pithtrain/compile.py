@@ -1,10 +1,10 @@
 """Activation checkpointing and torch.compile for the decoder layers, applied in place.
 
-Order (see parallelize's contract in DESIGN/STYLE): expert parallel -> context parallel ->
-`apply_activation_checkpoint` -> `apply_compile` -> FSDP. Both walk the decoder layers
-(`common.decoder_layers`: all of them, or a pipeline stage's) and the plain attributes every
-family has (`self_attn`, `input_layernorm`, `post_attention_layernorm`, `mlp`, and inside a MoE
-block `route`, `experts`, `dispatcher`, optional `shared_experts`).
+Order (parallelize's contract, pithtrain/distributed/parallelize.py): expert parallel ->
+context parallel -> `apply_activation_checkpoint` -> `apply_compile` -> FSDP. Both walk the
+decoder layers (`common.decoder_layers`: all of them, or a pipeline stage's) and the plain
+attributes every family has (`self_attn`, `input_layernorm`, `post_attention_layernorm`, `mlp`,
+and inside a MoE block `route`, `experts`, `dispatcher`, optional `shared_experts`).
 
 What is compiled (fullgraph=True: a graph break is an error, not a silent slow path):
   every child of a layer that holds no experts (attention with its projections, RoPE and q/k

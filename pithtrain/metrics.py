@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-# Dense bf16 datasheet peaks (TFLOP/s) used as the MFU denominator (../shared/BENCH.md).
+# Dense bf16 datasheet peaks (TFLOP/s) used as the MFU denominator (docs/bench.md).
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "B200": 2250.0, "B300": 2250.0}
 
 
@@ -31,7 +31,7 @@ def matmul_params(model_cfg) -> tuple[int, int]:
 
 
 def flops_per_token(model_cfg, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward), the MFU numerator of BENCH.md:
+    """Training FLOPs per token (forward + backward), the MFU numerator of docs/bench.md:
 
         6 * (matmul parameters touched per token, LM head included, embedding excluded)
         + sum over layers of 3 * keys_seen * (d_qk + d_v) * n_heads

@@ -87,6 +87,7 @@ def make_skill(tmp_path, body_extra="", **front):
     ({"body_extra": "Keep STYLE.md rules 1 and 15.\n"}, "cites STYLE.md, which is not in the repository"),
     ({"body_extra": "The protocol is shared/BENCH.md.\n"}, "cites shared/BENCH.md"),
     ({"body_extra": "Keep `AGENTS.md`, rules 1 to 4 and AGENTS.md rule 99.\n"}, "cites AGENTS.md rule 99"),
+    ({"body_extra": "Layouts: `tests/test_parallel*.py`.\n"}, "names test_parallel*.py, which matches no file in tests/"),
 ])
 def test_lint_reports_each_problem(tmp_path, change, message):
     change = dict(change)

@@ -15,9 +15,9 @@ A SKILL.md opens with YAML front matter (the Agent Skills format plus one key of
       optional: [nsys]                  # executables used when present; reported, never required
 
 `lint` is static (runs anywhere, CI): front matter, name, description, body length, the doctor step,
-referenced files, cited documents (any *.md) and AGENTS.md rule numbers, and that every `versions`
-key exists in versions.yaml, so renaming a pin without
-updating the skills fails. `check` is the runtime half: the same keys plus PATH and imports here.
+referenced files, test files and globs (each must match a file in tests/), cited documents (any *.md)
+and AGENTS.md rule numbers, and that every `versions` key exists in versions.yaml, so renaming a pin
+without updating the skills fails. `check` is the runtime half: the same keys plus PATH and imports here.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ PATH_RE = re.compile(r"`((?:scripts|pithtrain|tests|skills|images|compose|docs)/
                      r"|tasks\.py|AGENTS\.md|README\.md|pyproject\.toml)`")
 # Any Markdown file a skill names, in backticks or not: a cited document must be in the repository.
 MD_RE = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w-]+\.md)\b")
+# A test file or glob under tests/ (`tests/test_moe.py`, test_pipeline*.py): it must match a file.
+TEST_RE = re.compile(r"(?<![\w<])test_[\w*]+\.py")
 # "AGENTS.md, rules 1 to 4" / "`AGENTS.md`, rule 7": the numbers must be rules AGENTS.md has.
 RULES_RE = re.compile(r"AGENTS\.md`?,? rules? (\d+(?:(?:,| and| to| or) \d+)*)")
 
@@ -145,6 +147,10 @@ def lint(skill_dir: Path, versions: dict) -> list[str]:
     scripts = sorted(p for p in (skill_dir / "scripts").glob("*") if p.is_file())
     if not scripts:
         problems.append(f"{skill_dir}: no scripts/ (every skill ends in a PASS/FAIL script)")
+    for f in [md, *scripts]:  # SKILL.md may name a test the playbook has you write, but not a glob
+        for ref in sorted(set(TEST_RE.findall(f.read_text()))):
+            if (f != md or "*" in ref) and not any((ROOT / "tests").glob(ref)):
+                problems.append(f"{f}: names {ref}, which matches no file in tests/")
     # No version literal at all: a pin's value is named by its key (ours), and a version-looking
     # literal that is not a pin is drift (the appliance's checker, which also scans Dockerfiles).
     literals = {v for v in pinned_values(versions)  # versions and commits, not names like linux/amd64

@@ -12,10 +12,10 @@ Checks, in order; each is PASS, FAIL or SKIP (with the reason); the verdict is F
   training <fam>   a fixed 30-step run of a tiny model of the first family checked (plus --set
                    overrides): every loss finite and mean(last 3) < mean(first 3) - 1.0
                    (CPU fp32, seeded: the same verdict every time)
-  distributed      tests/test_distributed*.py, test_parallel*.py, test_pipeline*.py, test_overlap*.py:
-                   every parallel layout equals one process (skipped with --quick)
-  resume           tests/test_checkpoint*.py, test_resume*.py, test_dcp*.py: a resumed run equals the
-                   uninterrupted one (skipped with --quick)
+  distributed      tests/test_distributed.py, test_pipeline*.py, test_overlap.py: every parallel
+                   layout equals one process (skipped with --quick)
+  resume           tests/test_checkpoint*.py: a resumed run equals the uninterrupted one (skipped
+                   with --quick)
 
 It validates the tree it lives in (imports <root>/pithtrain, runs <root>/tests), so a patched copy of
 the repository validates itself: tests/test_skills.py plants a bug in a copy and expects FAIL.
@@ -37,9 +37,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-# Which test files hold which evidence (globs under tests/).
-DISTRIBUTED_TESTS = ("test_distributed*.py", "test_parallel*.py", "test_pipeline*.py", "test_overlap*.py")
-RESUME_TESTS = ("test_checkpoint*.py", "test_resume*.py", "test_dcp*.py")
+# Which test files hold which evidence (globs under tests/; tools/skills.py lint: each matches a file).
+DISTRIBUTED_TESTS = ("test_distributed.py", "test_pipeline*.py", "test_overlap.py")
+RESUME_TESTS = ("test_checkpoint*.py",)
 # Files whose change touches every family (shared blocks, the family table, HF import/export).
 SHARED_MODEL_FILES = ("pithtrain/models/common.py", "pithtrain/models/__init__.py", "pithtrain/checkpoint/hf.py")
 # The fixed short run: every family's config defaults are already tiny; narrower and shallower here.
@@ -54,9 +54,9 @@ MARGIN = 1.0  # nats the loss must fall between the first and last three steps
 # Checks: each returns (verdict, detail) with verdict in PASS / FAIL / SKIP
 
 
-def pytest(files: list[Path], k: str | None = None, missing_is: str = "FAIL") -> tuple[str, str]:
+def pytest(files: list[Path], k: str | None = None) -> tuple[str, str]:
     if not files:
-        return missing_is, "no such test files in this tree"
+        return "FAIL", "no such test files in this tree"
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *map(str, files)]
     if k:
         cmd += ["-k", k]
@@ -69,7 +69,7 @@ def pytest(files: list[Path], k: str | None = None, missing_is: str = "FAIL") ->
     if r.returncode == 0:
         return "PASS", f"{names}: {summary}"
     if r.returncode == 5:
-        return missing_is, f"{names}: no test selected ({k or 'all'})"
+        return "FAIL", f"{names}: no test selected ({k or 'all'})"
     print("\n".join(lines[-40:]), r.stderr[-2000:], sep="\n", file=sys.stderr)
     return "FAIL", f"{names}: {summary}"
 
@@ -143,8 +143,8 @@ def main(argv=None) -> int:
     if args.quick:
         plan += [(name, lambda: ("SKIP", "not run with --quick")) for name in ("distributed", "resume")]
     else:
-        plan += [("distributed", lambda: pytest(glob_tests(DISTRIBUTED_TESTS), missing_is="SKIP")),
-                 ("resume", lambda: pytest(glob_tests(RESUME_TESTS), missing_is="SKIP"))]
+        plan += [("distributed", lambda: pytest(glob_tests(DISTRIBUTED_TESTS))),
+                 ("resume", lambda: pytest(glob_tests(RESUME_TESTS)))]
 
     print(f"validate-correctness: {ROOT} | families {', '.join(families)}{' | --quick' if args.quick else ''}",
           flush=True)
