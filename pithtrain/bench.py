@@ -8,7 +8,7 @@ transformers on the identical configuration, in one process, one table.
     invoke bench
 
 The step timed is train.py's own (train.train_step: forward of each micro-batch, backward of loss /
-tokens, the recipe's global clip, fused AdamW on fp32 master weights under bf16 autocast, the
+tokens, the recipe's global clip, fused AdamW on fp32 master weights, bf16 compute on the step's bf16 weight copy, the
 balancing update, the LR schedule) on train.py's model path (use_kernels, parallelize); the
 peer's is forward, backward, clip to 1.0, fused AdamW around its own model.
 A variant is '+'-joined words: `ref` (PyTorch reference operators, kernels=torch) or `fused`
@@ -116,7 +116,7 @@ def time_steps(step, warmup: int, steps: int) -> tuple[list[float], float]:
 def pithtrain_step(cfg, variant: dict, device):
     """train.py's own step (train.train_step) on train.py's model path: kernels bound by
     use_kernels, checkpointing and compile by parallelize (one process), fp32 master weights and
-    AdamW state under bf16 autocast, the recipe's clip, the LR schedule and the balancing update.
+    AdamW state, bf16 compute (parallelize.bf16_weights), the recipe's clip, the LR schedule and the balancing update.
     Only `bf16` departs from it: parameters (and so AdamW state) in bf16, as the peers run."""
     t = cfg.train
     t.kernels, t.compile, t.activation_checkpoint, t.fp8 = (variant["kernels"], variant["compile"],
