@@ -225,7 +225,7 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks) -> dict
                     for k, (pb, rb) in (("float32", (4, 4)), ("policy", (pbytes, rbytes)))}
     return {"rank": dims.rank, "stage": dims.pp_rank, "params": 4 * n, "grads": grads,
             "optimizer": 8 * n, "activations": acts, "comm": comm, "fp8_cache": cache,
-            "workspace": WORKSPACE, "peak": max(fwd, bwd),
+            "bf16_copy": copy, "workspace": WORKSPACE, "peak": max(fwd, bwd),
             "fsdp_bytes_per_step": fsdp_traffic}
 
 
@@ -370,7 +370,7 @@ def check_launch(cfg: Config, device: torch.device, world_size: int, rank: int =
 
 
 def table(result: dict) -> str:
-    cols = ("params", "grads", "optimizer", "activations", "comm", "fp8_cache", "workspace", "peak")
+    cols = ("params", "grads", "optimizer", "activations", "comm", "fp8_cache", "bf16_copy", "workspace", "peak")
     lines = [f"plan: {describe(result)}, activation checkpointing {result['activation_checkpoint']}",
              f"{'rank':>5} {'stage':>5} " + " ".join(f"{c:>11}" for c in cols) + "   (GiB)"]
     for x in result["ranks"]:

@@ -128,6 +128,15 @@ def test_weight_cache_quantises_once_per_step_and_never_serves_stale_copies():
         local.add_(1)  # written through the local tensor only: the owner's version does not move
     cache.weights(w, local)
     assert cache.quantised == 5
+    # a parameter that dies (a step's bf16 weight copy, parallelize.bf16_weights) takes its copies
+    # with it: evaluation's copies do not stay next to the next step's
+    copy = torch.nn.Parameter(w.detach().to(torch.bfloat16))
+    cache.weights(copy, copy)
+    assert cache.quantised == 6 and len(cache._entries) == 2
+    del copy
+    assert len(cache._entries) == 1
+    cache.weights(w, local)
+    assert cache.quantised == 6  # w's own copies are untouched
 
 
 def test_model_hook_quantises_each_expert_weight_once_per_step(tiny_overrides):

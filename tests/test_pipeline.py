@@ -11,6 +11,7 @@ within 1e-7 relative, weights after 3 AdamW steps within 7e-6 (Adam divides by s
 magnifies tiny gradients' round-off). Checked at rtol 1e-5 / atol 1e-7 (gradients), rtol 1e-5 /
 atol 2e-5 (weights)."""
 
+import contextlib
 import json
 import os
 import socket
@@ -22,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pithtrain.distributed import pipeline
+from pithtrain.distributed.parallelize import bf16_weights
 from pithtrain.models.common import set_aux_loss_scale
 from pithtrain.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -46,16 +48,26 @@ def micro_batches(M, seed=7):
     return [(x[m * MBS:(m + 1) * MBS], y[m * MBS:(m + 1) * MBS]) for m in range(M)], int((y != -100).sum())
 
 
-def reference(M):
+def autocast_for(name):
+    """Cases named bf16_*: bf16 autocast on the step's bf16 weight copy (parallelize.bf16_weights),
+    as train.py runs without FSDP on a GPU; the residual stream, and so what travels between
+    stages, is bf16."""
+    return torch.autocast("cpu", dtype=torch.bfloat16) if name.startswith("bf16") else None
+
+
+def reference(M, name=""):
     """One process, M micro-batches, loss_sum / global target count per micro-batch."""
     model = build()
     set_aux_loss_scale(model, 1.0 / M)
     mbs, denom = micro_batches(M)
     total = 0.0
-    for x, y in mbs:
-        loss = model(x, labels_BS=y)
-        (loss / denom).backward()
-        total += loss.item()
+    autocast = autocast_for(name)
+    with bf16_weights(model, autocast is not None):
+        for x, y in mbs:
+            with autocast or contextlib.nullcontext():
+                loss = model(x, labels_BS=y)
+            (loss / denom).backward()
+            total += loss.item()
     return total, {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -153,12 +165,14 @@ def _worker(rank, world, port, cases, out_dir, ep_cases=(), train_cases=()):
             chunks = pipeline.rank_chunks(rank, world, schedule, CFG["num_layers"], layers)
             pipeline.prune_model(model, chunks)
             ops = pipeline.build_schedule(schedule, world, M)[rank]
+            autocast = autocast_for(name)
             runner = pipeline.PipelineRunner(model, chunks, ops, rank, world, schedule, M, group_f, group_b,
-                                             (MBS, SEQ, CFG["hidden_size"]), torch.device("cpu"))
+                                             (MBS, SEQ, CFG["hidden_size"]), torch.device("cpu"), autocast=autocast)
             set_aux_loss_scale(model, 1.0 / M)
             mbs, denom = micro_batches(M)
             runner.timeline = []
-            loss = runner.step(mbs, denom)
+            with bf16_weights(model, autocast is not None):
+                loss = runner.step(mbs, denom)
             grads = {n: p.grad for n, p in model.named_parameters()}
             torch.save({"loss": loss, "grads": grads, "timeline": runner.timeline},
                        os.path.join(out_dir, f"{name}.{rank}.pt"))
@@ -205,7 +219,7 @@ def _pp_fsdp_ep(rank, world, name, schedule, M, out_dir):
 
 
 def check(out_dir, name, world, M):
-    ref_loss, ref = reference(M)
+    ref_loss, ref = reference(M, name)
     got = {}
     losses = []
     for r in range(world):
@@ -238,7 +252,9 @@ def run_world(world, cases, tmp_path, ep_cases=(), train_cases=()):
 def test_pp2_1f1b_and_dualpipev_match_one_process(tmp_path):
     train_cases = [dict(pp=2, pp_schedule="dualpipev")]
     run_world(2, [("1f1b", "1f1b", 4, None), ("dualpipev", "dualpipev", 4, None),
-                  ("dualpipev_layers", "dualpipev", 5, [0, 3, 1, 2])], tmp_path, train_cases=train_cases)
+                  ("dualpipev_layers", "dualpipev", 5, [0, 3, 1, 2]),
+                  ("bf16_1f1b", "1f1b", 4, None), ("bf16_dualpipev", "dualpipev", 4, None)],
+              tmp_path, train_cases=train_cases)
     check_train(tmp_path, 2, train_cases[0])
     run_dir = tmp_path / f"run-{train_name(train_cases[0])}"
     assert {"rank0.json", "rank1.json"} <= {p.name for p in (run_dir / "pipeline_timeline").iterdir()}

@@ -95,8 +95,9 @@ def mp_policy(train_cfg, device: torch.device) -> MixedPrecisionPolicy:
 
 
 def uses_bf16_weights(dims: ParallelDims, autocast) -> bool:
-    """bf16 autocast without FSDP (one GPU, or ep / cp / pp alone): the step's weights come from
-    `bf16_weights`; under FSDP its MixedPrecisionPolicy gathers them in bf16 itself."""
+    """bf16 autocast without FSDP (one GPU, or pipeline stages alone: ep and cp imply FSDP): the
+    step's weights come from `bf16_weights`; under FSDP its MixedPrecisionPolicy gathers them in
+    bf16 itself."""
     return isinstance(autocast, torch.autocast) and autocast.fast_dtype == torch.bfloat16 and not dims.fsdp_enabled
 
 

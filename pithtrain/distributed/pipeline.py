@@ -98,8 +98,9 @@ class PipelineRunner:
     """Runs one rank's op list for one optimizer step (module docstring, part 3).
 
     model: this rank's pruned model (`prune_model`); chunks: its `rank_chunks`; act_shape: the
-    (micro-batch, sequence, hidden) shape of the activations between stages, which travel in
-    float32 (the residual stream's dtype, also under bf16 autocast). `timeline`, when a list,
+    (micro-batch, sequence, hidden) shape of the activations between stages, which travel in the
+    residual stream's dtype: bf16 under bf16 autocast (the weights are bf16 there: FSDP's gathers
+    or parallelize.bf16_weights), else float32. `timeline`, when a list,
     receives {"op", "start", "end"} per compute op (seconds from the step start; on CUDA the device
     is synchronised after each op so the times are the op's, not its launch's)."""
 
@@ -111,6 +112,7 @@ class PipelineRunner:
         self.group_f, self.group_b = group_f, group_b
         self.act_shape, self.device, self.streams = tuple(act_shape), device, streams
         self.autocast = autocast
+        self.act_dtype = autocast.fast_dtype if isinstance(autocast, torch.autocast) else torch.float32
         self.overlap = overlap  # FB ops: interleave the pair's phases (else: F, then BW)
         self.holds_loss = any(c.last for c in chunks)
         self.V = num_virtual_stages(pp, schedule)
@@ -198,7 +200,7 @@ class PipelineRunner:
         for op in self.ops:
             k, c, mb = op.kind, op.chunk, op.mb
             if k in ("RECV_F", "RECV_B"):
-                buf = torch.empty(self.act_shape, dtype=torch.float32, device=self.device)
+                buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
                 group = self.group_f if k == "RECV_F" else self.group_b
                 dist.irecv(buf, src=self._global(group, op.peer), group=group,
                            tag=self._tag(self.chunks[c].stage, mb)).wait()
@@ -212,7 +214,7 @@ class PipelineRunner:
                     t, group, dest = self.runs[(c, mb)].output.detach(), self.group_f, self.chunks[c].stage + 1
                 else:
                     t, group, dest = self.b_out.pop((c, mb)), self.group_b, self.chunks[c].stage - 1
-                t = t.float().contiguous()
+                t = t.to(self.act_dtype).contiguous()
                 pending.append((dist.isend(t, dst=self._global(group, op.peer), group=group,
                                            tag=self._tag(dest, mb)), t))
                 continue

@@ -138,9 +138,14 @@ class WeightCache:
             return e[2]
         with torch.no_grad():
             value = (self.quant or _ops(w_GRC).quant_blocks)(w_GRC.detach())
-        self._entries[id(owner)] = (weakref.ref(owner), stamp, value)
+        key = id(owner)  # the copies go with their parameter (e.g. a step's bf16 weights, bf16_weights)
+        self._entries[key] = (weakref.ref(owner, lambda ref: self._forget(key, ref)), stamp, value)
         self.quantised += 1
         return value
+
+    def _forget(self, key: int, ref) -> None:
+        if (e := self._entries.get(key)) is not None and e[0] is ref:
+            del self._entries[key]
 
 
 def caches(model: torch.nn.Module) -> list[WeightCache]:
