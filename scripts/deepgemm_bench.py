@@ -13,26 +13,17 @@ import time
 import torch
 import torch.nn.functional as F
 
+from pithtrain.bench import time_steps
+from pithtrain.config import load_config
 from pithtrain.kernels import deepgemm, fp8, fp8_linear
 
-# (experts, hidden, expert width, top-k); tokens 2 x 4096
-MODELS = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v2-lite": (64, 2048, 1408, 6),
-          "gpt-oss-20b": (32, 2880, 2880, 4)}
+MODELS = ["qwen3-30b-a3b", "deepseek-v2-lite", "gpt-oss-20b"]  # recipes: experts, widths, top-k read from them
 TOKENS = 2 * 4096
 
 
 def timed(fn, iters=20):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    """Median ms of `iters` calls after 3 warm-up calls (CUDA events: the bench's own timer)."""
+    return statistics.median(time_steps(fn, 3, iters)[0])
 
 
 def main():
@@ -44,7 +35,9 @@ def main():
     dg = deepgemm.load(why)
     print("deep_gemm:", dg.__version__ if dg else f"not loadable ({'; '.join(why)})", flush=True)
     rows_out = []
-    for model, (E, D, F_, k) in MODELS.items():
+    for model in MODELS:
+        m = load_config(model).model
+        E, D, F_, k = m.num_experts, m.hidden_size, getattr(m, m.expert_width_field), m.top_k
         M = TOKENS * k
         g = torch.Generator(device="cuda").manual_seed(0)
         counts = torch.multinomial(torch.ones(E, device="cuda"), M, replacement=True, generator=g).bincount(minlength=E)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pithtrain.config import load_config
 from pithtrain.kernels import deepgemm
 
 tk = pytest.importorskip("pithtrain.kernels.fp8")  # Triton
@@ -21,8 +22,14 @@ WHY: list = []
 DG = deepgemm.load(WHY) if torch.cuda.is_available() else None
 need_dg = pytest.mark.skipif(DG is None, reason=f"deep_gemm not importable: {'; '.join(WHY)}")
 
-# (experts, hidden, expert width): Qwen3-30B-A3B, DeepSeek-V2-Lite, GPT-OSS-20B; w13 (D -> 2F), w2 (F -> D)
-SHAPES = {"qwen3": (128, 2048, 768), "deepseek_v2": (64, 2048, 1408), "gpt_oss": (32, 2880, 2880)}
+
+def _shape(recipe):
+    """(experts, hidden, expert width) of a recipe; w13 (D -> 2F), w2 (F -> D)."""
+    m = load_config(recipe).model
+    return m.num_experts, m.hidden_size, getattr(m, m.expert_width_field)
+
+
+SHAPES = {n: _shape(n) for n in ("qwen3-30b-a3b", "deepseek-v2-lite", "gpt-oss-20b")}
 CASES = [(name, which) for name in SHAPES for which in ("w13", "w2")]
 
 
@@ -59,7 +66,7 @@ def test_fp8_forward_dgrad_wgrad_against_bf16(name, which):
 
 @need_dg
 def test_k_grouped_packing_kernel_matches_the_reference():
-    x, _, offs = _case("qwen3", "w2")
+    x, _, offs = _case("qwen3-30b-a3b", "w2")
     p = deepgemm.plan(offs, len(x))
     xp = deepgemm.pad(x.detach(), p)
     for transpose in (False, True):
