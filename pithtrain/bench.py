@@ -1,16 +1,18 @@
 """Single-GPU throughput suite (docs/bench.md): each family at its real widths, truncated to
---layers layers, micro-batch 2 x sequence 4096, random init; PithTrain and Hugging Face
-transformers on the identical configuration, in one process, one table.
+--layers layers (12; 4 is the secondary line), micro-batch 2 x sequence 4096, random init, at 1 and
+8 micro-batches per optimizer step; PithTrain and its peers (Hugging Face transformers, torchtitan
+where installed) on the identical configuration, in one process, one table.
 
     python -m pithtrain.bench                                   # all families, default variants
-    python -m pithtrain.bench --models qwen3-30b-a3b --variants ref,fused+compile --steps 10
-    python -m pithtrain.bench --layers 12 --grad-accum 8 --variants fused+compile,fused+compile+bf16
+    python -m pithtrain.bench --models qwen3-30b-a3b --variants ref,fused+compile --grad-accum 1
+    python -m pithtrain.bench --layers 4 --variants fused+compile,fused+compile+bf16 --peers transformers
     invoke bench
 
 The step timed is train.py's own (train.train_step: forward of each micro-batch, backward of loss /
 tokens, the recipe's global clip, fused AdamW on fp32 master weights, bf16 compute on the step's bf16 weight copy, the
 balancing update, the LR schedule) on train.py's model path (use_kernels, parallelize); the
-peer's is forward, backward, clip to 1.0, fused AdamW around its own model.
+peers' is forward, backward, clip to 1.0, fused AdamW around their own model classes in bf16
+(torchtitan's with its per-block torch.compile and its loss).
 A variant is '+'-joined words: `ref` (PyTorch reference operators, kernels=torch) or `fused`
 (kernels=auto); `compile` (train.compile); `ac-full` / `ac-sel` (activation checkpointing);
 `bf16` (a comparison with the peers, not a training setting: bf16 parameters and AdamW state);
@@ -25,7 +27,9 @@ peak (pithtrain.metrics.PEAK_TFLOPS: 989e12 on H100/H200).
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
+import importlib
 import json
 import statistics
 import sys
@@ -47,6 +51,12 @@ from pithtrain.train import build_optimizer, lr_lambda, train_step
 MODELS = ["deepseek-v2-lite", "qwen3-30b-a3b", "gpt-oss-20b"]  # recipe names
 HF_ATTENTION = {"gpt_oss": "eager"}  # transformers 5.17 has no SDPA path for sinks
 DEFAULT_VARIANTS = "fused+compile"
+PEERS = ["transformers", "torchtitan"]
+# recipe family -> torchtitan's package, flavour table, flavour and model class: its own classes at
+# the real widths (torchtitan 0.2.2; the parameter count is checked against ours before timing)
+TORCHTITAN = {"deepseek_v2": ("deepseek_v3", "deepseekv3_args", "16B", "DeepSeekV3Model"),
+              "qwen3_moe": ("qwen3", "qwen3_args", "30B-A3B", "Qwen3Model"),
+              "gpt_oss": ("gpt_oss", "gptoss_configs", "20b", "GptOssModel")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,6 +188,87 @@ def hf_step(cfg, device):
     return model, step
 
 
+def torchtitan_step(cfg, device, compile: bool):
+    """torchtitan's model class for the family at its published flavour, truncated to the same
+    layers and sequence, bf16 parameters (as the transformers peer), its per-block torch.compile
+    (llama4's apply_compile, which its MoE trainers call), its loss (sum of cross-entropy over float32
+    logits, divided here by the step's tokens), clip to 1.0, fused AdamW. ImportError when not installed."""
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.config import JobConfig
+    from torchtitan.config.job_config import Compile
+    from torchtitan.models.llama4.infra.parallelize import apply_compile
+
+    package, flavours, flavour, cls = TORCHTITAN[cfg.model.family]
+    mod = importlib.import_module(f"torchtitan.models.{package}")
+    args = copy.deepcopy(getattr(mod, flavours)[flavour])
+    job = JobConfig()
+    job.training.seq_len = cfg.train.seq_len
+    args.n_layers = cfg.model.num_layers
+    args.update_from_config(job)  # as its trainer does: sequence length, MoE backend, grouped GEMMs
+    if cfg.model.family == "deepseek_v2":  # the flavour's flex block-causal masks documents; ours is causal
+        args.attn_type, args.attn_mask_type = "sdpa", "causal"
+    with torch.device("meta"):
+        model = getattr(mod, cls)(args)
+        ours = sum(p.numel() for p in build_model(cfg.model, torch.device("meta")).parameters())
+    theirs = sum(p.numel() for p in model.parameters())
+    if abs(theirs - ours) > 0.001 * ours:
+        raise ValueError(f"torchtitan {package} {flavour!r} at {args.n_layers} layers has {theirs:,} "
+                         f"parameters, PithTrain's {cfg.model.family} {ours:,}: not the same model")
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    for p in model.parameters():  # bf16 parameters; buffers (RoPE) as torchtitan keeps them
+        p.data = p.data.to(torch.bfloat16)
+    model.train()
+    if compile:
+        torch._dynamo.reset()
+        apply_compile(model, Compile(enable=True, components=["model"]), ep_enabled=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
+                            weight_decay=cfg.train.weight_decay, fused=True)
+    x, y = random_batch(cfg, device)
+    masks = model.get_attention_masks(x, None) if args.attn_type == "flex" else None  # causal: no tokenizer
+    accum, tokens = cfg.train.grad_accum, y.numel() * cfg.train.grad_accum
+
+    def step():
+        for _ in range(accum):
+            loss = cross_entropy_loss(model(x, masks), y) / tokens
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss * accum
+
+    return model, step
+
+
+def peer_sides(name, cfg, device, peers, warmup, steps, profile) -> list[dict]:
+    """The peers' records for one model and setting; a peer that is missing or fails is a row
+    saying so. torchtitan: compiled; eager as well when its compile fails."""
+    recs = []
+    if "transformers" in peers:
+        recs.append(measure(name, "transformers", cfg, lambda: hf_step(cfg, device), warmup, steps, profile))
+    if "torchtitan" in peers:
+        try:
+            import torchtitan  # noqa: F401
+        except ImportError as e:
+            return recs + [{"model": name, "side": "torchtitan", "grad_accum": cfg.train.grad_accum, "ok": False,
+                            "error": f"not installed ({e}; docs/bench.md says how)"}]
+        scalar = torch._dynamo.config.capture_scalar_outputs  # apply_compile sets it process-wide
+        try:
+            rec = measure(name, "torchtitan", cfg, lambda: torchtitan_step(cfg, device, True), warmup, steps,
+                          profile)
+            recs.append(rec)
+            if not rec["ok"]:
+                recs.append(measure(name, "torchtitan eager", cfg, lambda: torchtitan_step(cfg, device, False),
+                                    warmup, steps, profile))
+        finally:
+            torch._dynamo.config.capture_scalar_outputs = scalar
+            torch._dynamo.reset()
+    return recs
+
+
 # ---------------------------------------------------------------------------------------------
 # One measurement
 
@@ -233,24 +324,30 @@ def profile_steps(step, path, title, n=3):
 
 
 def table(recs: list[dict]) -> str:
-    """One row per record; `vs transformers` against the peer, `fp8 vs bf16` a +fp8 side against
-    its bf16 twin, `vs bf16 params` train.py's step against its +bf16 twin (the peers' precision)."""
-    lines = ["| model | side | tokens/s | MFU | peak GB | step ms | vs transformers | fp8 vs bf16 | vs bf16 params |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    ok = {(r["model"], r["side"]): r for r in recs if r.get("ok")}
+    """One row per record, `mb` its micro-batches per optimizer step. Ratios within one model and
+    setting: `vs transformers`, `vs torchtitan` (its compiled row, else its eager one), `fp8 vs bf16`
+    (a +fp8 side against its twin without) and `vs bf16 params` (train.py's step against its +bf16
+    twin, the peers' precision)."""
+    lines = ["| model | mb | side | tokens/s | MFU | peak GB | step ms | vs transformers | vs torchtitan | "
+             "fp8 vs bf16 | vs bf16 params |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    ok = {(r["model"], r.get("grad_accum"), r["side"]): r for r in recs if r.get("ok")}
 
     def ratio(r, other):
         return f"{r['tokens_per_s'] / other['tokens_per_s']:.2f}x" if other else "-"
 
     for r in recs:
+        m, mb, side = r["model"], r.get("grad_accum"), r["side"]
         if not r.get("ok"):
-            lines.append(f"| {r['model']} | {r['side']} | failed: {r.get('error', '')[:60]} | | | | | | |")
+            lines.append(f"| {m} | {mb} | {side} | failed: {r.get('error', '')[:80]} | | | | | | | |")
             continue
-        m, side = r["model"], r["side"]
-        fp8 = ok.get((m, side.replace("+fp8", ""))) if "+fp8" in side else None
-        bf16 = ok.get((m, side + "+bf16")) if "bf16" not in side.split("+") else None
-        lines.append(f"| {m} | {side} | {r['tokens_per_s'] / 1e3:.1f}K | {100 * r['mfu']:.1f}% | "
-                     f"{r['peak_gb']:.1f} | {r['step_ms']:.1f} | {ratio(r, ok.get((m, 'transformers')))} | "
+        peer = side in ("transformers", "torchtitan", "torchtitan eager")
+        fp8 = ok.get((m, mb, side.replace("+fp8", ""))) if "+fp8" in side else None
+        bf16 = ok.get((m, mb, side + "+bf16")) if not peer and "bf16" not in side.split("+") else None
+        hf = None if peer else ok.get((m, mb, "transformers"))
+        tt = None if peer else ok.get((m, mb, "torchtitan")) or ok.get((m, mb, "torchtitan eager"))
+        lines.append(f"| {m} | {mb} | {side} | {r['tokens_per_s'] / 1e3:.1f}K | {100 * r['mfu']:.1f}% | "
+                     f"{r['peak_gb']:.1f} | {r['step_ms']:.1f} | {ratio(r, hf)} | {ratio(r, tt)} | "
                      f"{ratio(r, fp8)} | {ratio(r, bf16)} |")
     return "\n".join(lines)
 
@@ -260,13 +357,15 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated recipe names")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated variants (see above)")
-    p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    p.add_argument("--peers", default=",".join(PEERS),
+                   help="comma-separated peers timed after each model's variants: transformers, torchtitan "
+                        "(a row saying so when not installed); '' for none")
     p.add_argument("--fp8", action="store_true", help="also time the first variant with FP8 expert GEMMs")
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=12, help="decoder layers (docs/bench.md: 12, and 4)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--grad-accum", type=int, default=1,
-                   help="micro-batches per optimizer step (docs/bench.md: 1 and 8)")
+    p.add_argument("--grad-accum", default="1,8",
+                   help="comma-separated micro-batches per optimizer step, each a setting of its own")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--json", default="bench.json", help="where to write all records")
@@ -275,28 +374,38 @@ def main(argv=None) -> int:
     variants = [v for v in args.variants.split(",") if v]
     if args.fp8:  # the same step with FP8 expert GEMMs, timed in this run next to its bf16 twin
         variants.append(variants[0] + "+fp8")
-    specs = {v: parse_variant(v) for v in variants}  # a bad variant stops here, before any timing
+    specs = {v: parse_variant(v) for v in variants}  # bad arguments stop here, before any timing
+    peers = [x for x in args.peers.split(",") if x]
+    if any(x not in PEERS for x in peers):
+        raise SystemExit(f"bench: unknown peers in {args.peers!r} (known: {', '.join(PEERS)})")
+    try:
+        accums = [int(a) for a in args.grad_accum.split(",") if a]
+        assert accums and min(accums) >= 1
+    except (ValueError, AssertionError):
+        raise SystemExit(f"bench: --grad-accum takes positive integers, comma-separated, not {args.grad_accum!r}")
+    if args.warmup < 1:
+        raise SystemExit("bench: --warmup must be at least 1 (the first step compiles and is timed apart)")
     if not torch.cuda.is_available():
         print("bench: needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda")
-    print(f"bench: {torch.cuda.get_device_name()} | torch {torch.__version__} | "
-          f"{args.layers} layers, {args.batch} x {args.seq} x {args.grad_accum} micro-batches per "
-          "step, bf16, AdamW", flush=True)
+    print(f"bench: {torch.cuda.get_device_name()} | torch {torch.__version__} | {args.layers} layers, "
+          f"{args.batch} x {args.seq}, {'/'.join(map(str, accums))} micro-batches per step, bf16, AdamW",
+          flush=True)
     recs = []
     for name in [m for m in args.models.split(",") if m]:
-        cfg = bench_config(name, args.layers, args.batch, args.seq, args.grad_accum)
-        for v, spec in specs.items():
-            recs.append(measure(name, v, cfg, lambda: pithtrain_step(cfg, spec, device), args.warmup,
-                                args.steps, args.profile))
-        if not args.no_hf:
-            recs.append(measure(name, "transformers", cfg, lambda: hf_step(cfg, device), args.warmup,
-                                args.steps, args.profile))
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "records": recs}, f, indent=1)
+        for accum in accums:
+            cfg = bench_config(name, args.layers, args.batch, args.seq, accum)
+            for v, spec in specs.items():
+                recs.append(measure(name, v, cfg, lambda: pithtrain_step(cfg, spec, device), args.warmup,
+                                    args.steps, args.profile))
+            recs += peer_sides(name, cfg, device, peers, args.warmup, args.steps, args.profile)
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "layers": args.layers, "records": recs}, f, indent=1)
     print(table(recs), flush=True)
-    return 0 if all(r.get("ok") for r in recs) else 1
+    ours = [r for r in recs if r["side"] in specs]  # a peer that fails is a row, not a failed bench
+    return 0 if all(r.get("ok") for r in ours) else 1
 
 
 if __name__ == "__main__":

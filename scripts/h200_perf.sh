@@ -5,7 +5,7 @@
 # Env: PROFILE=1 appends torch.profiler tables to $OUT/profile.txt; BENCH_TIMEOUT, TEST_TIMEOUT (s);
 # BENCH_ARGS: extra arguments for every bench run (e.g. "--grad-accum 4 --steps 8").
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # carried wheels (/tmp/site) stay on the path
 OUT=${OUT:-/tmp/pithtrain-out}; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,memory.used --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,

@@ -169,17 +169,46 @@ def test_bench_variant_words_and_table():
     from pithtrain.bench import main  # every variant is checked before anything is built or timed
     with pytest.raises(SystemExit, match="'ref\\+fp8': fp8 runs Triton GEMMs"):
         main(["--variants", "ref,fused", "--fp8"])
-    recs = [{"model": "m", "side": "fused", "ok": True, "tokens_per_s": 2e3, "mfu": 0.3, "peak_gb": 1.0,
-             "step_ms": 5.0},
-            {"model": "m", "side": "transformers", "ok": True, "tokens_per_s": 1e3, "mfu": 0.15,
-             "peak_gb": 2.0, "step_ms": 10.0},
-            {"model": "m", "side": "fused+fp8", "ok": True, "tokens_per_s": 3e3, "mfu": 0.45, "peak_gb": 1.0,
-             "step_ms": 3.3},
-            {"model": "m", "side": "fused+bf16", "ok": True, "tokens_per_s": 2.5e3, "mfu": 0.375, "peak_gb": 0.8,
-             "step_ms": 4.0}]
+    with pytest.raises(SystemExit, match="unknown peers"):
+        main(["--peers", "transformers,megatron"])
+    with pytest.raises(SystemExit, match="--grad-accum takes positive integers"):
+        main(["--grad-accum", "1,0"])
+
+    def rec(side, tps, mb=8, **kw):
+        return {"model": "m", "side": side, "grad_accum": mb, "ok": True, "tokens_per_s": tps,
+                "mfu": tps / 1e4, "peak_gb": 1.0, "step_ms": 1e4 / tps, **kw}
+
+    recs = [rec("fused", 2e3), rec("transformers", 1e3), rec("fused+fp8", 3e3), rec("fused+bf16", 2.5e3),
+            {"model": "m", "side": "torchtitan", "grad_accum": 8, "ok": False, "error": "Unsupported: guard"},
+            rec("torchtitan eager", 1.6e3),
+            rec("fused", 4e3, mb=1), rec("torchtitan", 2e3, mb=1)]
     out = table(recs)
-    assert "| m | fused | 2.0K | 30.0% | 1.0 | 5.0 | 2.00x | - | 0.80x |" in out  # train.py's step vs bf16 params
-    assert "| m | fused+fp8 | 3.0K | 45.0% | 1.0 | 3.3 | 3.00x | 1.50x | - |" in out  # FP8 against its bf16 twin
+    # train.py's step: against transformers, torchtitan's eager row (its compile failed), bf16 params
+    assert "| m | 8 | fused | 2.0K | 20.0% | 1.0 | 5.0 | 2.00x | 1.25x | - | 0.80x |" in out
+    assert "| m | 8 | fused+fp8 | 3.0K | 30.0% | 1.0 | 3.3 | 3.00x | 1.88x | 1.50x | - |" in out  # FP8 vs twin
+    assert "| m | 8 | torchtitan | failed: Unsupported: guard |" in out  # a failing peer is a row
+    assert "| m | 8 | torchtitan eager | 1.6K | 16.0% | 1.0 | 6.2 | - | - | - | - |" in out
+    assert "| m | 1 | fused | 4.0K | 40.0% | 1.0 | 2.5 | - | 2.00x | - | - |" in out  # settings kept apart
+
+
+def test_bench_torchtitan_missing_is_a_row(monkeypatch):
+    """Where torchtitan is not installed, the bench says so in its row instead of dropping it."""
+    import builtins
+
+    from pithtrain.bench import bench_config, peer_sides
+
+    real_import = builtins.__import__
+
+    def no_torchtitan(name, *a, **kw):
+        if name.split(".")[0] == "torchtitan":
+            raise ImportError("No module named 'torchtitan'")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_torchtitan)
+    cfg = bench_config("qwen3-30b-a3b", 1, 1, 16, 8)
+    recs = peer_sides("qwen3-30b-a3b", cfg, torch.device("cpu"), ["torchtitan"], 1, 1, None)
+    assert recs == [{"model": "qwen3-30b-a3b", "side": "torchtitan", "grad_accum": 8, "ok": False,
+                     "error": "not installed (No module named 'torchtitan'; docs/bench.md says how)"}]
 
 
 def test_model_rotary_makes_its_flex_masks_eagerly():

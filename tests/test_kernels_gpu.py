@@ -143,14 +143,10 @@ def test_cudnn_sdpa_path_matches_eager():
         assert rel(a, b.grad) < 2e-2
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "gpt_oss"])
-def test_fused_and_compiled_model_matches_reference_model(family):
-    """A small model at bf16: all fused operators + torch.compile vs PyTorch references, eager."""
+def small_model(family):
     import dataclasses
 
-    from pithtrain.compile import apply_compile
     from pithtrain.models import FAMILIES
-    from pithtrain.models.common import use_kernels
 
     cfg_cls, model_cls = FAMILIES[family][0], FAMILIES[family][1]
     small = {"vocab_size": 1000, "hidden_size": 256, "num_layers": 2, "num_heads": 4,
@@ -164,6 +160,43 @@ def test_fused_and_compiled_model_matches_reference_model(family):
     with torch.device("cuda"):
         model = model_cls(cfg)
     model.init_weights()
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "gpt_oss"])
+def test_model_step_has_no_host_synchronisation(family):
+    """Forward and backward of a micro-batch with the fused operators (what train.py runs between
+    optimizer steps) never waits for the GPU: a host sync drains the queue and leaves the GPU idle
+    while the CPU launches the next kernels (torch.bincount did, twice per MoE layer). The first
+    call, which makes masks and tunes kernels, runs outside the check."""
+    from pithtrain.models.common import use_kernels
+
+    model = small_model(family)
+    use_kernels(model, kernels.configure("auto", "cuda"))
+    x = torch.randint(0, 1000, (2, 512), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, labels_BS=x)
+        loss.backward()
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "gpt_oss"])
+def test_fused_and_compiled_model_matches_reference_model(family):
+    """A small model at bf16: all fused operators + torch.compile vs PyTorch references, eager."""
+    from pithtrain.compile import apply_compile
+    from pithtrain.models.common import use_kernels
+
+    model = small_model(family)
     x = torch.randint(0, 1000, (2, 512), device="cuda")
     y = torch.randint(0, 1000, (2, 512), device="cuda")
 

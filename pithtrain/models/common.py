@@ -301,6 +301,14 @@ class GroupedExperts(nn.Module):
         return y_XD
 
 
+def expert_counts(idx_X, num_experts):
+    """Routed slots per expert, on the device without a host synchronisation: torch.bincount on
+    CUDA reads the indices' min and max to the host, which drained the GPU's queue twice in each
+    MoE layer's forward (docs/perf-notes.md, 12-layer profile)."""
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=idx_X.device)
+    return counts_E.index_add_(0, idx_X, torch.ones_like(idx_X, dtype=torch.int64))
+
+
 def add_expert_bias(h_XN, b_EN, expert_X, offs_E):
     """h + b[expert of row]. Fused: a Triton add and a segment-sum backward instead of index
     backward's sort + accumulate (kernels/expert_bias.py)."""
@@ -330,7 +338,7 @@ class LocalDispatcher:
     def dispatch(self, x_TD, idx_TA, w_TA, num_experts):
         flat_X = idx_TA.reshape(-1)
         order_X = torch.argsort(flat_X, stable=True)
-        counts_E = torch.bincount(flat_X, minlength=num_experts)
+        counts_E = expert_counts(flat_X, num_experts)
         if self.fused:
             from pithtrain.kernels.permute import inverse_order, permute
             x_XD = permute(x_TD, order_X, inverse_order(order_X, idx_TA.shape[1]))
