@@ -142,7 +142,7 @@ def pithtrain_step(cfg, variant: dict, device):
     torch._dynamo.reset()  # each variant compiles its own model from a clean cache
     dims = ParallelDims.from_config(cfg, 1, 0)
     parallelize(model, dims, t, device)  # one process: checkpointing, then compile
-    opt = build_optimizer(model, cfg, device)
+    opt = build_optimizer(model, cfg, device, use)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     set_aux_loss_scale(model, 1.0 / t.grad_accum)
     x, y = random_batch(cfg, device)

@@ -78,14 +78,19 @@ def check_runnable(cfg: Config, device: torch.device):
                           "installed and train.kernels=auto")
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
-    """AdamW with fp32 master weights; no weight decay on norms, biases and 1-D tensors."""
+def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device, use: dict | None = None):
+    """AdamW with fp32 master weights; no weight decay on norms, biases and 1-D tensors. `use`
+    (kernels.configure): adamw -> the Triton step (kernels/adamw.py), else torch's, fused on CUDA."""
     decay, no_decay = [], []
     for p in {id(p): p for p in model.parameters() if p.requires_grad}.values():
         (decay if p.ndim >= 2 else no_decay).append(p)
     t = cfg.train
     groups = [{"params": decay, "weight_decay": t.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    if use and use["adamw"]:
+        from pithtrain.kernels.adamw import AdamW
+
+        return AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                              fused=device.type == "cuda")
 
@@ -216,7 +221,7 @@ def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.
             print(f"pithtrain: initialised from Hugging Face checkpoint {t.init_from}", flush=True)
     else:  # CPU draws, block by block, on every layout and device: 1 GPU == N GPUs
         materialize(model, build_model(cfg.model, init=False), device, t.seed)
-    optimizer = build_optimizer(model, cfg, device)
+    optimizer = build_optimizer(model, cfg, device, use)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     building.done()
     with phase("loading the checkpoint and data", say):

@@ -9,6 +9,7 @@
 | attention with sinks / sliding window / documents | `flex.py` (FlexAttention, block-sparse) | `common.eager_attention` |
 | plain causal attention | cuDNN-first SDPA (`common.attention`'s `sdpa_first`) | SDPA's own choice |
 | blockwise FP8 expert GEMMs (`train.fp8`) | `fp8.py` (Triton quantisation + scaled grouped GEMMs) | `fp8_linear.py` (autograd, weight cache, dequantise + fp32 matmul) |
+| AdamW (the optimizer step) | `adamw.py` (one Triton pass per parameter) | `torch.optim.AdamW(fused=True)` |
 | same, through DeepGEMM (optional, not wired yet) | `deepgemm.py` (`load()`, FP8 m/k-grouped, bf16 m-grouped) | `fp8_linear.py`; `F.grouped_mm` |
 
 The policy is here, the choice lives in the model. `configure(mode, device, fp8, off)` returns which
@@ -26,6 +27,8 @@ dispatcher), so two models in one process each run their own kernels and nothing
                           module (context parallel then replaces it); flex: one flex.FlexAttention
                           per model, also held by `model.rotary` to build the batch's block masks eagerly
   model.cross_entropy     the chunked LM-head loss (common.cross_entropy_sum or linear_ce's)
+
+and `train.build_optimizer(..., use)` picks the AdamW class (adamw.AdamW or torch's).
 
 A new backend (DeepGEMM for the expert GEMM, another attention kernel) is one more name in `NAMES`,
 its requirement in `configure`, and one more branch in `use_kernels` assigning a callable of the
@@ -48,7 +51,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128  # scale block: 1 x BLOCK for activations, BLOCK x BLOCK for weights
 
-NAMES = ("swiglu", "permute", "expert_bias", "linear_ce", "flex", "cudnn_sdpa", "fp8")
+NAMES = ("swiglu", "permute", "expert_bias", "linear_ce", "flex", "cudnn_sdpa", "fp8", "adamw")
 
 
 def configure(mode: str = "auto", device: torch.device | str = "cuda", fp8: bool = False,
@@ -61,7 +64,7 @@ def configure(mode: str = "auto", device: torch.device | str = "cuda", fp8: bool
     auto = mode == "auto"
     triton_ok = auto and cuda and HAVE_TRITON
     use = dict(swiglu=triton_ok, permute=triton_ok, expert_bias=triton_ok, linear_ce=auto, flex=auto and cuda,
-               cudnn_sdpa=auto and cuda and torch.backends.cudnn.is_available(), fp8=fp8)
+               cudnn_sdpa=auto and cuda and torch.backends.cudnn.is_available(), fp8=fp8, adamw=triton_ok)
     return {k: v and k not in off for k, v in use.items()}
 
 
