@@ -252,7 +252,7 @@ def validate(c, recipe="", model="", set=None, gpu="", runtime="", nproc="", ste
             "fp8": "also time the default variant with FP8 expert GEMMs (ratio to bf16 in the table)",
             "dry_run": H_DRY})
 def bench(c, gpu="", runtime="", args="", fp8=False, dry_run=False):
-    """The single-GPU benchmark suite (docs/bench.md): PithTrain vs transformers, one run."""
+    """The single-GPU benchmark suite (docs/bench.md): PithTrain vs transformers and torchtitan, one run."""
     gpu_ = _gpu(gpu)
     rt = _runtime(runtime, gpu_, dry_run)
     extra = ["--fp8"] if fp8 else []
