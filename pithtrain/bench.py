@@ -9,7 +9,7 @@ where installed) on the identical configuration, in one process, one table.
     invoke bench
 
 The step timed is train.py's own (train.train_step: forward of each micro-batch, backward of loss /
-tokens, the recipe's global clip, fused AdamW on fp32 master weights, bf16 compute on the step's bf16 weight copy, the
+tokens, the recipe's global clip, AdamW (kernels/adamw.py) on fp32 master weights, bf16 compute on the step's bf16 weight copy, the
 balancing update, the LR schedule) on train.py's model path (use_kernels, parallelize); the
 peers' is forward, backward, clip to 1.0, fused AdamW around their own model classes in bf16
 (torchtitan's with its per-block torch.compile and its loss).
@@ -46,11 +46,12 @@ from pithtrain.kernels import fp8_linear
 from pithtrain.metrics import flops_per_token, peak_tflops
 from pithtrain.models import build_model
 from pithtrain.models.common import set_aux_loss_scale, use_kernels
+from pithtrain.plan import plan
 from pithtrain.train import build_optimizer, lr_lambda, train_step
 
 MODELS = ["deepseek-v2-lite", "qwen3-30b-a3b", "gpt-oss-20b"]  # recipe names
 HF_ATTENTION = {"gpt_oss": "eager"}  # transformers 5.17 has no SDPA path for sinks
-DEFAULT_VARIANTS = "fused+compile"
+DEFAULT_VARIANTS = "fused+compile,fused+compile+bf16"  # train.py's step and its bf16-parameter twin
 PEERS = ["transformers", "torchtitan"]
 # recipe family -> torchtitan's package, flavour table, flavour and model class: its own classes at
 # the real widths (torchtitan 0.2.2; the parameter count is checked against ours before timing)
@@ -120,7 +121,20 @@ def time_steps(step, warmup: int, steps: int) -> tuple[list[float], float]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The two sides
+# The sides
+
+
+class PlanRefused(Exception):
+    """train.py would refuse this configuration on this GPU (its memory plan does not fit): the
+    bench says so in the row instead of timing an out-of-memory."""
+
+
+def refused_by_plan(cfg, gpu_gib: float, gpu: str = "") -> str | None:
+    """Why train.py would refuse cfg on one GPU of gpu_gib GiB (its memory plan), or None."""
+    p = plan(cfg, 1, gpu_gib, gpu)
+    if p["fits"]:
+        return None
+    return f"train.py refuses it here: memory plan {p['peak_gib']:.1f} GiB of {p['usable_gib']:.1f} usable"
 
 
 def pithtrain_step(cfg, variant: dict, device):
@@ -131,6 +145,11 @@ def pithtrain_step(cfg, variant: dict, device):
     t = cfg.train
     t.kernels, t.compile, t.activation_checkpoint, t.fp8 = (variant["kernels"], variant["compile"],
                                                             variant["ac"], variant["fp8"])
+    if not variant["bf16"]:  # what train.py checks before it builds anything (plan.check_launch)
+        why = refused_by_plan(cfg, torch.cuda.get_device_properties(device).total_memory / 2**30,
+                              torch.cuda.get_device_name(device))
+        if why:
+            raise PlanRefused(why)
     use = kernels.configure(t.kernels, device, fp8=t.fp8, off=variant["off"])
     print("bench:   " + kernels.describe(use), flush=True)
     torch.manual_seed(0)
@@ -191,8 +210,10 @@ def hf_step(cfg, device):
 def torchtitan_step(cfg, device, compile: bool):
     """torchtitan's model class for the family at its published flavour, truncated to the same
     layers and sequence, bf16 parameters (as the transformers peer), its per-block torch.compile
-    (llama4's apply_compile, which its MoE trainers call), its loss (sum of cross-entropy over float32
-    logits, divided here by the step's tokens), clip to 1.0, fused AdamW. ImportError when not installed."""
+    (llama4's apply_compile, which its Qwen3 and DeepSeek trainers call; its GPT-OSS trainer does not
+    compile, the bench does), its loss (sum of cross-entropy over float32 logits, divided here by the
+    step's tokens; compiled with the model, as its default compile components say), clip to 1.0,
+    fused AdamW. ImportError when not installed."""
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.config import JobConfig
     from torchtitan.config.job_config import Compile
@@ -221,9 +242,11 @@ def torchtitan_step(cfg, device, compile: bool):
     for p in model.parameters():  # bf16 parameters; buffers (RoPE) as torchtitan keeps them
         p.data = p.data.to(torch.bfloat16)
     model.train()
+    loss_fn = cross_entropy_loss
     if compile:
         torch._dynamo.reset()
-        apply_compile(model, Compile(enable=True, components=["model"]), ep_enabled=False)
+        apply_compile(model, Compile(enable=True), ep_enabled=False)  # per block; patches moe_module
+        loss_fn = torch.compile(cross_entropy_loss)  # components "model" and "loss", its default
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
                             weight_decay=cfg.train.weight_decay, fused=True)
@@ -233,7 +256,7 @@ def torchtitan_step(cfg, device, compile: bool):
 
     def step():
         for _ in range(accum):
-            loss = cross_entropy_loss(model(x, masks), y) / tokens
+            loss = loss_fn(model(x, masks), y) / tokens
             loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()
@@ -255,15 +278,21 @@ def peer_sides(name, cfg, device, peers, warmup, steps, profile) -> list[dict]:
         except ImportError as e:
             return recs + [{"model": name, "side": "torchtitan", "grad_accum": cfg.train.grad_accum, "ok": False,
                             "error": f"not installed ({e}; docs/bench.md says how)"}]
-        scalar = torch._dynamo.config.capture_scalar_outputs  # apply_compile sets it process-wide
+        from torchtitan.models.moe import moe as moe_module
+
+        # apply_compile replaces the experts' function module-wide and sets a dynamo flag: both go back
+        experts_fn, scalar = moe_module._run_experts_grouped_mm, torch._dynamo.config.capture_scalar_outputs
         try:
             rec = measure(name, "torchtitan", cfg, lambda: torchtitan_step(cfg, device, True), warmup, steps,
                           profile)
             recs.append(rec)
-            if not rec["ok"]:
+            if rec.get("compile_error"):  # torch.compile failed: the same model eager
+                moe_module._run_experts_grouped_mm = experts_fn
+                torch._dynamo.reset()
                 recs.append(measure(name, "torchtitan eager", cfg, lambda: torchtitan_step(cfg, device, False),
                                     warmup, steps, profile))
         finally:
+            moe_module._run_experts_grouped_mm = experts_fn
             torch._dynamo.config.capture_scalar_outputs = scalar
             torch._dynamo.reset()
     return recs
@@ -301,7 +330,9 @@ def measure(name, side, cfg, make, warmup, steps, profile=None) -> dict:
         del model, step
     except Exception as e:  # one failing side must not lose the others' numbers
         traceback.print_exc()
-        rec.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        rec.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                   refused=isinstance(e, PlanRefused),
+                   compile_error=isinstance(e, torch._dynamo.exc.TorchDynamoException))
         print(f"bench: {name} {side} FAILED: {rec['error']}", flush=True)
     free()
     return rec
@@ -339,7 +370,9 @@ def table(recs: list[dict]) -> str:
     for r in recs:
         m, mb, side = r["model"], r.get("grad_accum"), r["side"]
         if not r.get("ok"):
-            lines.append(f"| {m} | {mb} | {side} | failed: {r.get('error', '')[:80]} | | | | | | | |")
+            what = "refused" if r.get("refused") else "failed"
+            lines.append(f"| {m} | {mb} | {side} | {what}: {r.get('error', '')[:90].replace('|', '/')} "
+                         "| | | | | | | |")
             continue
         peer = side in ("transformers", "torchtitan", "torchtitan eager")
         fp8 = ok.get((m, mb, side.replace("+fp8", ""))) if "+fp8" in side else None
@@ -375,7 +408,7 @@ def main(argv=None) -> int:
     if args.fp8:  # the same step with FP8 expert GEMMs, timed in this run next to its bf16 twin
         variants.append(variants[0] + "+fp8")
     specs = {v: parse_variant(v) for v in variants}  # bad arguments stop here, before any timing
-    peers = [x for x in args.peers.split(",") if x]
+    peers = [x.strip() for x in args.peers.split(",") if x.strip()]
     if any(x not in PEERS for x in peers):
         raise SystemExit(f"bench: unknown peers in {args.peers!r} (known: {', '.join(PEERS)})")
     try:
@@ -404,7 +437,13 @@ def main(argv=None) -> int:
                 json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                            "layers": args.layers, "records": recs}, f, indent=1)
     print(table(recs), flush=True)
-    ours = [r for r in recs if r["side"] in specs]  # a peer that fails is a row, not a failed bench
+    return exit_status(recs, specs)
+
+
+def exit_status(recs: list[dict], variants) -> int:
+    """1 when a PithTrain side failed; a peer that fails and a side train.py would refuse (its
+    memory plan) are rows, not a failed bench."""
+    ours = [r for r in recs if r["side"] in variants and not r.get("refused")]
     return 0 if all(r.get("ok") for r in ours) else 1
 
 

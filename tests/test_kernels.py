@@ -191,6 +191,26 @@ def test_bench_variant_words_and_table():
     assert "| m | 1 | fused | 4.0K | 40.0% | 1.0 | 2.5 | - | 2.00x | - | - |" in out  # settings kept apart
 
 
+def test_bench_refuses_what_train_py_refuses_and_peers_do_not_fail_it():
+    """At 12 layers float32 masters fit one H200 for DeepSeek-V2-Lite and not for Qwen3 (the plan
+    train.py checks); such a side is a `refused` row, and neither it nor a failed peer fails the run."""
+    from pithtrain.bench import bench_config, exit_status, refused_by_plan, table
+
+    assert refused_by_plan(bench_config("deepseek-v2-lite", 12, 2, 4096, 1), 140.4) is None
+    why = refused_by_plan(bench_config("qwen3-30b-a3b", 12, 2, 4096, 1), 140.4)
+    assert why.startswith("train.py refuses it here: memory plan 137.") and "of 129.2 usable" in why, why
+    refused = {"model": "m", "side": "fused", "grad_accum": 1, "ok": False, "refused": True,
+               "error": "PlanRefused: " + why}
+    peer = {"model": "m", "side": "torchtitan", "grad_accum": 1, "ok": False, "error": "OutOfMemoryError: x | y"}
+    ok = {"model": "m", "side": "fused+bf16", "grad_accum": 1, "ok": True, "tokens_per_s": 1e3, "mfu": 0.1,
+          "peak_gb": 1.0, "step_ms": 1.0}
+    assert exit_status([refused, peer, ok], ["fused", "fused+bf16"]) == 0
+    assert exit_status([dict(refused, refused=False), peer, ok], ["fused", "fused+bf16"]) == 1
+    out = table([refused, peer, ok])
+    assert "| m | 1 | fused | refused: PlanRefused: train.py refuses it here" in out
+    assert "| m | 1 | torchtitan | failed: OutOfMemoryError: x / y |" in out  # a | in an error keeps the table
+
+
 def test_bench_torchtitan_missing_is_a_row(monkeypatch):
     """Where torchtitan is not installed, the bench says so in its row instead of dropping it."""
     import builtins

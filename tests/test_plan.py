@@ -328,7 +328,7 @@ def test_planned_peak_within_10_percent_of_measured(tmp_path):
 
     from pithtrain.train import train
     gpu_gib = torch.cuda.get_device_properties(0).total_memory / planner.GIB
-    bench = ["model.num_layers=4", "train.micro_batch_size=2", "train.seq_len=4096"]  # bench.bench_config
+    bench = ["model.num_layers=4", "train.micro_batch_size=2", "train.seq_len=4096"]  # the 4-layer bench line
     rows = []
     for name in GPU_RUNS:
         cfg = load_config(None if name == "default" else name, [

@@ -2,18 +2,20 @@
 
 torch's fused AdamW (`torch.optim.AdamW(fused=True)`, multi-tensor chunks) moves 14 B per bf16
 parameter (28 B in float32) at ~2.2 TB/s on the H200: 52 ms of a 12-layer Qwen3 step, a quarter
-of the step at one micro-batch (docs/perf-notes.md). This is the same update, element for element
-in the order torch's fused kernel applies it (float32 arithmetic, results stored in each tensor's
-dtype), one kernel launch per parameter streaming p, g, m, v once:
+of the step at one micro-batch (docs/perf-notes.md). This is the same update in the order torch's
+fused kernel applies it (float32 arithmetic, results stored in each tensor's dtype), one kernel
+launch per parameter streaming p, g, m, v once:
 
-    p  <- p - lr * wd * p
+    p  <- p - lr * wd * p                                   (when wd != 0)
     m  <- beta1 * m + (1 - beta1) * g
     v  <- beta2 * v + (1 - beta2) * g * g
     p  <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
 The step count t stays a float32 scalar on the parameter's device, as fused=True keeps it, and the
 kernel reads it there: no host synchronisation, and the state dict is torch's (checkpoints move
-between the two). Reference: torch.optim.AdamW (tests/test_kernels_gpu.py).
+between the two). The bias corrections are computed from t in float32 in the kernel, as torch's
+capturable AdamW does (its fused kernel uses double): in the first steps at beta2 = 0.999 the update
+differs by ~1e-5 relative. Reference: torch.optim.AdamW (tests/test_kernels_gpu.py).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ BLOCK = 4096
 
 @triton.jit
 def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, N, lr, wd, beta1, beta2, log_beta1, log_beta2, eps,
-                  BLOCK: tl.constexpr):
+                  DECAY: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -39,7 +41,8 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, N, lr, wd, beta1, beta2,
     t = tl.load(step_ptr)
     bc1 = 1.0 - tl.exp(t * log_beta1)
     bc2_sqrt = tl.sqrt(1.0 - tl.exp(t * log_beta2))
-    p = p - lr * wd * p
+    if DECAY:  # as torch: no decay term at all when wd == 0 (an inf weight stays inf, not nan)
+        p = p - lr * wd * p
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * g * g
     p = p - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
@@ -68,6 +71,7 @@ class AdamW(torch.optim.AdamW):
         # fused=True: the state dict policy of torch's fused AdamW (load_state_dict keeps `step` on
         # the parameter's device, where the kernel reads it); step() below is ours
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
+        self._step_supports_amp_scaling = False  # no grad_scale / found_inf: a GradScaler must not skip us
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -78,23 +82,28 @@ class AdamW(torch.optim.AdamW):
                 raise ValueError("kernels.adamw.AdamW: amsgrad, maximize and tensor lr are not supported")
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            todo = [p for p in group["params"] if p.grad is not None]
+            for p in todo:
                 st = self.state[p]
                 if not st:
                     st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif st["step"].device != p.device or st["step"].dtype != torch.float32:
+                    st["step"] = st["step"].to(p.device, torch.float32)  # a non-fused checkpoint's step
+            steps = [self.state[p]["step"] for p in todo]
+            if steps:
+                torch._foreach_add_(steps, 1)
+            for p, step in zip(todo, steps):
+                st = self.state[p]
                 ts = [_local(x) for x in (p, p.grad, st["exp_avg"], st["exp_avg_sq"])]
-                st["step"] += 1
                 if all(x.is_contiguous() for x in ts):
                     n = ts[0].numel()
-                    _adamw_kernel[(triton.cdiv(n, BLOCK),)](*ts, st["step"], n, lr, wd, beta1, beta2,
-                                                            _log(beta1), _log(beta2), eps,
-                                                            BLOCK=BLOCK, num_warps=8)
+                    _adamw_kernel[(triton.cdiv(n, BLOCK),)](*ts, step, n, lr, wd, beta1, beta2, _log(beta1),
+                                                            _log(beta2), eps, DECAY=wd != 0, BLOCK=BLOCK,
+                                                            num_warps=8)
                 else:
-                    torch._fused_adamw_([ts[0]], [ts[1]], [ts[2]], [ts[3]], [], [st["step"]], lr=lr,
+                    torch._fused_adamw_([ts[0]], [ts[1]], [ts[2]], [ts[3]], [], [step], lr=lr,
                                         beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False,
                                         maximize=False)
         return None
