@@ -4,7 +4,7 @@
 where installed) on the identical configuration, in one process, one table.
 
     python -m pithtrain.bench                                   # all families, default variants
-    python -m pithtrain.bench --models qwen3-30b-a3b --variants ref,fused+compile --grad-accum 1
+    python -m pithtrain.bench --models qwen3-30b-a3b --layers 4 --variants ref,fused+compile --grad-accum 1
     python -m pithtrain.bench --layers 4 --variants fused+compile,fused+compile+bf16 --peers transformers
     invoke bench
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (the lent H200): the bench for each "model=variants" argument and the GPU kernel
 # tests where the argument "tests" stands; full logs under $OUT, a short table last. Example:
-#   bash scripts/h200_perf.sh "qwen3-30b-a3b=ref,fused+compile" tests "gpt-oss-20b=fused+compile"
+#   BENCH_ARGS="--layers 4" bash scripts/h200_perf.sh "qwen3-30b-a3b=ref,fused+compile" tests "gpt-oss-20b=fused+compile"
 # Env: PROFILE=1 appends torch.profiler tables to $OUT/profile.txt; BENCH_TIMEOUT, TEST_TIMEOUT (s);
 # BENCH_ARGS: extra arguments for every bench run (e.g. "--grad-accum 4 --steps 8").
 set -u
