@@ -43,7 +43,7 @@ from pithtrain.config import load_config
 from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.distributed.parallelize import parallelize
 from pithtrain.kernels import fp8_linear
-from pithtrain.metrics import flops_per_token, peak_tflops
+from pithtrain.metrics import flops_per_token, param_counts, peak_tflops
 from pithtrain.models import build_model
 from pithtrain.models.common import set_aux_loss_scale, use_kernels
 from pithtrain.plan import plan
@@ -230,7 +230,7 @@ def torchtitan_step(cfg, device, compile: bool):
         args.attn_type, args.attn_mask_type = "sdpa", "causal"
     with torch.device("meta"):
         model = getattr(mod, cls)(args)
-        ours = sum(p.numel() for p in build_model(cfg.model, torch.device("meta")).parameters())
+        ours = param_counts(build_model(cfg.model, torch.device("meta")), cfg.model)[0]
     theirs = sum(p.numel() for p in model.parameters())
     if abs(theirs - ours) > 0.001 * ours:
         raise ValueError(f"torchtitan {package} {flavour!r} at {args.n_layers} layers has {theirs:,} "

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pithtrain.models.common import _local  # a DTensor's local shard: AdamW is elementwise
+
 BLOCK = 4096
 
 
@@ -55,12 +57,6 @@ def _log(beta: float) -> float:
     return math.log(beta) if beta > 0 else -math.inf  # beta^t = exp(t log beta); 0^t = 0
 
 
-def _local(t):
-    """A DTensor's local shard (FSDP, expert parallel): AdamW is elementwise, so each rank updates
-    what it holds."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 class AdamW(torch.optim.AdamW):
     """torch.optim.AdamW (same arguments, state and state dict) whose step runs `_adamw_kernel` on
     each CUDA parameter; a tensor the kernel cannot stream (not contiguous) takes torch's fused
@@ -82,6 +78,7 @@ class AdamW(torch.optim.AdamW):
                 raise ValueError("kernels.adamw.AdamW: amsgrad, maximize and tensor lr are not supported")
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
             beta1, beta2 = group["betas"]
+            log_beta1, log_beta2 = _log(beta1), _log(beta2)
             todo = [p for p in group["params"] if p.grad is not None]
             for p in todo:
                 st = self.state[p]
@@ -99,8 +96,8 @@ class AdamW(torch.optim.AdamW):
                 ts = [_local(x) for x in (p, p.grad, st["exp_avg"], st["exp_avg_sq"])]
                 if all(x.is_contiguous() for x in ts):
                     n = ts[0].numel()
-                    _adamw_kernel[(triton.cdiv(n, BLOCK),)](*ts, step, n, lr, wd, beta1, beta2, _log(beta1),
-                                                            _log(beta2), eps, DECAY=wd != 0, BLOCK=BLOCK,
+                    _adamw_kernel[(triton.cdiv(n, BLOCK),)](*ts, step, n, lr, wd, beta1, beta2, log_beta1,
+                                                            log_beta2, eps, DECAY=wd != 0, BLOCK=BLOCK,
                                                             num_warps=8)
                 else:
                     torch._fused_adamw_([ts[0]], [ts[1]], [ts[2]], [ts[3]], [], [step], lr=lr,
