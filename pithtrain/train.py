@@ -31,7 +31,7 @@ from pithtrain.distributed.context_parallel import split_batch
 from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.distributed import pipeline
 from pithtrain.distributed.parallelize import bf16_weights, materialize, parallelize, uses_bf16_weights
-from pithtrain.distributed.reductions import all_sum, balance_after_step, clip_grad_norm_
+from pithtrain.distributed.reductions import all_sum, balance_after_step, clip_coef, grad_norm, scale_grads_
 from pithtrain.kernels import fp8_linear
 from pithtrain.metrics import (StepLog, check_finite, flops_per_token, memory_gb, param_counts,
                                peak_tflops, phase)
@@ -161,8 +161,9 @@ def train_step(model, optimizer, scheduler, micro_batches, denom: float, cfg: Co
                autocast, runner=None, step: int = 0, metrics: bool = False) -> Step:
     """One optimizer step, the same for train() and the benchmark (bench.py): the micro-batches'
     forward and backward (through the pipeline schedule when `runner` is given), the global loss,
-    the gradient norm over every shard and its clip, the finite check (before the update: the
-    weights stay finite), AdamW, the FP8 weight copies dropped, the balancing update, the LR schedule.
+    the gradient norm over every shard, the finite check (before the update: the weights stay
+    finite), the clip and AdamW (one pass where the optimizer takes the clip's factor: kernels/adamw.py),
+    the FP8 weight copies dropped, the balancing update, the LR schedule.
     Under bf16 autocast without FSDP the micro-batches run on one bf16 copy of the weights made for
     the step, gradients accumulating in float32 (parallelize.bf16_weights)."""
     with bf16_weights(model, uses_bf16_weights(dims, autocast)):
@@ -170,17 +171,22 @@ def train_step(model, optimizer, scheduler, micro_batches, denom: float, cfg: Co
             loss_sum, n_tokens = forward_backward(model, micro_batches, denom, autocast)
         else:  # zero off the pipeline's last stage: the sum over ranks is right
             loss_sum, n_tokens = pipeline.run_step(runner, micro_batches, denom, cfg, dims, step)
-    grad_norm = clip_grad_norm_(model.parameters(), cfg.train.grad_clip, dims)  # waits for the backward
+    norm = grad_norm(model.parameters(), dims)  # waits for the backward
     loss_sum, n_tokens = all_sum([float(loss_sum), n_tokens], dims)
     loss = loss_sum / denom  # per target (labels -100 carry no loss)
-    check_finite(step + 1, loss=loss, grad_norm=grad_norm)
-    optimizer.step()
+    check_finite(step + 1, loss=loss, grad_norm=norm)
+    coef = clip_coef(norm, cfg.train.grad_clip)
+    if getattr(optimizer, "takes_grad_scale", False):  # kernels/adamw.py: the clip inside its one pass
+        optimizer.step(grad_scale=coef)
+    else:
+        scale_grads_(model.parameters(), coef)
+        optimizer.step()
     fp8_linear.next_step(model)  # the weights changed: FP8 copies are made again on first use
     routing = balance_after_step(model, dims, cfg.model, metrics=metrics)  # global load: bias, metrics
     optimizer.zero_grad(set_to_none=True)
     lr = scheduler.get_last_lr()[0]
     scheduler.step()
-    return Step(loss, grad_norm, lr, n_tokens, routing)
+    return Step(loss, norm, lr, n_tokens, routing)
 
 
 def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.Module]:
@@ -206,7 +212,7 @@ def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.
 
     model = build_model(cfg.model, init=False)  # meta: filled after parallelize (below), on any layout
     model.train()
-    use = kernels.configure(t.kernels, device, fp8=t.fp8)
+    use = kernels.configure(t.kernels, device, fp8=t.fp8, fsdp=dims.fsdp_enabled, bf16=dtype == torch.bfloat16)
     if dims.rank == 0:
         print(kernels.describe(use), flush=True)
     use_kernels(model, use)  # the model's own operators (models/common.py), before parallelize

@@ -168,10 +168,13 @@ def test_model_step_has_no_host_synchronisation(family):
     """Forward and backward of a micro-batch with the fused operators (what train.py runs between
     optimizer steps) never waits for the GPU: a host sync drains the queue and leaves the GPU idle
     while the CPU launches the next kernels (torch.bincount did, twice per MoE layer). The first
-    call, which makes masks and tunes kernels, runs outside the check."""
+    call, which makes masks and tunes kernels, runs outside the check; the checked ones add into
+    its gradients (bf16 parameters: kernels/wgrad.py's in-place expert weight gradient)."""
     from pithtrain.models.common import use_kernels
 
     model = small_model(family)
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
     use_kernels(model, kernels.configure("auto", "cuda"))
     x = torch.randint(0, 1000, (2, 512), device="cuda")
 
@@ -184,6 +187,7 @@ def test_model_step_has_no_host_synchronisation(family):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
+        step()
         step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -239,7 +243,8 @@ def check_triton_adamw(device, dtype, betas):
     and learning rate, two weight-decay groups (0.1 and 0), sizes not multiples of the block, a
     non-contiguous parameter (torch's kernel takes it), p, exp_avg and exp_avg_sq compared; after
     step 3 a fresh optimizer of each kind resumes from the other's state dict (checkpoints
-    interchange); a parameter without a gradient is left alone; build_optimizer wires it by `use`."""
+    interchange); steps 2 and 4 take a clip factor (grad_scale) that torch's gets premultiplied; a
+    parameter without a gradient is left alone; build_optimizer wires it by `use`."""
     from pithtrain.kernels.adamw import AdamW
 
     torch.manual_seed(0)
@@ -254,24 +259,29 @@ def check_triton_adamw(device, dtype, betas):
     kw = dict(lr=1e-2, betas=betas, eps=1e-8)
     opt, ref_opt = AdamW(groups(ours), **kw), torch.optim.AdamW(groups(ref), fused=True, **kw)
 
-    def step(o, ps, gs, lr):
+    def step(o, ps, gs, lr, scale):  # ours takes the clip's factor, torch's gets scaled gradients
         for p, g in zip(ps, gs):
             p.grad = g.clone() if g.is_contiguous() else g.t().clone().t()
+            if o is ref_opt:
+                p.grad.mul_(scale)
         for group in o.param_groups:
             group["lr"] = lr
-        o.step()
+        o.step(grad_scale=scale) if o is opt else o.step()
 
-    def close(a, b):  # fp32: the same to rounding; bf16: at most one rounding step apart per element
-        # (a GPU check: Triton's CPU interpreter truncates to bf16 instead of rounding to nearest)
+    def close(a, b):  # fp32: the same to rounding (the formula); bf16: stored state, so a rounding
+        # flip in one step carries into the next: a few rounding steps apart at most, and as close as
+        # bf16's unit roundoff overall (a GPU check: Triton's CPU interpreter truncates to bf16)
         if dtype == torch.float32:  # (values are O(1): 1e-6 absolute covers results near zero)
             return rel(a, b) < 2e-6
         a, b = a.double(), b.double()
-        return bool(((a - b).abs() <= torch.finfo(dtype).eps * b.abs() + 1e-6).all())
+        return bool(((a - b).abs() <= 4 * torch.finfo(dtype).eps * b.abs() + 1e-6).all()) and rel(a, b) < 4e-3
 
     for i, lr in enumerate([1e-2, 5e-3, 1e-3, 2e-3, 1e-3]):
         gs = [torch.randn_like(p) for p in ours]
-        step(opt, ours, gs, lr)
-        step(ref_opt, ref, gs, lr)
+        scale = 0.5 if i % 2 else 1.0  # a power of two: the same scaled gradient in both dtypes
+        step(opt, ours, gs, lr, scale)
+        step(ref_opt, ref, gs, lr, scale)
+        assert torch.equal(ours[1].grad, gs[1])  # the clip's factor is not written into the gradient
         for a, b in zip(ours, ref):
             assert close(a, b), (i, a.shape, rel(a, b))
             sa, sb = opt.state[a], ref_opt.state[b]
@@ -294,3 +304,87 @@ def check_triton_adamw(device, dtype, betas):
     model = torch.nn.Linear(4, 4, device=device)
     assert type(build_optimizer(model, cfg, torch.device(device), {"adamw": True})) is AdamW
     assert type(build_optimizer(model, cfg, torch.device(device), {"adamw": False})) is torch.optim.AdamW
+
+
+@pytest.mark.parametrize("E,D,N,rows", [(8, 256, 384, 3000), (128, 768, 2048, 65536), (32, 2880, 5760, 32768)])
+@pytest.mark.parametrize("target", [torch.bfloat16, torch.float32])
+def test_wgrad_kernel_adds_into_the_gradient(E, D, N, rows, target):
+    """kernels/wgrad.accumulate: grad[e] += x[rows of e]^T dy[rows of e] against float64, on uneven
+    groups with an empty one and unaligned starts; the expert shapes of the three families (Qwen3
+    w2, GPT-OSS w13) and a small one; bf16 and float32 gradients."""
+    from pithtrain.kernels.wgrad import accumulate
+
+    torch.manual_seed(0)
+    counts = torch.randint(0, 2 * rows // E, (E,))
+    counts[1] = 0
+    offs = counts.cumsum(0).to(torch.int32).cuda()
+    X = int(counts.sum())
+    x = torch.randn(X, D, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(X, N, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(E, D, N, device="cuda").to(target)
+    want = g.double() + torch.nn.functional.grouped_mm(x.t(), dy, offs=offs).double()  # bf16 out, fp32 acc
+    exact = g.double().clone()
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        exact[e] += x[start:end].double().t() @ dy[start:end].double()
+        start = end
+    before = g.clone()
+    accumulate(g, x, dy, offs)
+    assert torch.equal(g[1], before[1])  # the empty expert is left as it was
+    assert rel(g, exact) <= 1.2 * rel(want, exact) + 1e-6  # as close as torch's GEMM and add
+
+
+def _expert_grads(use_kernel: bool, split: bool, master: bool, micro_batches: int = 3):
+    """GroupedExperts' w13 and w2 gradients after `micro_batches` forward/backward passes with bf16
+    parameters (or parallelize.bf16_weights' copies of float32 masters), through the fused grouped
+    GEMM or the reference; split: the pipeline's input-only pass then the weight pass."""
+    from pithtrain.distributed.parallelize import bf16_weights
+
+    torch.manual_seed(0)
+    experts = common.GroupedExperts(8, 256, 192).cuda()
+    torch.nn.init.normal_(experts.w13_EDF2, std=0.05)
+    torch.nn.init.normal_(experts.w2_EFD, std=0.05)
+    if not master:
+        for p in experts.parameters():
+            p.data = p.data.bfloat16()
+    if use_kernel:
+        from pithtrain.kernels import wgrad
+        experts.mm = wgrad.grouped_mm
+    counts = torch.tensor([300, 0, 17, 211, 5, 400, 64, 3], device="cuda")
+    with bf16_weights(experts, master):
+        for i in range(micro_batches):
+            x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            dy = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = experts(x * 1, counts)
+            if split:
+                (dx,) = torch.autograd.grad(y, [x], dy, retain_graph=True)
+                assert all(p.grad is None for p in experts.parameters()) or i > 0
+                torch.autograd.backward(y, dy, inputs=list(experts.parameters()))
+            else:
+                y.backward(dy)
+                dx = x.grad
+            assert dx is not None and torch.isfinite(dx).all()
+    return experts.w13_EDF2.grad, experts.w2_EFD.grad
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("master", [False, True])
+def test_wgrad_grouped_mm_accumulates_like_autograd(split, master):
+    """kernels/wgrad.grouped_mm over 3 micro-batches against autograd's grouped GEMM + add_: the same
+    gradients (bf16 parameters, and float32 masters under bf16_weights, where the kernel adds into
+    the master's float32 .grad), also when the pipeline first asks for input gradients only (no
+    weight gradient may land then) and then for the weights."""
+    from pithtrain.kernels import wgrad
+
+    calls, accumulate = [], wgrad.accumulate
+    wgrad.accumulate = lambda g, *a: calls.append(g.dtype) or accumulate(g, *a)
+    try:
+        got = _expert_grads(True, split, master)
+    finally:
+        wgrad.accumulate = accumulate
+    want = torch.float32 if master else torch.bfloat16
+    assert calls == [want] * 4  # w13 and w2 in micro-batches 2 and 3; the first goes through autograd
+    ref = _expert_grads(False, False, master)
+    for g, r in zip(got, ref):  # (a gradient counted twice or missed is off by >= 1/3)
+        assert g.dtype == want and rel(g, r) < (5e-3 if master else 1e-2), rel(g, r)

@@ -65,14 +65,14 @@ def test_a_non_finite_gradient_stops_before_the_update(tiny_overrides, tmp_path,
     import pithtrain.train as train_mod
     from pithtrain.checkpoint.dcp import load_model_weights, resolve
     from pithtrain.models import build_model
-    real, calls = train_mod.clip_grad_norm_, []
+    real, calls = train_mod.grad_norm, []
 
     def nan_on_step_2(*args):
         calls.append(1)
         norm = real(*args)
         return float("nan") if len(calls) == 2 else norm
 
-    monkeypatch.setattr(train_mod, "clip_grad_norm_", nan_on_step_2)
+    monkeypatch.setattr(train_mod, "grad_norm", nan_on_step_2)
     overrides = [o for o in tiny_overrides if not o.startswith("train.steps")]
     assert main(overrides + ["train.steps=3", "checkpoint.every=1"]) == 1
     err = capsys.readouterr().err

@@ -121,6 +121,7 @@ def bf16_weights(model: nn.Module, on: bool = True):
         if id(p) not in copies:
             b = copies[id(p)] = nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
             if p.requires_grad:
+                b.master = p  # where kernels/wgrad.py adds the experts' gradients directly
                 b.register_post_accumulate_grad_hook(functools.partial(_into_master, p))
         mod._parameters[name] = copies[id(p)]
     try:
@@ -131,6 +132,8 @@ def bf16_weights(model: nn.Module, on: bool = True):
 
 
 def _into_master(master: torch.Tensor, b: torch.Tensor) -> None:
+    if b.grad is None:  # kernels/wgrad.py added this micro-batch's gradient into master.grad itself
+        return
     if master.grad is None:
         master.grad = b.grad.to(master.dtype)
     else:

@@ -33,9 +33,9 @@ def _comm_device():
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, dims) -> float:
-    """Global L2 norm of all gradients, then scale them by min(1, max_norm / (norm + 1e-6)) (the
-    rule of torch.nn.utils.clip_grad_norm_). Returns the norm before clipping.
+def grad_norm(params, dims) -> float:
+    """Global L2 norm of all gradients (train_step clips by `clip_coef` of it: the multiply is
+    `scale_grads_`, or inside the optimizer's own pass where it takes a grad_scale).
 
     Sharded gradients are DTensors on different meshes (dense on (dp, fsdp_cp), experts on
     (edp, efsdp, ep)), which one torch norm call cannot mix. Each rank sums the squares of its
@@ -61,12 +61,19 @@ def clip_grad_norm_(params, max_norm: float, dims) -> float:
     if dims.distributed:
         total = total.to(_comm_device())
         dist.all_reduce(total)
-    norm = math.sqrt(float(total))  # the host waits here for the backward: one synchronisation per step
-    if max_norm > 0:
-        coef = min(1.0, max_norm / (norm + 1e-6))
-        if coef < 1.0:
-            torch._foreach_mul_(local, coef)
-    return norm
+    return math.sqrt(float(total))  # the host waits here for the backward: one synchronisation per step
+
+
+def clip_coef(norm: float, max_norm: float) -> float:
+    """The rule of torch.nn.utils.clip_grad_norm_: scale by min(1, max_norm / (norm + 1e-6));
+    max_norm 0 turns clipping off."""
+    return min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
+
+
+def scale_grads_(params, coef: float) -> None:
+    if coef != 1.0:
+        grads = [p.grad for p in params if p.grad is not None]
+        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
 
 
 def _grad_device(grads):

@@ -10,6 +10,7 @@
 | plain causal attention | cuDNN-first SDPA (`common.attention`'s `sdpa_first`) | SDPA's own choice |
 | blockwise FP8 expert GEMMs (`train.fp8`) | `fp8.py` (Triton quantisation + scaled grouped GEMMs) | `fp8_linear.py` (autograd, weight cache, dequantise + fp32 matmul) |
 | AdamW (the optimizer step) | `adamw.py` (one Triton pass per parameter) | `torch.optim.AdamW(fused=True)` |
+| expert weight gradient over micro-batches | `wgrad.py` (Triton k-grouped GEMM adding into the gradient) | autograd's `F.grouped_mm` + `add_` |
 | same, through DeepGEMM (optional, not wired yet) | `deepgemm.py` (`load()`, FP8 m/k-grouped, bf16 m-grouped) | `fp8_linear.py`; `F.grouped_mm` |
 
 The policy is here, the choice lives in the model. `configure(mode, device, fp8, off)` returns which
@@ -20,7 +21,8 @@ choice into the model's own swappable attributes (the idiom `parallelize` uses f
 dispatcher), so two models in one process each run their own kernels and nothing global is read:
 
   GroupedExperts.mm       the grouped expert GEMM, (x_XD, w parameter, offs_E) -> y: common.grouped_mm,
-                          or a fp8_linear.FP8GroupedMM (one per experts module: it owns the weight cache)
+                          wgrad.grouped_mm (its weight gradient accumulates in place), or a
+                          fp8_linear.FP8GroupedMM (one per experts module: it owns the weight cache)
   GroupedExperts.swiglu, .bias_add   the activation and the per-expert bias add
   LocalDispatcher.fused   the Triton permute / unpermute
   <attention>.attention   functools.partial(common.attention, sdpa_first=, flex=) for every attention
@@ -51,20 +53,23 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128  # scale block: 1 x BLOCK for activations, BLOCK x BLOCK for weights
 
-NAMES = ("swiglu", "permute", "expert_bias", "linear_ce", "flex", "cudnn_sdpa", "fp8", "adamw")
+NAMES = ("swiglu", "permute", "expert_bias", "linear_ce", "flex", "cudnn_sdpa", "fp8", "adamw", "wgrad")
 
 
 def configure(mode: str = "auto", device: torch.device | str = "cuda", fp8: bool = False,
-              off: tuple = ()) -> dict:
+              off: tuple = (), fsdp: bool = False, bf16: bool = True) -> dict:
     """The operators a run uses (name -> on): mode "auto" (fastest available) or "torch"
     (references); `off` names operators to keep on their reference (the bench's `no-NAME`).
     `fp8` (train.fp8) routes the routed experts' GEMMs through fp8_linear; the trainer has
-    already refused it where it cannot run (train.check_runnable)."""
+    already refused it where it cannot run (train.check_runnable). `wgrad` needs bf16 compute
+    (`bf16`) and a gradient that outlives the micro-batch: not under FSDP (`fsdp`), which reduces
+    and frees it after each one, nor with FP8 experts (their own GEMM)."""
     cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
     auto = mode == "auto"
     triton_ok = auto and cuda and HAVE_TRITON
     use = dict(swiglu=triton_ok, permute=triton_ok, expert_bias=triton_ok, linear_ce=auto, flex=auto and cuda,
-               cudnn_sdpa=auto and cuda and torch.backends.cudnn.is_available(), fp8=fp8, adamw=triton_ok)
+               cudnn_sdpa=auto and cuda and torch.backends.cudnn.is_available(), fp8=fp8, adamw=triton_ok,
+               wgrad=triton_ok and bf16 and not fsdp and not fp8)
     return {k: v and k not in off for k, v in use.items()}
 
 

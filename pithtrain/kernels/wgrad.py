@@ -1,0 +1,125 @@
+"""The grouped expert GEMM whose weight gradient accumulates in place across micro-batches.
+
+With several micro-batches per optimizer step, autograd makes each micro-batch's expert weight
+gradient dw[e] = x[rows of e]^T dy[rows of e] as a new tensor (torch's grouped GEMM) and then adds
+it into p.grad: one more pass reading both and writing the sum. For the experts (most of the
+parameters) that pass was 82 ms of a 1224 ms Qwen3 12-layer step at 8 micro-batches
+(docs/perf-notes.md). Here the GEMM adds its result into the gradient itself (Megatron's
+gradient-accumulation fusion, for the k-grouped GEMM): a Triton kernel that loads each output tile
+of the existing gradient, adds its float32 products and stores it back.
+
+  first micro-batch  the gradient does not exist yet: autograd as before (torch's grouped GEMM
+                     makes it; post-accumulate hooks fire, e.g. parallelize.bf16_weights moving
+                     it into the float32 master)
+  later ones         the tensor the gradient accumulates into exists: p.grad, or under
+                     parallelize.bf16_weights its float32 master's .grad (`p.master`); the kernel
+                     adds into it (float32 arithmetic, one rounding to its dtype) and autograd gets
+                     None for the weight
+
+Only when this backward will accumulate the weight's gradient (torch._C._will_engine_execute_node
+on its AccumulateGrad node): the pipeline's input-only pass (autograd.grad w.r.t. the inputs) must
+not touch .grad, and then no weight gradient is computed at all; the weight pass computes no input
+gradient. Reference: models.common.grouped_mm (autograd of F.grouped_mm); tests/test_kernels_gpu.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.autograd.graph import get_gradient_edge
+
+from pithtrain.models.common import grouped_mm as reference_grouped_mm
+
+
+@triton.jit
+def _wgrad_accum_kernel(x_ptr, dy_ptr, c_ptr, offs_ptr, D, N, sx, sdy, sc_e, sc_d,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """c[e, m-tile, n-tile] += x[rows of e, m-tile]^T @ dy[rows of e, n-tile]; one program per
+    output tile, the experts on grid axis 1 (so one expert's rows stay in L2 for its tiles)."""
+    e = tl.program_id(1)
+    num_n = tl.cdiv(N, BN)
+    pm, pn = tl.program_id(0) // num_n, tl.program_id(0) % num_n
+    start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0).to(tl.int64)
+    end = tl.load(offs_ptr + e).to(tl.int64)
+    if end > start:  # an expert without rows leaves its gradient as it is
+        rm = pm * BM + tl.arange(0, BM)
+        rn = pn * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(start, end, BK):
+            rows = k + rk
+            in_k = rows < end
+            a = tl.load(x_ptr + rows[:, None] * sx + rm[None, :], mask=in_k[:, None] & (rm < D)[None, :], other=0.0)
+            b = tl.load(dy_ptr + rows[:, None] * sdy + rn[None, :], mask=in_k[:, None] & (rn < N)[None, :],
+                        other=0.0)
+            acc = tl.dot(tl.trans(a), b, acc)
+        c_ptrs = c_ptr + e.to(tl.int64) * sc_e + rm[:, None] * sc_d + rn[None, :]
+        c_mask = (rm < D)[:, None] & (rn < N)[None, :]
+        c = tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+        tl.store(c_ptrs, (c + acc).to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+# Tiles: the fastest of 8 configurations summed over the three families' expert shapes on the H200
+# (scripts/wgrad_probe.py; docs/perf-notes.md): 4 warps keep a float32 gradient tile's epilogue fast.
+BM, BN, BK, WARPS, STAGES = 128, 128, 64, 4, 3
+
+
+def accumulate(grad_EDN: torch.Tensor, x_XD: torch.Tensor, dy_XN: torch.Tensor, offs_E: torch.Tensor,
+               config: tuple = (BM, BN, BK, WARPS, STAGES)) -> None:
+    """grad[e] += x[rows of e]^T dy[rows of e] in place (rows sorted by expert, offs_E the
+    cumulative end row of each expert); grad float32 or bf16, contiguous."""
+    E, D, N = grad_EDN.shape
+    assert grad_EDN.is_contiguous() and x_XD.stride(1) == 1 and dy_XN.stride(1) == 1
+    bm, bn, bk, warps, stages = config
+    grid = (triton.cdiv(D, bm) * triton.cdiv(N, bn), E)
+    _wgrad_accum_kernel[grid](x_XD, dy_XN, grad_EDN, offs_E, D, N, x_XD.stride(0), dy_XN.stride(0),
+                              grad_EDN.stride(0), grad_EDN.stride(1), BM=bm, BN=bn, BK=bk,
+                              num_warps=warps, num_stages=stages)
+
+
+def _target(w: torch.Tensor) -> torch.Tensor | None:
+    """The gradient tensor w's gradient would be added into, when the kernel can add into it."""
+    g = getattr(w, "master", w).grad
+    ok = (g is not None and type(g) is torch.Tensor and g.is_cuda and g.is_contiguous()
+          and g.shape == w.shape and g.dtype in (torch.float32, torch.bfloat16))
+    return g if ok else None
+
+
+class _GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_XD, w_EDF, offs_E):
+        ctx.save_for_backward(x_XD, offs_E)
+        ctx.w = w_EDF  # the leaf parameter itself: its .grad (or its master's) is written in backward
+        ctx.nodes = (get_gradient_edge(x_XD).node if x_XD.requires_grad else None,
+                     get_gradient_edge(w_EDF).node if w_EDF.requires_grad else None)
+        return F.grouped_mm(x_XD, w_EDF, offs=offs_E)
+
+    @staticmethod
+    def backward(ctx, dy_XF):
+        x_XD, offs_E = ctx.saved_tensors
+        w, (x_node, w_node) = ctx.w, ctx.nodes
+        dy_XF = dy_XF.contiguous()
+        dx = dw = None
+        if x_node is not None and torch._C._will_engine_execute_node(x_node):
+            dx = F.grouped_mm(dy_XF, w.transpose(-2, -1), offs=offs_E)
+        if w_node is not None and torch._C._will_engine_execute_node(w_node):
+            g = _target(w)
+            if g is None:
+                dw = F.grouped_mm(x_XD.t(), dy_XF, offs=offs_E)
+            else:
+                accumulate(g, x_XD, dy_XF, offs_E)
+        return dx, dw, None
+
+
+def grouped_mm(x_XD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """models.common.grouped_mm (same signature and result) whose weight gradient accumulates in
+    place from the second micro-batch on, where the kernel applies: CUDA, bf16 rows, a plain bf16
+    parameter (bf16 parameters, or parallelize.bf16_weights' copies inside a step) and autograd on.
+    Elsewhere (evaluation without gradients, float32 weights outside a step, widths torch's grouped
+    GEMM cannot take) the reference: nothing accumulates there. kernels.configure turns it on only for runs whose steps meet these."""
+    if (torch.is_grad_enabled() and x_XD.is_cuda and x_XD.dtype == w_EDF.dtype == torch.bfloat16
+            and type(w_EDF) is torch.nn.Parameter and all(n % 8 == 0 for n in w_EDF.shape[1:])):
+        return _GroupedMM.apply(x_XD.contiguous(), w_EDF, offs_E.to(torch.int32))
+    return reference_grouped_mm(x_XD, w_EDF, offs_E)

@@ -1,0 +1,77 @@
+"""Expert weight-gradient accumulation on one GPU: kernels/wgrad.py's in-place Triton GEMM against
+what autograd does (torch's k-grouped `F.grouped_mm` making a bf16 gradient, then `add_` into the
+existing bf16 gradient, or into the float32 master's as parallelize.bf16_weights does), at the
+bench's expert shapes, for each tile configuration given.
+
+    python scripts/wgrad_probe.py [--configs 128,128,64,8,3 ...] [--json FILE]
+
+One row per shape, target dtype and configuration: milliseconds (CUDA events, median of 10 after 3
+warm-up runs), the ratio to autograd's two kernels, TFLOP/s of the GEMM part and the relative error
+against the float64 product added to the same gradient."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from pithtrain.bench import time_steps
+from pithtrain.kernels import wgrad
+
+SHAPES = {  # name: (experts, rows = 8192 tokens x top-k, D, N) of the weight gradient dw[e] (D x N)
+    "qwen3 w13": (128, 65536, 2048, 1536), "qwen3 w2": (128, 65536, 768, 2048),
+    "deepseek w13": (64, 49152, 2048, 2816), "deepseek w2": (64, 49152, 1408, 2048),
+    "gpt-oss w13": (32, 32768, 2880, 5760), "gpt-oss w2": (32, 32768, 2880, 2880),
+}
+
+
+def ms(fn):
+    return statistics.median(time_steps(fn, 3, 10)[0])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", nargs="*", default=["128,128,64,8,3"])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    configs = [tuple(int(v) for v in c.split(",")) for c in args.configs]
+    rows = []
+    for name, (E, X, D, N) in SHAPES.items():
+        torch.manual_seed(0)
+        counts = torch.multinomial(torch.ones(E), X, replacement=True).bincount(minlength=E)
+        offs = counts.cumsum(0).to(torch.int32).cuda()
+        x = torch.randn(X, D, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(X, N, device="cuda", dtype=torch.bfloat16) / 16
+        flop = 2 * X * D * N
+        gemm = ms(lambda: F.grouped_mm(x.t(), dy, offs=offs))
+        for dtype in (torch.bfloat16, torch.float32):
+            g = torch.zeros(E, D, N, device="cuda", dtype=dtype)
+            base = ms(lambda: g.add_(F.grouped_mm(x.t(), dy, offs=offs)))
+            ref = (F.grouped_mm(x.float().t(), dy.float(), offs=offs)).double() if D * N * E < 6e8 else None
+            for cfg in configs:
+                g.zero_()
+                try:
+                    wgrad.accumulate(g, x, dy, offs, config=cfg)
+                    err = float((g.double() - ref).norm() / ref.norm()) if ref is not None else float("nan")
+                    t = ms(lambda: wgrad.accumulate(g, x, dy, offs, config=cfg))
+                except Exception as e:  # a tile configuration the compiler refuses
+                    print(f"{name} {dtype} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                row = dict(shape=name, target=str(dtype).removeprefix("torch."), config=cfg, gemm_ms=gemm,
+                           autograd_ms=base, kernel_ms=t, ratio=base / t, kernel_tflops=flop / t / 1e9,
+                           gemm_tflops=flop / gemm / 1e9, rel_err=err)
+                rows.append(row)
+                print(f"{name:13s} {row['target']:8s} {str(cfg):22s} gemm {gemm:.3f} ({row['gemm_tflops']:.0f} TF/s)"
+                      f" | autograd {base:.3f} | kernel {t:.3f} ({row['kernel_tflops']:.0f} TF/s) "
+                      f"| {row['ratio']:.2f}x | err {err:.1e}", flush=True)
+            del g
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
