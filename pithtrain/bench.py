@@ -345,7 +345,7 @@ def profile_steps(step, path, title, n=3):
         for _ in range(n):
             step()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=90)
     with open(path, "a") as f:
         f.write(f"\n### {title} ({n} steps)\n{table}\n")
 

@@ -3,7 +3,9 @@ what autograd does (torch's k-grouped `F.grouped_mm` making a bf16 gradient, the
 existing bf16 gradient, or into the float32 master's as parallelize.bf16_weights does), at the
 bench's expert shapes, for each tile configuration given.
 
-    python scripts/wgrad_probe.py [--configs 128,128,64,8,3 ...] [--json FILE]
+    python scripts/wgrad_probe.py [--configs 128,128,64,4,3 ...] [--json FILE]
+
+(a configuration: BM, BN, BK, warps, stages; kernels/wgrad.py)
 
 One row per shape, target dtype and configuration: milliseconds (CUDA events, median of 10 after 3
 warm-up runs), the ratio to autograd's two kernels, TFLOP/s of the GEMM part and the relative error
@@ -34,7 +36,7 @@ def ms(fn):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", nargs="*", default=["128,128,64,8,3"])
+    ap.add_argument("--configs", nargs="*", default=["128,128,64,4,3"])
     ap.add_argument("--json")
     args = ap.parse_args()
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs]

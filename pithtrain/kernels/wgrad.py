@@ -61,7 +61,7 @@ def _wgrad_accum_kernel(x_ptr, dy_ptr, c_ptr, offs_ptr, D, N, sx, sdy, sc_e, sc_
         tl.store(c_ptrs, (c + acc).to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-# Tiles: the fastest of 8 configurations summed over the three families' expert shapes on the H200
+# Tiles: the fastest of 11 configurations summed over the three families' expert shapes on the H200
 # (scripts/wgrad_probe.py; docs/perf-notes.md): 4 warps keep a float32 gradient tile's epilogue fast.
 BM, BN, BK, WARPS, STAGES = 128, 128, 64, 4, 3
 
