@@ -13,7 +13,7 @@
 | expert weight gradient over micro-batches | `wgrad.py` (Triton k-grouped GEMM adding into the gradient) | autograd's `F.grouped_mm` + `add_` |
 | same, through DeepGEMM (optional, not wired yet) | `deepgemm.py` (`load()`, FP8 m/k-grouped, bf16 m-grouped) | `fp8_linear.py`; `F.grouped_mm` |
 
-The policy is here, the choice lives in the model. `configure(mode, device, fp8, off)` returns which
+The policy is here, the choice lives in the model. `configure(mode, device, fp8, off, fsdp, bf16)` returns which
 operators a run uses (name -> on) from the recipe's `train.kernels` ("auto": every fused operator
 whose requirements are met; "torch": none) and what is installed; `describe(use)` is the line the
 trainer and the bench print at start-up. `models.common.use_kernels(model, use)` then resolves the

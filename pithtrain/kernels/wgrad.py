@@ -16,10 +16,13 @@ of the existing gradient, adds its float32 products and stores it back.
                      adds into it (float32 arithmetic, one rounding to its dtype) and autograd gets
                      None for the weight
 
-Only when this backward will accumulate the weight's gradient (torch._C._will_engine_execute_node
-on its AccumulateGrad node): the pipeline's input-only pass (autograd.grad w.r.t. the inputs) must
-not touch .grad, and then no weight gradient is computed at all; the weight pass computes no input
-gradient. Reference: models.common.grouped_mm (autograd of F.grouped_mm); tests/test_kernels_gpu.py.
+Each gradient only when the engine wants it (torch._C._will_engine_execute_node), and the in-place
+add only in a .backward() that will accumulate the weight's gradient: the pipeline's input-only pass
+(DualPipeV's B: autograd.grad w.r.t. the phase's inputs, which may be leaves) computes no weight
+gradient and leaves .grad alone, its weight pass (.backward(inputs=params)) computes no input
+gradient, and autograd.grad w.r.t. the weight returns it as usual. Reference: models.common.grouped_mm
+(autograd of F.grouped_mm), passed in by use_kernels (this module imports no model code);
+tests/test_kernels_gpu.py.
 """
 
 from __future__ import annotations
@@ -29,8 +32,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch.autograd.graph import get_gradient_edge
-
-from pithtrain.models.common import grouped_mm as reference_grouped_mm
 
 
 @triton.jit
@@ -87,39 +88,56 @@ def _target(w: torch.Tensor) -> torch.Tensor | None:
     return g if ok else None
 
 
+def _will_run(node) -> bool:
+    return torch._C._will_engine_execute_node(node)
+
+
 class _GroupedMM(torch.autograd.Function):
+    """x and w come in as views made for this call (grouped_mm), so their nodes are never leaves:
+    the engine answers whether each gradient is wanted in every kind of backward. `param` (in a
+    tuple: not an autograd input) is the parameter itself, whose AccumulateGrad node tells
+    .backward() (it may accumulate) from autograd.grad() (it raises there: gradients are returned)."""
+
     @staticmethod
-    def forward(ctx, x_XD, w_EDF, offs_E):
+    def forward(ctx, x_XD, w_EDF, offs_E, param):
+        (p,) = param
         ctx.save_for_backward(x_XD, offs_E)
-        ctx.w = w_EDF  # the leaf parameter itself: its .grad (or its master's) is written in backward
+        ctx.w = p  # its .grad (or its master's) is written in backward
         ctx.nodes = (get_gradient_edge(x_XD).node if x_XD.requires_grad else None,
-                     get_gradient_edge(w_EDF).node if w_EDF.requires_grad else None)
+                     get_gradient_edge(w_EDF).node if w_EDF.requires_grad else None,
+                     get_gradient_edge(p).node if p.requires_grad else None)
         return F.grouped_mm(x_XD, w_EDF, offs=offs_E)
 
     @staticmethod
     def backward(ctx, dy_XF):
         x_XD, offs_E = ctx.saved_tensors
-        w, (x_node, w_node) = ctx.w, ctx.nodes
+        w, (x_node, w_node, acc_node) = ctx.w, ctx.nodes
         dy_XF = dy_XF.contiguous()
         dx = dw = None
-        if x_node is not None and torch._C._will_engine_execute_node(x_node):
+        if x_node is not None and _will_run(x_node):
             dx = F.grouped_mm(dy_XF, w.transpose(-2, -1), offs=offs_E)
-        if w_node is not None and torch._C._will_engine_execute_node(w_node):
-            g = _target(w)
+        if w_node is not None and _will_run(w_node):
+            try:
+                accumulates = _will_run(acc_node)  # .backward(): AccumulateGrad adds into .grad
+            except RuntimeError:  # autograd.grad(): the gradient is returned, .grad stays untouched
+                accumulates = False
+            g = _target(w) if accumulates else None
             if g is None:
                 dw = F.grouped_mm(x_XD.t(), dy_XF, offs=offs_E)
             else:
                 accumulate(g, x_XD, dy_XF, offs_E)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
-def grouped_mm(x_XD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """models.common.grouped_mm (same signature and result) whose weight gradient accumulates in
-    place from the second micro-batch on, where the kernel applies: CUDA, bf16 rows, a plain bf16
-    parameter (bf16 parameters, or parallelize.bf16_weights' copies inside a step) and autograd on.
-    Elsewhere (evaluation without gradients, float32 weights outside a step, widths torch's grouped
-    GEMM cannot take) the reference: nothing accumulates there. kernels.configure turns it on only for runs whose steps meet these."""
+def grouped_mm(x_XD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor, *, reference) -> torch.Tensor:
+    """`reference` (models.common.grouped_mm, bound by use_kernels) with the same result, whose
+    weight gradient accumulates in place from the second micro-batch on, where the kernel applies:
+    CUDA, bf16 rows, a plain bf16 parameter (bf16 parameters, or parallelize.bf16_weights' copies
+    inside a step) and autograd on. Elsewhere (evaluation without gradients, float32 weights outside
+    a step, widths torch's grouped GEMM cannot take) the reference itself: nothing accumulates there.
+    kernels.configure turns it on only for runs whose steps meet these."""
     if (torch.is_grad_enabled() and x_XD.is_cuda and x_XD.dtype == w_EDF.dtype == torch.bfloat16
             and type(w_EDF) is torch.nn.Parameter and all(n % 8 == 0 for n in w_EDF.shape[1:])):
-        return _GroupedMM.apply(x_XD.contiguous(), w_EDF, offs_E.to(torch.int32))
-    return reference_grouped_mm(x_XD, w_EDF, offs_E)
+        x_XD = x_XD.contiguous()
+        return _GroupedMM.apply(x_XD.view_as(x_XD), w_EDF.view_as(w_EDF), offs_E.to(torch.int32), (w_EDF,))
+    return reference(x_XD, w_EDF, offs_E)

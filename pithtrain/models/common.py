@@ -542,7 +542,7 @@ def use_kernels(model: nn.Module, use: dict) -> nn.Module:
             m.mm = FP8GroupedMM() if use["fp8"] else grouped_mm  # each its own FP8 weight cache
             if use["wgrad"]:
                 from pithtrain.kernels.wgrad import grouped_mm as accumulating_grouped_mm
-                m.mm = accumulating_grouped_mm
+                m.mm = functools.partial(accumulating_grouped_mm, reference=grouped_mm)
             m.swiglu, m.bias_add = swiglu, add_expert_bias
             if use["swiglu"]:
                 from pithtrain.kernels.swiglu import swiglu as fused_swiglu
