@@ -1,11 +1,11 @@
-"""Expert weight-gradient accumulation on one GPU: kernels/wgrad.py's in-place Triton GEMM against
+"""Expert weight-gradient accumulation on one GPU: kernels/wgrad_triton.py's in-place GEMM against
 what autograd does (torch's k-grouped `F.grouped_mm` making a bf16 gradient, then `add_` into the
 existing bf16 gradient, or into the float32 master's as parallelize.bf16_weights does), at the
 bench's expert shapes, for each tile configuration given.
 
     python scripts/wgrad_probe.py [--configs 128,128,64,4,3 ...] [--json FILE]
 
-(a configuration: BM, BN, BK, warps, stages; kernels/wgrad.py)
+(a configuration: BM, BN, BK, warps, stages; kernels/wgrad_triton.py)
 
 One row per shape, target dtype and configuration: milliseconds (CUDA events, median of 10 after 3
 warm-up runs), the ratio to autograd's two kernels, TFLOP/s of the GEMM part and the relative error
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pithtrain.bench import time_steps
-from pithtrain.kernels import wgrad
+from pithtrain.kernels.wgrad_triton import add_kgrouped
 
 SHAPES = {  # name: (experts, rows = 8192 tokens x top-k, D, N) of the weight gradient dw[e] (D x N)
     "qwen3 w13": (128, 65536, 2048, 1536), "qwen3 w2": (128, 65536, 768, 2048),
@@ -56,9 +56,9 @@ def main():
             for cfg in configs:
                 g.zero_()
                 try:
-                    wgrad.accumulate(g, x, dy, offs, config=cfg)
+                    add_kgrouped(g, x, dy, offs, config=cfg)
                     err = float((g.double() - ref).norm() / ref.norm()) if ref is not None else float("nan")
-                    t = ms(lambda: wgrad.accumulate(g, x, dy, offs, config=cfg))
+                    t = ms(lambda: add_kgrouped(g, x, dy, offs, config=cfg))
                 except Exception as e:  # a tile configuration the compiler refuses
                     print(f"{name} {dtype} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue

@@ -315,10 +315,10 @@ def check_triton_adamw(device, dtype, betas):
 @pytest.mark.parametrize("E,D,N,rows", [(8, 256, 384, 3000), (128, 768, 2048, 65536), (32, 2880, 5760, 32768)])
 @pytest.mark.parametrize("target", [torch.bfloat16, torch.float32])
 def test_wgrad_kernel_adds_into_the_gradient(E, D, N, rows, target):
-    """kernels/wgrad.accumulate: grad[e] += x[rows of e]^T dy[rows of e] against float64, on uneven
+    """kernels/wgrad_triton.add_kgrouped: grad[e] += x[rows of e]^T dy[rows of e] against float64, on uneven
     groups with an empty one and unaligned starts; the expert shapes of the three families (Qwen3
     w2, GPT-OSS w13) and a small one; bf16 and float32 gradients."""
-    from pithtrain.kernels.wgrad import accumulate
+    from pithtrain.kernels.wgrad_triton import add_kgrouped
 
     torch.manual_seed(0)
     counts = torch.randint(0, 2 * rows // E, (E,))
@@ -335,7 +335,7 @@ def test_wgrad_kernel_adds_into_the_gradient(E, D, N, rows, target):
         exact[e] += x[start:end].double().t() @ dy[start:end].double()
         start = end
     before = g.clone()
-    accumulate(g, x, dy, offs)
+    add_kgrouped(g, x, dy, offs)
     assert torch.equal(g[1], before[1])  # the empty expert is left as it was
     if target == torch.float32:  # products added in float32: no bf16 rounding of dw on the way
         assert rel(g, exact) < 1e-5 < rel(want, exact), (rel(g, exact), rel(want, exact))

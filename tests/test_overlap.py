@@ -120,6 +120,55 @@ def test_phased_full_and_split_backward_match_the_model(family):
         check_grads(grads(model), ref)
 
 
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_in_place_expert_weight_gradients_match_autograd(family, monkeypatch):
+    """kernels/wgrad.grouped_mm (the experts' weight gradients added into .grad from the second
+    micro-batch on; on CPU, float32, the reference's GEMM and add stand in for the Triton kernel)
+    gives autograd's gradients through the model's forward, the phases' full backward and the
+    pipeline's B then W (B, on the phases' leaf inputs, adds nothing to .grad); autograd.grad w.r.t.
+    the expert weights returns them and leaves .grad alone. The kernel: tests/test_kernels_gpu.py."""
+    import functools
+
+    from pithtrain.kernels import wgrad
+    from pithtrain.models.common import GroupedExperts, grouped_mm
+
+    model = build(family)
+    mbs = [batch(0, model.cfg.vocab_size), batch(1, model.cfg.vocab_size)]
+    _, ref = reference(model, mbs)
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    for m in experts:
+        m.mm = functools.partial(wgrad.grouped_mm, reference=grouped_mm)
+    calls, add = [], wgrad.accumulate
+    monkeypatch.setattr(wgrad, "accumulate", lambda g, *a: calls.append(g.shape) or add(g, *a))
+    _, got = reference(model, mbs)
+    check_grads(got, ref)
+    assert len(calls) == 2 * len(experts)  # w13 and w2, second micro-batch
+    for split in (False, True):
+        model.zero_grad()
+        calls.clear()
+        runs = []
+        for x, y in mbs:
+            runs.append(run_chunk(model, x, y))
+            overlap.backward(runs[-1], torch.tensor(1 / 100), input_only=split)
+        if split:
+            assert all(p.grad is None for p in model.parameters()) and not calls
+            for run in runs:
+                overlap.weight_backward(run)
+        check_grads(grads(model), ref)
+        assert len(calls) == 2 * len(experts)
+    ws = [w for m in experts for w in (m.w13_EDF2, m.w2_EFD)]
+    x, y = mbs[0]
+    for w in ws:
+        w.grad = torch.zeros_like(w)
+    got = torch.autograd.grad(model(x, labels_BS=y), ws)
+    for m in experts:
+        m.mm = grouped_mm
+    want = torch.autograd.grad(model(x, labels_BS=y), ws)
+    for g, r, w in zip(got, want, ws):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+        assert not w.grad.any()
+
+
 def overlapped_step(model, streams):
     """F(mb0); F(mb1) overlapped with BW(mb0); BW(mb1)."""
     model.zero_grad()

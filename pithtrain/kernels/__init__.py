@@ -10,7 +10,7 @@
 | plain causal attention | cuDNN-first SDPA (`common.attention`'s `sdpa_first`) | SDPA's own choice |
 | blockwise FP8 expert GEMMs (`train.fp8`) | `fp8.py` (Triton quantisation + scaled grouped GEMMs) | `fp8_linear.py` (autograd, weight cache, dequantise + fp32 matmul) |
 | AdamW (the optimizer step) | `adamw.py` (one Triton pass per parameter) | `torch.optim.AdamW(fused=True)` |
-| expert weight gradient over micro-batches | `wgrad.py` (Triton k-grouped GEMM adding into the gradient) | autograd's `F.grouped_mm` + `add_` |
+| expert weight gradient over micro-batches | `wgrad.py` (autograd), `wgrad_triton.py` (k-grouped GEMM adding into the gradient) | autograd's `F.grouped_mm` + `add_` |
 | same, through DeepGEMM (optional, not wired yet) | `deepgemm.py` (`load()`, FP8 m/k-grouped, bf16 m-grouped) | `fp8_linear.py`; `F.grouped_mm` |
 
 The policy is here, the choice lives in the model. `configure(mode, device, fp8, off, fsdp, bf16)` returns which

@@ -5,8 +5,8 @@ gradient dw[e] = x[rows of e]^T dy[rows of e] as a new tensor (torch's grouped G
 it into p.grad: one more pass reading both and writing the sum. For the experts (most of the
 parameters) that pass was 82 ms of a 1224 ms Qwen3 12-layer step at 8 micro-batches
 (docs/perf-notes.md). Here the GEMM adds its result into the gradient itself (Megatron's
-gradient-accumulation fusion, for the k-grouped GEMM): a Triton kernel that loads each output tile
-of the existing gradient, adds its float32 products and stores it back.
+gradient-accumulation fusion, for the k-grouped GEMM): a Triton kernel (wgrad_triton.py) that loads
+each output tile of the existing gradient, adds its float32 products and stores it back.
 
   first micro-batch  the gradient does not exist yet: autograd as before (torch's grouped GEMM
                      makes it; post-accumulate hooks fire, e.g. parallelize.bf16_weights moving
@@ -29,61 +29,29 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from torch.autograd.graph import get_gradient_edge
 
+try:
+    from pithtrain.kernels.wgrad_triton import add_kgrouped
 
-@triton.jit
-def _wgrad_accum_kernel(x_ptr, dy_ptr, c_ptr, offs_ptr, D, N, sx, sdy, sc_e, sc_d,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """c[e, m-tile, n-tile] += x[rows of e, m-tile]^T @ dy[rows of e, n-tile]; one program per
-    output tile, the experts on grid axis 1 (so one expert's rows stay in L2 for its tiles)."""
-    e = tl.program_id(1)
-    num_n = tl.cdiv(N, BN)
-    pm, pn = tl.program_id(0) // num_n, tl.program_id(0) % num_n
-    start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0).to(tl.int64)
-    end = tl.load(offs_ptr + e).to(tl.int64)
-    if end > start:  # an expert without rows leaves its gradient as it is
-        rm = pm * BM + tl.arange(0, BM)
-        rn = pn * BN + tl.arange(0, BN)
-        rk = tl.arange(0, BK)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(start, end, BK):
-            rows = k + rk
-            in_k = rows < end
-            a = tl.load(x_ptr + rows[:, None] * sx + rm[None, :], mask=in_k[:, None] & (rm < D)[None, :], other=0.0)
-            b = tl.load(dy_ptr + rows[:, None] * sdy + rn[None, :], mask=in_k[:, None] & (rn < N)[None, :],
-                        other=0.0)
-            acc = tl.dot(tl.trans(a), b, acc)
-        c_ptrs = c_ptr + e.to(tl.int64) * sc_e + rm[:, None] * sc_d + rn[None, :]
-        c_mask = (rm < D)[:, None] & (rn < N)[None, :]
-        c = tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
-        tl.store(c_ptrs, (c + acc).to(c_ptr.dtype.element_ty), mask=c_mask)
+    _HAVE_TRITON = True
+except ImportError:  # no Triton (CPU machines): `accumulate` adds with torch's GEMM
+    _HAVE_TRITON = False
 
 
-# Tiles: the fastest of 11 configurations summed over the three families' expert shapes on the H200
-# (scripts/wgrad_probe.py; docs/perf-notes.md): 4 warps keep a float32 gradient tile's epilogue fast.
-BM, BN, BK, WARPS, STAGES = 128, 128, 64, 4, 3
-
-
-def accumulate(grad_EDN: torch.Tensor, x_XD: torch.Tensor, dy_XN: torch.Tensor, offs_E: torch.Tensor,
-               config: tuple = (BM, BN, BK, WARPS, STAGES)) -> None:
-    """grad[e] += x[rows of e]^T dy[rows of e] in place (rows sorted by expert, offs_E the
-    cumulative end row of each expert); grad float32 or bf16, contiguous."""
-    E, D, N = grad_EDN.shape
-    assert grad_EDN.is_contiguous() and x_XD.stride(1) == 1 and dy_XN.stride(1) == 1
-    bm, bn, bk, warps, stages = config
-    grid = (triton.cdiv(D, bm) * triton.cdiv(N, bn), E)
-    _wgrad_accum_kernel[grid](x_XD, dy_XN, grad_EDN, offs_E, D, N, x_XD.stride(0), dy_XN.stride(0),
-                              grad_EDN.stride(0), grad_EDN.stride(1), BM=bm, BN=bn, BK=bk,
-                              num_warps=warps, num_stages=stages)
+def accumulate(grad_EDN: torch.Tensor, x_XD: torch.Tensor, dy_XN: torch.Tensor, offs_E: torch.Tensor) -> None:
+    """grad[e] += x[rows of e]^T dy[rows of e] in place: the Triton kernel on CUDA; elsewhere (CPU,
+    float32: the tests of the autograd logic) the reference's GEMM and add."""
+    if grad_EDN.is_cuda and _HAVE_TRITON:
+        add_kgrouped(grad_EDN, x_XD, dy_XN, offs_E)
+    else:
+        grad_EDN.add_(F.grouped_mm(x_XD.t(), dy_XN, offs=offs_E))
 
 
 def _target(w: torch.Tensor) -> torch.Tensor | None:
     """The gradient tensor w's gradient would be added into, when the kernel can add into it."""
     g = getattr(w, "master", w).grad
-    ok = (g is not None and type(g) is torch.Tensor and g.is_cuda and g.is_contiguous()
+    ok = (g is not None and type(g) is torch.Tensor and g.device == w.device and g.is_contiguous()
           and g.shape == w.shape and g.dtype in (torch.float32, torch.bfloat16))
     return g if ok else None
 
@@ -133,11 +101,13 @@ def grouped_mm(x_XD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor, *,
     """`reference` (models.common.grouped_mm, bound by use_kernels) with the same result, whose
     weight gradient accumulates in place from the second micro-batch on, where the kernel applies:
     CUDA, bf16 rows, a plain bf16 parameter (bf16 parameters, or parallelize.bf16_weights' copies
-    inside a step) and autograd on. Elsewhere (evaluation without gradients, float32 weights outside
-    a step, widths torch's grouped GEMM cannot take) the reference itself: nothing accumulates there.
-    kernels.configure turns it on only for runs whose steps meet these."""
-    if (torch.is_grad_enabled() and x_XD.is_cuda and x_XD.dtype == w_EDF.dtype == torch.bfloat16
-            and type(w_EDF) is torch.nn.Parameter and all(n % 8 == 0 for n in w_EDF.shape[1:])):
+    inside a step) and autograd on; also CPU float32, for the tests of the autograd logic. Elsewhere
+    (evaluation without gradients, float32 weights outside a step, widths torch's grouped GEMM
+    cannot take) the reference itself: nothing accumulates there. kernels.configure turns it on
+    only for CUDA runs whose steps meet these."""
+    dtype_ok = x_XD.dtype == w_EDF.dtype == (torch.bfloat16 if x_XD.is_cuda else torch.float32)
+    if (torch.is_grad_enabled() and dtype_ok and type(w_EDF) is torch.nn.Parameter
+            and all(n % 8 == 0 for n in w_EDF.shape[1:])):
         x_XD = x_XD.contiguous()
         return _GroupedMM.apply(x_XD.view_as(x_XD), w_EDF.view_as(w_EDF), offs_E.to(torch.int32), (w_EDF,))
     return reference(x_XD, w_EDF, offs_E)
