@@ -551,3 +551,7 @@ def test_stats_counts_code_lines():
     r = _invoke("stats")
     assert r.returncode == 0 and "pithtrain " in r.stdout
     assert r.stdout.splitlines()[-1].startswith("total")
+    src = "\n".join(['"""Module docstring,', 'two lines."""', "", "import os  # code", "# a comment", "",
+                     "class A:", '    """Doc."""', "", "    def f(self):", '        """Doc', '        more."""',
+                     '        s = """not a docstring"""', "        return s", ""])
+    assert ap.code_lines(src) == 5  # import, class, def, s = ..., return

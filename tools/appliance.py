@@ -339,14 +339,28 @@ def check_loss(metrics_jsonl: str | Path, window: int = 5) -> tuple[bool, str]:
     return ok, f"{verdict}: mean loss first {window} {first:.4f} -> last {window} {last:.4f}"
 
 
+def code_lines(source: str) -> int:
+    """Python lines that are code: not blank, not a comment, not part of a docstring (the unit of
+    STYLE.md's budget)."""
+    import ast
+
+    docs = set()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
+            first = body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                docs.update(range(first.lineno, first.end_lineno + 1))
+    return sum(1 for i, line in enumerate(source.splitlines(), 1)
+               if i not in docs and line.strip() and not line.lstrip().startswith("#"))
+
+
 def count_lines(root: str | Path) -> dict[str, int]:
-    """Non-blank, non-comment Python lines per folder under root (the growth budget)."""
+    """Code lines (`code_lines`) per folder under root: the growth budget."""
     counts: dict[str, int] = {}
     for f in sorted(Path(root).rglob("*.py")):
-        n = sum(1 for line in f.read_text().splitlines()
-                if line.strip() and not line.lstrip().startswith("#"))
         key = str(f.parent.relative_to(Path(root).parent))
-        counts[key] = counts.get(key, 0) + n
+        counts[key] = counts.get(key, 0) + code_lines(f.read_text())
     return counts
 
 
