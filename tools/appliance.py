@@ -341,7 +341,7 @@ def check_loss(metrics_jsonl: str | Path, window: int = 5) -> tuple[bool, str]:
 
 def code_lines(source: str) -> int:
     """Python lines that are code: not blank, not a comment, not part of a docstring (the unit of
-    STYLE.md's budget)."""
+    the package's size budget, AGENTS.md rule 9)."""
     import ast
 
     docs = set()
