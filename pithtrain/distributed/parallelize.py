@@ -34,7 +34,6 @@ mean over efsdp would divide by the wrong count.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import torch.distributed as dist
@@ -121,8 +120,8 @@ def bf16_weights(model: nn.Module, on: bool = True):
         if id(p) not in copies:
             b = copies[id(p)] = nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
             if p.requires_grad:
-                b.master = p  # where kernels/wgrad.py adds the experts' gradients directly
-                b.register_post_accumulate_grad_hook(functools.partial(_into_master, p))
+                b.master = p  # where _into_master, and kernels/wgrad.py directly, add its gradients
+                b.register_post_accumulate_grad_hook(_into_master)
         mod._parameters[name] = copies[id(p)]
     try:
         yield
@@ -131,9 +130,10 @@ def bf16_weights(model: nn.Module, on: bool = True):
             mod._parameters[name] = p
 
 
-def _into_master(master: torch.Tensor, b: torch.Tensor) -> None:
+def _into_master(b: torch.Tensor) -> None:
     if b.grad is None:  # kernels/wgrad.py added this micro-batch's gradient into master.grad itself
         return
+    master = b.master
     if master.grad is None:
         master.grad = b.grad.to(master.dtype)
     else:

@@ -8,7 +8,7 @@ order_X (the stable sort of the T*A routed slots by expert) and its inverse inv_
     permute:    x_XD[i]  = x_TD[order_X[i] // A]                          (index_select)
       backward: dx_TD[t] = sum_a dx_XD[inv_TA[t, a]]                       (gather-sum)
     unpermute:  y_TD[t]  = sum_a w_TA[t, a] * y_XD[inv_TA[t, a]]           (gather-sum, fp32 accumulate)
-      backward: dy_XD[i] = w[order_X[i]] * dy_TD[order_X[i] // A]          (gather-scale, one pass)
+      backward: dy_XD[i] = w[order_X[i]] * dy_TD[order_X[i] // A]          (gather-sum of one row)
                 dw_TA[t, a] = <dy_TD[t], y_XD[inv_TA[t, a]]>               (gather-dot)
 
 so results are deterministic and each output row is written once.
@@ -47,30 +47,6 @@ def _gather_dot(g_ptr, src_ptr, idx_ptr, out_ptr, D, A: tl.constexpr, BLOCK: tl.
         i = tl.load(idx_ptr + t * A + a).to(tl.int64)
         row = tl.load(src_ptr + i * D + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * A + a, tl.sum(g * row, axis=0).to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _gather_scale(src_ptr, order_ptr, w_ptr, out_ptr, D, A: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < D
-    slot = tl.load(order_ptr + i).to(tl.int64)
-    w = tl.load(w_ptr + slot).to(out_ptr.dtype.element_ty).to(tl.float32)  # as w.to(dy's dtype) * row
-    row = tl.load(src_ptr + (slot // A) * D + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + i * D + cols, (row * w).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def gather_scale(src_TD, order_X, w_TA):
-    """out[i] = w[order[i]] * src[order[i] // A] (w rounded to src's dtype first, as the reference's
-    index_select and multiply): one pass writing each row once."""
-    T, A = w_TA.shape
-    D = src_TD.shape[1]
-    out = src_TD.new_empty(order_X.numel(), D)
-    if order_X.numel():
-        b = min(triton.next_power_of_2(D), 2048)
-        _gather_scale[(order_X.numel(), triton.cdiv(D, b))](src_TD, order_X, w_TA, out, D, A, BLOCK=b,
-                                                            num_warps=4 if b <= 1024 else 8)
-    return out
 
 
 def gather_sum(src_XD, idx_TA, w_TA=None):
@@ -126,7 +102,8 @@ class _Unpermute(torch.autograd.Function):
     def backward(ctx, g_TD):
         y_XD, w_TA, order_X, inv_TA = ctx.saved_tensors
         g_TD = g_TD.contiguous()
-        dy_XD = gather_scale(g_TD, order_X, w_TA)
+        A = inv_TA.shape[1]  # one source row per output row, scaled by its weight (in g's dtype, as w * g)
+        dy_XD = gather_sum(g_TD, (order_X // A)[:, None], w_TA.reshape(-1)[order_X].to(g_TD.dtype)[:, None])
         dw_TA = gather_dot(g_TD, y_XD, inv_TA, w_TA.dtype) if ctx.needs_input_grad[1] else None
         return dy_XD, dw_TA, None, None
 

@@ -339,18 +339,20 @@ class LocalDispatcher:
         flat_X = idx_TA.reshape(-1)
         order_X = torch.argsort(flat_X, stable=True)
         counts_E = expert_counts(flat_X, num_experts)
+        inv_TA = None
         if self.fused:
             from pithtrain.kernels.permute import inverse_order, permute
-            x_XD = permute(x_TD, order_X, inverse_order(order_X, idx_TA.shape[1]))
+            inv_TA = inverse_order(order_X, idx_TA.shape[1])  # once per layer: combine takes it too
+            x_XD = permute(x_TD, order_X, inv_TA)
         else:
             x_XD = x_TD[order_X // idx_TA.shape[1]]
-        return x_XD, w_TA, counts_E, (order_X, x_TD.shape[0])
+        return x_XD, w_TA, counts_E, (order_X, x_TD.shape[0], inv_TA)
 
     def combine(self, y_XD, w_TA, info):
-        order_X, T = info
+        order_X, T, inv_TA = info
         if self.fused:
-            from pithtrain.kernels.permute import inverse_order, unpermute
-            return unpermute(y_XD, w_TA.to(y_XD.dtype), order_X, inverse_order(order_X, w_TA.shape[1]))
+            from pithtrain.kernels.permute import unpermute
+            return unpermute(y_XD, w_TA.to(y_XD.dtype), order_X, inv_TA)
         w_X = w_TA.reshape(-1)[order_X].to(y_XD.dtype)
         out_TD = y_XD.new_zeros(T, y_XD.shape[-1])
         return out_TD.index_add(0, order_X // w_TA.shape[1], y_XD * w_X[:, None])
