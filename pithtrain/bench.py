@@ -42,7 +42,7 @@ from pithtrain import kernels
 from pithtrain.config import load_config
 from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.distributed.parallelize import parallelize
-from pithtrain.kernels import fp8_linear
+from pithtrain.kernels import fp8_linear, wgrad
 from pithtrain.metrics import flops_per_token, param_counts, peak_tflops
 from pithtrain.models import build_model
 from pithtrain.models.common import set_aux_loss_scale, use_kernels
@@ -311,9 +311,10 @@ def measure(name, side, cfg, make, warmup, steps, profile=None) -> dict:
         t0 = time.perf_counter()
         first = float(step())  # loss of a random model, ~ln(V); compilation happens here
         rec["first_step_s"] = time.perf_counter() - t0
-        q0 = fp8_linear.quantised(model)
+        q0, a0 = fp8_linear.quantised(model), wgrad.in_place_adds(model)
         times, warm_s = time_steps(step, warmup - 1, steps)
         rec["fp8_quantised_per_step"] = (fp8_linear.quantised(model) - q0) / (warmup - 1 + steps)
+        rec["wgrad_adds_per_step"] = (wgrad.in_place_adds(model) - a0) / (warmup - 1 + steps)
         if profile:
             profile_steps(step, profile, f"{name} {side}")
         tokens = cfg.train.micro_batch_size * cfg.train.seq_len * cfg.train.grad_accum
@@ -326,7 +327,9 @@ def measure(name, side, cfg, make, warmup, steps, profile=None) -> dict:
         print(f"bench: {name:18s} {side:32s} {tps / 1e3:7.1f}K tok/s  {100 * rec['mfu']:5.1f}% MFU  "
               f"{rec['peak_gb']:6.1f} GB  step {med:7.1f} ms (min {min(times):.1f}, max {max(times):.1f})"
               f"  loss0 {first:.3f}" + (f"  FP8 weight quantisations/step {rec['fp8_quantised_per_step']:g}"
-                                        if rec["fp8_quantised_per_step"] else ""), flush=True)
+                                        if rec["fp8_quantised_per_step"] else "")
+              + (f"  in-place expert wgrads/step {rec['wgrad_adds_per_step']:g}"
+                 if rec["wgrad_adds_per_step"] else ""), flush=True)
         del model, step
     except Exception as e:  # one failing side must not lose the others' numbers
         traceback.print_exc()

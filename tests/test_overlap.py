@@ -143,6 +143,7 @@ def test_in_place_expert_weight_gradients_match_autograd(family, monkeypatch):
     _, got = reference(model, mbs)
     check_grads(got, ref)
     assert len(calls) == 2 * len(experts)  # w13 and w2, second micro-batch
+    assert wgrad.in_place_adds(model) == len(calls)  # the witness the bench reports
     for split in (False, True):
         model.zero_grad()
         calls.clear()

@@ -94,7 +94,15 @@ class _GroupedMM(torch.autograd.Function):
                 dw = F.grouped_mm(x_XD.t(), dy_XF, offs=offs_E)
             else:
                 accumulate(g, x_XD, dy_XF, offs_E)
+                owner = getattr(w, "master", w)
+                owner.wgrad_adds = getattr(owner, "wgrad_adds", 0) + 1  # the witness: in_place_adds
         return dx, dw, None, None
+
+
+def in_place_adds(model: torch.nn.Module) -> int:
+    """Weight gradients added in place so far, counted on the parameters that own them (the bench
+    reports it per step: the witness that the path ran, as fp8_linear.quantised for FP8)."""
+    return sum(getattr(p, "wgrad_adds", 0) for p in model.parameters())
 
 
 def grouped_mm(x_XD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor, *, reference) -> torch.Tensor:
