@@ -3,9 +3,10 @@ what autograd does (torch's k-grouped `F.grouped_mm` making a bf16 gradient, the
 existing bf16 gradient, or into the float32 master's as parallelize.bf16_weights does), at the
 bench's expert shapes, for each tile configuration given.
 
-    python scripts/wgrad_probe.py [--configs 128,128,64,4,3 ...] [--json FILE]
+    python scripts/wgrad_probe.py [--configs 128,256,64,8,3,1,1 ...] [--json FILE]
 
-(a configuration: BM, BN, BK, warps, stages; kernels/wgrad_triton.py)
+(a configuration: BM, BN, BK, warps, stages, gradient tile loaded first (0/1), programs per SM (0: one
+per tile); kernels/wgrad_triton.py; without --configs, its CONFIGS for each gradient dtype)
 
 One row per shape, target dtype and configuration: milliseconds (CUDA events, median of 10 after 3
 warm-up runs), the ratio to autograd's two kernels, TFLOP/s of the GEMM part and the relative error
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pithtrain.bench import time_steps
-from pithtrain.kernels.wgrad_triton import add_kgrouped
+from pithtrain.kernels.wgrad_triton import CONFIGS, add_kgrouped
 
 SHAPES = {  # name: (experts, rows = 8192 tokens x top-k, D, N) of the weight gradient dw[e] (D x N)
     "qwen3 w13": (128, 65536, 2048, 1536), "qwen3 w2": (128, 65536, 768, 2048),
@@ -36,10 +37,11 @@ def ms(fn):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", nargs="*", default=["128,128,64,4,3"])
+    ap.add_argument("--configs", nargs="*", default=[])
     ap.add_argument("--json")
     args = ap.parse_args()
-    configs = [tuple(int(v) for v in c.split(",")) for c in args.configs]
+    given = [tuple(int(v) for v in c.split(",")) for c in args.configs]
+    given = [c[:5] + (bool(c[5]), c[6]) for c in given]
     rows = []
     for name, (E, X, D, N) in SHAPES.items():
         torch.manual_seed(0)
@@ -53,7 +55,7 @@ def main():
             g = torch.zeros(E, D, N, device="cuda", dtype=dtype)
             base = ms(lambda: g.add_(F.grouped_mm(x.t(), dy, offs=offs)))
             ref = (F.grouped_mm(x.float().t(), dy.float(), offs=offs)).double() if D * N * E < 6e8 else None
-            for cfg in configs:
+            for cfg in given or [CONFIGS[dtype]]:
                 g.zero_()
                 try:
                     add_kgrouped(g, x, dy, offs, config=cfg)
@@ -70,6 +72,13 @@ def main():
                       f" | autograd {base:.3f} | kernel {t:.3f} ({row['kernel_tflops']:.0f} TF/s) "
                       f"| {row['ratio']:.2f}x | err {err:.1e}", flush=True)
             del g
+    sums = {}
+    for r in rows:
+        key = (r["target"], str(r["config"]))
+        sums[key] = (sums.get(key, (0, 0))[0] + r["kernel_ms"], sums.get(key, (0, 0))[1] + r["autograd_ms"])
+    print("sum over the shapes a configuration ran (kernel ms, autograd ms):")
+    for (target, cfg), (k, a) in sorted(sums.items(), key=lambda kv: (kv[0][0], kv[1][0])):
+        print(f"{target:8s} {cfg:36s} {k:7.2f} {a:7.2f} ({a / k:.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

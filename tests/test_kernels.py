@@ -64,6 +64,15 @@ def test_linear_cross_entropy_matches_reference(chunk):
     torch.testing.assert_close(w.grad, gw)
 
 
+def test_linear_cross_entropy_without_rows():
+    """No rows (an empty shard): zero loss and zero gradients, as the reference gives."""
+    h = torch.randn(0, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    loss = linear_cross_entropy_sum(h, w, torch.zeros(0, dtype=torch.long), 8)
+    loss.backward()
+    assert loss.item() == 0 and h.grad.shape == (0, 16) and torch.equal(w.grad, torch.zeros_like(w))
+
+
 def tiny_qwen():
     torch.manual_seed(1)
     cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,

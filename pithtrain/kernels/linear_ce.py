@@ -32,7 +32,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h, w = h_TD.to(dt), weight_VD.to(dt)
             T = h.shape[0]
             dh = torch.empty_like(h)
-            dw = torch.zeros(weight_VD.shape, dtype=weight_VD.dtype, device=h.device)
+            dw = None  # made by the first chunk's product (no zero-filled buffer to read back)
             total = torch.zeros((), dtype=torch.float32, device=h.device)
             triton_ce = h.is_cuda and _HAVE_TRITON
             for s in range(0, T, chunk):
@@ -45,11 +45,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     total += loss
                     g = g.to(dt)
                 dh[s:s + chunk] = g @ w
-                if dw.dtype == dt:
+                if dw is None:
+                    dw = (g.t() @ hc).to(weight_VD.dtype)
+                elif dw.dtype == dt:
                     dw.addmm_(g.t(), hc)
                 else:
                     dw += (g.t() @ hc).to(dw.dtype)
                 del g
+        if dw is None:  # no rows
+            dw = torch.zeros_like(weight_VD)
         ctx.save_for_backward(dh, dw)
         ctx.h_dtype = h_TD.dtype
         return total
