@@ -21,8 +21,10 @@ B200 lent). `mgrouped_bf16` is DeepGEMM's bf16 m-grouped GEMM (SM90 only in this
 Measured on the H200 (2026-12-01, scripts/device22.sh, issue #22): the pinned source builds in 87 s
 and `load()` imports it and runs the smoke GEMM with no LD_PRELOAD (the libstdc++ promotion works).
 Forward and data gradient match the bf16 reference on Qwen3's gate/up shape (rel. error 0.037);
-the weight gradient does not (0.167: a layout or quant_tokens fault, not found yet), and the
-down-projection shape (K 768) ends in an illegal instruction in the weight-gradient GEMM. Through
+the weight gradient does not (0.167), and the down-projection shape (K 768) ends in a CUDA error in
+the weight-gradient GEMM. 2026-12-02 (scripts/deepgemm_kgrouped_probe.py): with DeepGEMM's own
+generator the k-grouped GEMM is right on Qwen3's gate/up and both DeepSeek shapes, so the 0.167 is
+in `kgrouped_fp8_wgrad` below (not found yet); m = 768 fails with DeepGEMM's generator too. Through
 these wrappers the GEMMs ran at 196-225 TFLOP/s against torch's 564 (padding, the plan's host sync
 and first-call JIT in the timing, not yet separated). So this stays unwired until #22 fixes both.
 """

@@ -80,7 +80,7 @@ def add_kgrouped(grad_EDN: torch.Tensor, x_XD: torch.Tensor, dy_XN: torch.Tensor
     GEMM's too."""
     E, D, N = grad_EDN.shape
     assert grad_EDN.is_contiguous() and grad_EDN.dtype in CONFIGS and x_XD.stride(1) == 1 and dy_XN.stride(1) == 1
-    assert all(t.data_ptr() % 16 == 0 for t in (grad_EDN, x_XD, dy_XN)) and (N * grad_EDN.element_size()) % 16 == 0
+    assert all(t.data_ptr() % 16 == 0 and (t.stride(-2) * t.element_size()) % 16 == 0 for t in (grad_EDN, x_XD, dy_XN))
     bm, bn, bk, warps, stages, init_c, per_sm = config or CONFIGS[grad_EDN.dtype]
     programs = per_sm * torch.cuda.get_device_properties(grad_EDN.device).multi_processor_count
     grid = (programs,) if per_sm else (triton.cdiv(D, bm) * triton.cdiv(N, bn), E)
