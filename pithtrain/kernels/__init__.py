@@ -62,14 +62,15 @@ def configure(mode: str = "auto", device: torch.device | str = "cuda", fp8: bool
     (references); `off` names operators to keep on their reference (the bench's `no-NAME`).
     `fp8` (train.fp8) routes the routed experts' GEMMs through fp8_linear; the trainer has
     already refused it where it cannot run (train.check_runnable). `wgrad` needs bf16 compute
-    (`bf16`) and a gradient that outlives the micro-batch: not under FSDP (`fsdp`), which reduces
-    and frees it after each one, nor with FP8 experts (their own GEMM)."""
+    (`bf16`), a Hopper or later GPU (its kernel loads through TMA) and a gradient that outlives the
+    micro-batch: not under FSDP (`fsdp`), which reduces and frees it after each one, nor with FP8
+    experts (their own GEMM)."""
     cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
     auto = mode == "auto"
     triton_ok = auto and cuda and HAVE_TRITON
     use = dict(swiglu=triton_ok, permute=triton_ok, expert_bias=triton_ok, linear_ce=auto, flex=auto and cuda,
                cudnn_sdpa=auto and cuda and torch.backends.cudnn.is_available(), fp8=fp8, adamw=triton_ok,
-               wgrad=triton_ok and bf16 and not fsdp and not fp8)
+               wgrad=triton_ok and bf16 and not fsdp and not fp8 and torch.cuda.get_device_capability(device)[0] >= 9)
     return {k: v and k not in off for k, v in use.items()}
 
 

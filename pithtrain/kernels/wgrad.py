@@ -40,9 +40,10 @@ except ImportError:  # no Triton (CPU machines): `accumulate` adds with torch's 
 
 
 def accumulate(grad_EDN: torch.Tensor, x_XD: torch.Tensor, dy_XN: torch.Tensor, offs_E: torch.Tensor) -> None:
-    """grad[e] += x[rows of e]^T dy[rows of e] in place: the Triton kernel (TMA) on Hopper or later;
-    elsewhere (CPU, float32: the tests of the autograd logic; older GPUs) the reference's GEMM and add."""
-    if grad_EDN.is_cuda and _HAVE_TRITON and torch.cuda.get_device_capability(grad_EDN.device)[0] >= 9:
+    """grad[e] += x[rows of e]^T dy[rows of e] in place: the Triton kernel on CUDA (Hopper or later:
+    kernels.configure turns wgrad on only there); elsewhere (CPU, float32: the tests of the autograd
+    logic) the reference's GEMM and add."""
+    if grad_EDN.is_cuda and _HAVE_TRITON:
         add_kgrouped(grad_EDN, x_XD, dy_XN, offs_E)
     else:
         grad_EDN.add_(F.grouped_mm(x_XD.t(), dy_XN, offs=offs_E))
