@@ -8,8 +8,9 @@ and inside a MoE block `route`, `experts`, `dispatcher`, optional `shared_expert
 
 What is compiled (fullgraph=True: a graph break is an error, not a silent slow path):
   every child of a layer that holds no experts (attention with its projections, RoPE and q/k
-  norms; the norms; dense MLP layers), and inside a MoE block the router (`route`) and any other
-  expert-free child (shared experts). Dispatch, the grouped expert GEMMs and combine stay eager:
+  norms; the norms; dense MLP layers), and inside a MoE block the router (`route`), its balancing
+  unit's `observe` (load count and loss: a dozen small operations; not under context parallel,
+  whose statistics take an all-reduce) and any other expert-free child (shared experts). Dispatch, the grouped expert GEMMs and combine stay eager:
   their shapes depend on the routing (per-expert row counts), and they already run as a few large
   kernels (grouped GEMM, Triton permute/SwiGLU) that a compiler would not improve.
 
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pithtrain.models.balance import local_sum
 from pithtrain.models.common import GroupedExperts, decoder_layers
 
 
@@ -69,6 +71,8 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
                 continue
             if hasattr(child, "route"):
                 child.route = torch.compile(child.route, fullgraph=True, backend=backend)
+                if child.balance.stats_sum is local_sum:  # context parallel's all-reduce stays eager
+                    child.balance.observe = torch.compile(child.balance.observe, fullgraph=True, backend=backend)
             for sub in child.children():
                 if not _has_experts(sub) and not isinstance(sub, nn.Linear):  # e.g. shared experts
                     sub.compile(fullgraph=True, backend=backend)

@@ -13,6 +13,7 @@ from pithtrain.compile import apply_activation_checkpoint, apply_compile
 from pithtrain.kernels import fp8_linear
 from pithtrain.kernels.linear_ce import linear_cross_entropy_sum
 from pithtrain.models import FAMILIES
+from pithtrain.models.balance import Balance
 from pithtrain.models.common import _ce_chunk, use_kernels
 from pithtrain.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -143,21 +144,32 @@ def test_every_family_compiles_without_graph_breaks(family):
     small = {"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
              "head_dim": 8, "moe_intermediate_size": 16, "intermediate_size": 32, "num_experts": 4,
              "top_k": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
-             "v_head_dim": 8, "sliding_window": 4, "n_shared_experts": 1}
+             "v_head_dim": 8, "sliding_window": 4, "n_shared_experts": 1,
+             # the balancing unit's compiled observe: both losses, DeepSeek's sequence-level one
+             "balance": "sequence" if family == "deepseek_v2" else "switch", "z_loss_coeff": 0.01}
     names = {f.name for f in dataclasses.fields(cfg_cls)}
     cfg = cfg_cls(**{k: v for k, v in small.items() if k in names})
     torch.manual_seed(2)
     model = model_cls(cfg)
     model.init_weights()
+    balances = [m for m in model.modules() if isinstance(m, Balance)]
     x, y = torch.randint(0, 64, (2, 12)), torch.randint(0, 64, (2, 12))
     ref_loss, ref_grads = loss_and_grads(model, x, y)
+    ref_stats = [b.stats.clone() for b in balances]
+    for b in balances:
+        b.stats.zero_()
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
     apply_compile(model, backend="eager")
     loss, grads = loss_and_grads(model, x, y)
-    # compiled for real: graphs for the attention, the norms and the router (layers share them)
-    assert counters["stats"]["unique_graphs"] >= 3, dict(counters["stats"])
+    # compiled for real: graphs for the attention, the norms, the router and the balancing unit
+    # (layers share them)
+    assert counters["stats"]["unique_graphs"] >= 4, dict(counters["stats"])
+    assert all(hasattr(b.observe, "_torchdynamo_orig_callable") for b in balances)  # compiled
+    for b, ref in zip(balances, ref_stats, strict=True):
+        assert ref.sum() > 0
+        torch.testing.assert_close(b.stats, ref)  # the load counted once per micro-batch, as eager
     torch.testing.assert_close(loss, ref_loss)
     for n in grads:
         torch.testing.assert_close(grads[n], ref_grads[n], msg=n)
@@ -263,10 +275,24 @@ def test_model_rotary_makes_its_flex_masks_eagerly():
     torch._dynamo.reset()
 
 
+def test_balance_observe_stays_eager_under_context_parallel():
+    """Context parallel sums the balancing statistics with an all-reduce (`stats_sum`): apply_compile
+    then leaves the balancing unit eager and compiles it otherwise."""
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=8, moe_intermediate_size=24, num_experts=4, top_k=2)
+    model = Qwen3MoeForCausalLM(cfg)
+    balances = [m for m in model.modules() if isinstance(m, Balance)]
+    balances[0].stats_sum = lambda t: t  # stands in for ContextParallelSum
+    torch._dynamo.reset()
+    apply_compile(model, backend="eager")
+    assert [hasattr(b.observe, "_torchdynamo_orig_callable") for b in balances] == [False, True]
+    torch._dynamo.reset()
+
+
 def test_layers_share_compiled_graphs_within_default_dynamo_limits():
     """apply_compile leaves dynamo's process-wide limits alone: inlined modules make every layer
     reuse the first layer's graphs, so 12 layers compile to one graph per kind (attention, norm,
-    router), not one per layer that would need raised recompile limits."""
+    router, balancing unit), not one per layer that would need raised recompile limits."""
     torch.manual_seed(1)
     cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_layers=12, num_heads=4, num_kv_heads=2,
                          head_dim=8, moe_intermediate_size=24, num_experts=4, top_k=2)
@@ -279,7 +305,7 @@ def test_layers_share_compiled_graphs_within_default_dynamo_limits():
     apply_compile(model, backend="eager")
     x = torch.randint(0, 64, (2, 12))
     model(x, labels_BS=x).backward()
-    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
     assert dict(torch._dynamo.config.get_config_copy()) == limits
     torch._dynamo.reset()
 

@@ -145,6 +145,39 @@ def test_cudnn_sdpa_path_matches_eager():
         assert rel(a, b.grad) < 2e-2
 
 
+@pytest.mark.parametrize("H, K, d, e, window, sinks", [
+    (32, 4, 128, 128, None, False),  # Qwen3-30B-A3B: GQA
+    (16, 16, 192, 128, None, False),  # DeepSeek-V2-Lite: MLA, d_qk != d_v
+    (64, 8, 64, 64, None, True),  # GPT-OSS-20B full-attention layers: sinks
+    (64, 8, 64, 64, 128, True)])  # GPT-OSS-20B sliding layers: window 128 and sinks
+def test_flash_attn_4_matches_eager(H, K, d, e, window, sinks):
+    """common.attention's flash-attn-4 path (kernels/fa4.py) at each family's head shape, forward
+    and every gradient (the sinks' included) against the float64 eager reference."""
+    from pithtrain.kernels.fa4 import HAVE_FA4
+
+    if not HAVE_FA4:
+        pytest.skip("flash-attn-4 is not installed")
+    B, S = 2, 1024
+    q = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # as the models make them
+    k = torch.randn(B, S, K, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    v = torch.randn(B, S, K, e, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    s = torch.randn(H, device="cuda", dtype=torch.bfloat16) if sinks else None
+    args = (q, k, v) + ((s,) if sinks else ())
+    scale = d ** -0.5
+
+    def fused(q, k, v, s=None):
+        return common.attention(q, k, v, scale=scale, window=window, sinks_H=s, fa4=True)
+
+    out, grads, g = grads_of(fused, *args)
+    assert out.shape == (B, H, S, e)
+    xr = [a.double().requires_grad_() for a in args]
+    outr = common.eager_attention(*xr, scale=scale, window=window, sinks_H=xr[3] if sinks else None)
+    outr.backward(g.double())
+    assert rel(out, outr) < 2e-2
+    for a, b in zip(grads, xr, strict=True):
+        assert a is not None and rel(a, b.grad) < 2e-2
+
+
 def small_model(family):
     import dataclasses
 

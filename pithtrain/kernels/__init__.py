@@ -8,6 +8,7 @@
 | LM head + cross-entropy | `linear_ce.py` (grads made in forward; `ce.py` Triton rows) | `common.cross_entropy_sum` checkpointed |
 | attention with sinks / sliding window / documents | `flex.py` (FlexAttention, block-sparse) | `common.eager_attention` |
 | plain causal attention | cuDNN-first SDPA (`common.attention`'s `sdpa_first`) | SDPA's own choice |
+| causal attention incl. window + sinks, not documents | `fa4.py` (flash-attn-4 where installed, Hopper+) | the two rows above |
 | blockwise FP8 expert GEMMs (`train.fp8`) | `fp8.py` (Triton quantisation + scaled grouped GEMMs) | `fp8_linear.py` (autograd, weight cache, dequantise + fp32 matmul) |
 | AdamW (the optimizer step) | `adamw.py` (one Triton pass per parameter) | `torch.optim.AdamW(fused=True)` |
 | expert weight gradient over micro-batches | `wgrad.py` (autograd), `wgrad_triton.py` (k-grouped GEMM adding into the gradient) | autograd's `F.grouped_mm` + `add_` |
@@ -53,7 +54,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128  # scale block: 1 x BLOCK for activations, BLOCK x BLOCK for weights
 
-NAMES = ("swiglu", "permute", "expert_bias", "linear_ce", "flex", "cudnn_sdpa", "fp8", "adamw", "wgrad")
+NAMES = ("swiglu", "permute", "expert_bias", "linear_ce", "flex", "cudnn_sdpa", "fa4", "fp8", "adamw", "wgrad")
 
 
 def configure(mode: str = "auto", device: torch.device | str = "cuda", fp8: bool = False,
@@ -64,13 +65,16 @@ def configure(mode: str = "auto", device: torch.device | str = "cuda", fp8: bool
     already refused it where it cannot run (train.check_runnable). `wgrad` needs bf16 compute
     (`bf16`), a Hopper or later GPU (its kernel loads through TMA) and a gradient that outlives the
     micro-batch: not under FSDP (`fsdp`), which reduces and frees it after each one, nor with FP8
-    experts (their own GEMM)."""
+    experts (their own GEMM). `fa4` needs flash-attn-4 installed and a Hopper or later GPU."""
+    from pithtrain.kernels.fa4 import HAVE_FA4
+
     cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
     auto = mode == "auto"
     triton_ok = auto and cuda and HAVE_TRITON
+    hopper = cuda and torch.cuda.get_device_capability(device)[0] >= 9
     use = dict(swiglu=triton_ok, permute=triton_ok, expert_bias=triton_ok, linear_ce=auto, flex=auto and cuda,
-               cudnn_sdpa=auto and cuda and torch.backends.cudnn.is_available(), fp8=fp8, adamw=triton_ok,
-               wgrad=triton_ok and bf16 and not fsdp and not fp8 and torch.cuda.get_device_capability(device)[0] >= 9)
+               cudnn_sdpa=auto and cuda and torch.backends.cudnn.is_available(), fa4=auto and hopper and HAVE_FA4,
+               fp8=fp8, adamw=triton_ok, wgrad=triton_ok and bf16 and not fsdp and not fp8 and hopper)
     return {k: v and k not in off for k, v in use.items()}
 
 

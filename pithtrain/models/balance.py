@@ -23,9 +23,14 @@ router probability of e; both 1/E when balanced, so the losses are 1 then):
 The unit's interface (the MoE block's `route` and common.route_tokens call it; the trainer calls
 distributed/reductions.balance_after_step after the optimizer step):
   choice_scores(scores_TE)   what the router ranks for its top-k choice (the bias added).
+  observe(logits_TE, probs_TE, idx_TA, w_TA, sequences, count, loss)
+                             route_tokens' one call per routed micro-batch: `count` (when asked)
+                             and `loss` (when asked, else None). compile.apply_compile compiles
+                             it, so its dozen small operations run as a few fused kernels.
   loss(logits_TE, probs_TE, idx_TA, sequences)   the coefficient-weighted loss for AuxLoss, or None.
-  count(idx_TA, w_TA)        this micro-batch's routing into `stats`, once per micro-batch: a
-                             forward recomputed in backward (activation checkpointing) is skipped.
+  count(idx_TA, w_TA)        this micro-batch's routing into `stats`, once per micro-batch
+                             (route_tokens skips a forward that activation checkpointing
+                             recomputes in backward).
   update(load_E)             after the optimizer step, from the load summed over every rank.
   stats_sum                  sums a loss's detached statistics over the tokens of one micro-batch:
                              the identity here; context parallel puts an all-reduce over its ranks.
@@ -90,7 +95,7 @@ class Balance(nn.Module):
             self.bias_E = None
         self.register_buffer("stats", torch.empty(num_experts + top_k + 1, dtype=torch.int64),
                              persistent=False)
-        self.stats_sum = _identity  # context parallel: an all-reduce over the cp group
+        self.stats_sum = local_sum  # context parallel: an all-reduce over the cp group
         self.loss_scale = 1.0  # the trainer's 1 / micro-batches of the global batch (common.AuxLoss)
 
     @torch.no_grad()
@@ -135,14 +140,17 @@ class Balance(nn.Module):
             total = total + self.z_loss_coeff * z_T.pow(2).sum() / (S * B)
         return total
 
-    @torch.no_grad()
+    def observe(self, logits_TE, probs_TE, idx_TA, w_TA, sequences: int | None, count: bool, loss: bool):
+        """One routed micro-batch: its routing into `stats` when `count`, and its loss when `loss`
+        (else None). One call so that compile fuses both (apply_compile)."""
+        if count:
+            self.count(idx_TA, w_TA)
+        return self.loss(logits_TE, probs_TE, idx_TA, sequences) if loss else None
+
     def count(self, idx_TA, w_TA):
-        """Add this micro-batch's kept slots per expert and kept slots per token to `stats`.
-        Inside a backward pass (graph task id != -1) a forward is activation checkpointing's
-        recompute of a micro-batch already counted (torch.utils.checkpoint tells the two apart
-        the same way); counting it again would double the load. No host sync: scatter_add only."""
-        if torch._C._current_graph_task_id() != -1:
-            return
+        """Add this micro-batch's kept slots per expert and kept slots per token to `stats`
+        (the caller skips a recomputed forward, which would double the load). No host sync:
+        scatter_add only."""
         E = self.num_experts
         kept_TA = (w_TA != 0).long()
         self.stats[:E].scatter_add_(0, idx_TA.reshape(-1), kept_TA.reshape(-1))
@@ -158,5 +166,6 @@ class Balance(nn.Module):
             self.bias_E += (self.bias_update_rate * torch.sign(load.mean() - load)).to(self.bias_E.dtype)
 
 
-def _identity(t):
+def local_sum(t):
+    """`stats_sum` when one rank holds the micro-batch's tokens: nothing to sum."""
     return t

@@ -148,16 +148,21 @@ def apply_rope(x_BHSd, rope: Rope):
 
 def attention(q_BHSd, k_BKSd, v_BKSe, *, scale: float, window: int | None = None,
               sinks_H: torch.Tensor | None = None, docs: Documents | None = None,
-              sdpa_first: list | None = None, flex=None):
+              sdpa_first: list | None = None, flex=None, fa4: bool = False):
     """Causal attention with optional sliding window (keys within the last `window` positions,
     Hugging Face's convention), learned sinks (an extra logit per head that takes softmax mass) and
     document masking (keys of the query's own document only).
-    GQA: K may divide H. The plain case uses SDPA, trying the backends `sdpa_first` first (cuDNN's
-    fused kernel takes GQA as is, and d_qk != d_v as in DeepSeek's MLA, where SDPA's own order
-    falls back to the slower memory-efficient kernel), else in SDPA's own order.
+    GQA: K may divide H. With `fa4`, everything but documents runs on flash-attn-4
+    (kernels/fa4.py). Otherwise the plain case uses SDPA, trying the backends `sdpa_first` first
+    (cuDNN's fused kernel takes GQA as is, and d_qk != d_v as in DeepSeek's MLA, where SDPA's own
+    order falls back to the slower memory-efficient kernel), else in SDPA's own order.
     Windows / sinks / documents go to `flex` (a kernels.flex.FlexAttention; document masks come
-    built in `docs.block_masks`), else to the eager reference. use_kernels binds `sdpa_first` and
-    `flex` per model (each attention module's `attention` is this function, bound)."""
+    built in `docs.block_masks`), else to the eager reference. use_kernels binds `sdpa_first`,
+    `flex` and `fa4` per model (each attention module's `attention` is this function, bound)."""
+    if fa4 and docs is None:
+        from pithtrain.kernels.fa4 import attention as fa4_attention
+        return fa4_attention(q_BHSd.transpose(1, 2), k_BKSd.transpose(1, 2), v_BKSe.transpose(1, 2), scale=scale,
+                             window=window, sinks_H=sinks_H).transpose(1, 2)
     if docs is not None:
         if docs.block_masks is not None:  # made by the model's rotary with its `flex`
             S = q_BHSd.shape[2]
@@ -402,13 +407,14 @@ def route_tokens(moe, x_TD, sequences: int | None = None):
     (models/balance.py): count the routing for the step's load (training only), and when
     training with gradients make the coefficient-weighted balancing loss (else None) for
     `AuxLoss` to attach. `sequences`: how many sequences the T rows hold (the sequence-level
-    loss needs it)."""
+    loss needs it). Inside a backward pass (graph task id != -1) a forward is activation
+    checkpointing's recompute of a micro-batch already counted (torch.utils.checkpoint tells the
+    two apart the same way), so it is not counted again."""
     logits_TE, probs_TE, w_TA, idx_TA = moe.route(x_TD)
-    aux = None
-    if moe.training:
-        moe.balance.count(idx_TA, w_TA)
-        if torch.is_grad_enabled():
-            aux = moe.balance.loss(logits_TE, probs_TE, idx_TA, sequences)
+    if not moe.training:
+        return w_TA, idx_TA, None
+    count = torch._C._current_graph_task_id() == -1
+    aux = moe.balance.observe(logits_TE, probs_TE, idx_TA, w_TA, sequences, count, torch.is_grad_enabled())
     return w_TA, idx_TA, aux
 
 
@@ -530,7 +536,8 @@ def use_kernels(model: nn.Module, use: dict) -> nn.Module:
         from pithtrain.kernels.flex import FlexAttention
         flex = FlexAttention(model.cfg.attention_shapes(i)[0] for i in range(model.cfg.num_layers))
     model.rotary.flex = flex
-    bound = functools.partial(attention, sdpa_first=SDPA_CUDNN_FIRST if use["cudnn_sdpa"] else None, flex=flex)
+    bound = functools.partial(attention, sdpa_first=SDPA_CUDNN_FIRST if use["cudnn_sdpa"] else None, flex=flex,
+                              fa4=use["fa4"])
     model.cross_entropy = functools.partial(cross_entropy_sum, fused=use["linear_ce"])
     for m in model.modules():
         call = getattr(m, "attention", None)
