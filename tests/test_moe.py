@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pithtrain.models.common import (GroupedExperts, LocalDispatcher, grouped_mm, grouped_mm_loop,
+from pithtrain.models.common import (GroupedExperts, LocalDispatcher, expert_order, grouped_mm, grouped_mm_loop,
                                      set_aux_loss_scale)
 from pithtrain.models.qwen3_moe import MoE, Qwen3MoeConfig
 
@@ -138,3 +138,10 @@ def test_experts_compute_in_the_autocast_dtype_locally_and_behind_expert_paralle
         dist.destroy_process_group()
     assert y_ep.dtype == torch.bfloat16
     torch.testing.assert_close(y_ep, y_local, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("E", [8, 256, 300])
+def test_expert_order_is_the_stable_argsort_of_the_expert_ids(E):
+    """One-byte keys up to 256 experts (one radix pass on the GPU), the ids themselves beyond."""
+    idx = torch.randint(0, E, (2048,))
+    assert torch.equal(expert_order(idx, E), torch.argsort(idx, stable=True))

@@ -159,10 +159,12 @@ def attention(q_BHSd, k_BKSd, v_BKSe, *, scale: float, window: int | None = None
     Windows / sinks / documents go to `flex` (a kernels.flex.FlexAttention; document masks come
     built in `docs.block_masks`), else to the eager reference. use_kernels binds `sdpa_first`,
     `flex` and `fa4` per model (each attention module's `attention` is this function, bound)."""
-    if fa4 and docs is None:
+    dev = q_BHSd.device.type
+    half = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q_BHSd.dtype
+    if fa4 and docs is None and half in (torch.bfloat16, torch.float16):  # its kernels' dtypes
         from pithtrain.kernels.fa4 import attention as fa4_attention
-        return fa4_attention(q_BHSd.transpose(1, 2), k_BKSd.transpose(1, 2), v_BKSe.transpose(1, 2), scale=scale,
-                             window=window, sinks_H=sinks_H).transpose(1, 2)
+        q, k, v = (t.transpose(1, 2).to(half) for t in (q_BHSd, k_BKSd, v_BKSe))  # autocast, as SDPA's rule
+        return fa4_attention(q, k, v, scale=scale, window=window, sinks_H=sinks_H).transpose(1, 2)
     if docs is not None:
         if docs.block_masks is not None:  # made by the model's rotary with its `flex`
             S = q_BHSd.shape[2]
@@ -294,7 +296,7 @@ class GroupedExperts(nn.Module):
         dev = x_XD.device.type
         if torch.is_autocast_enabled(dev):
             x_XD = x_XD.to(torch.get_autocast_dtype(dev))
-        offs_E = torch.cumsum(counts_E, 0)
+        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)  # the grouped GEMMs' type, made once
         h_XF2 = self.mm(x_XD, self.w13_EDF2, offs_E)
         if self.b13_EF2 is not None:
             expert_X = torch.repeat_interleave(torch.arange(len(counts_E), device=x_XD.device),
@@ -312,6 +314,12 @@ def expert_counts(idx_X, num_experts):
     MoE layer's forward (docs/perf-notes.md, 12-layer profile)."""
     counts_E = torch.zeros(num_experts, dtype=torch.int64, device=idx_X.device)
     return counts_E.index_add_(0, idx_X, torch.ones_like(idx_X, dtype=torch.int64))
+
+
+def expert_order(idx_X, num_experts):
+    """Slots in expert order (a stable argsort of the expert ids). Up to 256 experts the keys are
+    one byte: the GPU's radix sort then makes one pass over them instead of eight for int64."""
+    return torch.argsort(idx_X.to(torch.uint8) if num_experts <= 256 else idx_X, stable=True)
 
 
 def add_expert_bias(h_XN, b_EN, expert_X, offs_E):
@@ -342,7 +350,7 @@ class LocalDispatcher:
 
     def dispatch(self, x_TD, idx_TA, w_TA, num_experts):
         flat_X = idx_TA.reshape(-1)
-        order_X = torch.argsort(flat_X, stable=True)
+        order_X = expert_order(flat_X, num_experts)
         counts_E = expert_counts(flat_X, num_experts)
         inv_TA = None
         if self.fused:
