@@ -215,13 +215,15 @@ def test_pinned_python_set_resolves(tmp_path):
 
     # A pinned set contained in another target's set for the same Python and platform resolves
     # whenever the larger one does (any solution of the larger set satisfies the smaller): resolve
-    # only the larger (hopper's set is blackwell's without flash-attn-4), which halves the time.
+    # only the larger, or the first of equal ones (today both targets pin the same set), which
+    # halves the time.
     def key(t):
         p = VERSIONS["targets"][t]
         return p["python"], tuple(ap.pip_platforms(p)), set(ap.pip_pins(p))
 
-    to_resolve = [t for t in TARGETS if not any(
-        key(t)[:2] == key(u)[:2] and key(t)[2] < key(u)[2] for u in TARGETS)]
+    to_resolve = [t for i, t in enumerate(TARGETS) if not any(
+        key(t)[:2] == key(u)[:2] and (key(t)[2] < key(u)[2] or (key(t)[2] == key(u)[2] and j < i))
+        for j, u in enumerate(TARGETS))]
     procs = {}
     for target in to_resolve:
         pins = VERSIONS["targets"][target]
@@ -278,7 +280,7 @@ def test_train_h100_dry_run():
                 "--set=train.steps=10", "--dry-run")
     assert r.returncode == 0, r.stderr
     build, run = r.stdout.strip().splitlines()
-    assert "-f images/hopper/Dockerfile" in build and "FA3_COMMIT=" in build
+    assert "-f images/hopper/Dockerfile" in build and "flash-attn-4[cu13]==" in build
     assert run == (f"PITHTRAIN_IMAGE={_image('hopper')} docker compose -f compose/train.yaml run "
                    "--rm train torchrun --nproc-per-node=8 --standalone -m pithtrain.train "
                    "qwen3-30b-a3b train.device=cuda train.dtype=bfloat16 train.steps=10")
@@ -443,7 +445,7 @@ def _matching_manifest(target: str) -> dict:
     return {"target": target, "base_image": ap.base_ref(pins), "python": pins["python"] + ".3",
             "cuda": pins["cuda"], "nvcc": "13.0.88", "nsys": pins["nsys"] + ".266",
             "nccl_runtime": pins["nccl"], "driver_min": pins["driver_min"],
-            "deepgemm_commit": pins["deepgemm_commit"], "fa3_commit": pins.get("fa3_commit"),
+            "deepgemm_commit": pins["deepgemm_commit"],
             "packages": {**packages, "sympy": "1.14.0"}}
 
 
@@ -459,7 +461,7 @@ def test_doctor_passes_on_a_matching_manifest(tmp_path, target):
 
 def test_doctor_reports_every_drift(tmp_path):
     m = _matching_manifest("hopper")
-    m.update(python="3.11.9", cuda="12.8.1", nccl_runtime="2.27.3", fa3_commit="f" * 40,
+    m.update(python="3.11.9", cuda="12.8.1", nccl_runtime="2.27.3", deepgemm_commit="f" * 40,
              base_image="nvidia/cuda:latest")
     m["packages"]["triton"] = "3.5.1"
     del m["packages"]["nvidia-cudnn-cu13"]
@@ -469,7 +471,7 @@ def test_doctor_reports_every_drift(tmp_path):
     assert r.returncode == 1
     lines = r.stdout.strip().splitlines()
     assert sorted(line.split(": ")[1] for line in lines) == sorted(
-        ["base_image", "python", "cuda", "nccl_runtime", "fa3_commit", "pip triton",
+        ["base_image", "python", "cuda", "nccl_runtime", "deepgemm_commit", "pip triton",
          "pip nvidia-cudnn-cu13"])
     assert f"{f}: pip triton: versions.yaml pins 3.6.0, found 3.5.1" in lines
     assert "doctor: FAIL, 7 problem(s)" in r.stderr
@@ -485,8 +487,7 @@ def _fed_manifest(monkeypatch, pins: dict, python: tuple, nccl: tuple, dists: di
     import torch
 
     env = {"PITHTRAIN_TARGET": "hopper", "PITHTRAIN_BASE_IMAGE": ap.base_ref(pins), "CUDA_VERSION": pins["cuda"],
-           "PITHTRAIN_DRIVER_MIN": pins["driver_min"], "PITHTRAIN_DEEPGEMM_COMMIT": pins["deepgemm_commit"],
-           "PITHTRAIN_FA3_COMMIT": pins["fa3_commit"]}
+           "PITHTRAIN_DRIVER_MIN": pins["driver_min"], "PITHTRAIN_DEEPGEMM_COMMIT": pins["deepgemm_commit"]}
     out = {"nvcc": "Cuda compilation tools, release 13.0, V13.0.88",
            "nsys": f"NVIDIA Nsight Systems version {pins['nsys']}.266-1234567890"}
     with monkeypatch.context() as m:
@@ -508,8 +509,8 @@ def test_collect_manifest_reads_the_environment_and_drift_compares_it(monkeypatc
     pins = VERSIONS["targets"]["hopper"]
     py = tuple(int(v) for v in pins["python"].split(".")) + (3,)
     nccl = tuple(int(v) for v in pins["nccl"].split("."))
-    pinned = {r.split("==")[0]: r.split("==")[1] for r in ap.pip_pins(pins)}
-    assert "nvidia-cudnn-cu13" in pinned and "pyyaml" in pinned
+    pinned = {r.split("==")[0].split("[")[0]: r.split("==")[1] for r in ap.pip_pins(pins)}  # no extras
+    assert "nvidia-cudnn-cu13" in pinned and "pyyaml" in pinned and "flash-attn-4" in pinned
     # as distributions' metadata spells them: underscores, capitals, a local version tag
     installed = {n.replace("-", "_"): v for n, v in pinned.items() if n != "pyyaml"}
     installed.update(PyYAML=pinned["pyyaml"], torch=pins["torch"] + "+cu130", sympy="1.14.0")

@@ -124,8 +124,6 @@ def build_args(target: str, pins: dict) -> dict[str, str]:
             "CUDA_ARCH": pins["cuda_arch"], "DRIVER_MIN": pins["driver_min"],
             "PIP_PACKAGES": " ".join(pip_pins(pins)), "DEEPGEMM_COMMIT": pins["deepgemm_commit"],
             "CUTLASS_COMMIT": pins["cutlass_commit"], "FMT_COMMIT": pins["fmt_commit"]}
-    if "fa3_commit" in pins:
-        args["FA3_COMMIT"] = pins["fa3_commit"]
     return args
 
 
@@ -225,7 +223,7 @@ def collect_manifest() -> dict:
         "python": ".".join(map(str, sys.version_info[:3])), "cuda": env("CUDA_VERSION"),
         "nvcc": nvcc and nvcc.group(1), "nsys": nsys and nsys.group(1), "nccl_runtime": nccl,
         "driver_min": env("PITHTRAIN_DRIVER_MIN"),
-        "deepgemm_commit": env("PITHTRAIN_DEEPGEMM_COMMIT"), "fa3_commit": env("PITHTRAIN_FA3_COMMIT"),
+        "deepgemm_commit": env("PITHTRAIN_DEEPGEMM_COMMIT"),
         "packages": {_canon(d.metadata["Name"]): d.version for d in metadata.distributions()},
     }
 
@@ -247,8 +245,6 @@ def drift(manifest: dict, target: str, pins: dict) -> list[str]:
     want = {"target": target, "base_image": base_ref(pins), "python": pins["python"],
             "cuda": pins["cuda"], "nsys": pins["nsys"], "nccl_runtime": pins["nccl"],
             "driver_min": pins["driver_min"], "deepgemm_commit": pins["deepgemm_commit"]}
-    if "fa3_commit" in pins:
-        want["fa3_commit"] = pins["fa3_commit"]
     out = [f"{k}: versions.yaml pins {v}, found {manifest.get(k)}"
            for k, v in want.items() if not _same(v, manifest.get(k))]
     packages = manifest.get("packages") or {}
