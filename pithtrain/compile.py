@@ -10,9 +10,10 @@ What is compiled (fullgraph=True: a graph break is an error, not a silent slow p
   every child of a layer that holds no experts (attention with its projections, RoPE and q/k
   norms; the norms; dense MLP layers), and inside a MoE block the router (`route`), its balancing
   unit's `observe` (load count and loss: a dozen small operations; not under context parallel,
-  whose statistics take an all-reduce) and any other expert-free child (shared experts). Dispatch, the grouped expert GEMMs and combine stay eager:
-  their shapes depend on the routing (per-expert row counts), and they already run as a few large
-  kernels (grouped GEMM, Triton permute/SwiGLU) that a compiler would not improve.
+  whose statistics take an all-reduce) and any other expert-free child (shared experts).
+  Dispatch, the grouped expert GEMMs and combine stay eager: their shapes depend on the routing
+  (per-expert row counts), and they already run as a few large kernels (grouped GEMM, Triton
+  permute/SwiGLU) that a compiler would not improve.
 
 Activation checkpointing (`train.activation_checkpoint`):
   "full"       recompute each whole decoder layer in backward (least memory, ~1/3 more compute);

@@ -393,3 +393,23 @@ def test_model_code_reads_no_module_level_mutable_state():
     for m in readers:
         for gone in ("kernels.USE", "fp8.CACHE", "AuxLoss.loss_scale", "_MASKS"):
             assert gone not in sources[m], (m, gone)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_flash_attn_4_ops_trace_forward_and_backward_on_meta(sinks):
+    """The flash-attn-4 custom ops' shape functions and autograd registration (kernels/fa4.py), on
+    the meta device (no GPU, no package): GQA with d_qk != d_v, each gradient shaped as its input,
+    the sinks' gradient in the sinks' dtype. The numbers are the GPU test's
+    (tests/test_kernels_gpu.py::test_flash_attn_4_matches_eager)."""
+    from pithtrain.kernels import fa4
+
+    B, S, H, K, d, e = 2, 64, 16, 4, 24, 16
+    q, k, v = (torch.empty(B, S, n, w, device="meta", dtype=torch.bfloat16, requires_grad=True)
+               for n, w in ((H, d), (K, d), (K, e)))
+    s = torch.empty(H, device="meta", dtype=torch.bfloat16, requires_grad=True) if sinks else None
+    out = fa4.attention(q, k, v, scale=d ** -0.5, window=8, sinks_H=s)
+    assert (out.shape, out.dtype) == ((B, S, H, e), torch.bfloat16)
+    out.sum().backward()
+    assert [x.grad.shape for x in (q, k, v)] == [x.shape for x in (q, k, v)]
+    if sinks:
+        assert (s.grad.shape, s.grad.dtype) == ((H,), torch.bfloat16)

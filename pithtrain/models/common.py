@@ -159,12 +159,13 @@ def attention(q_BHSd, k_BKSd, v_BKSe, *, scale: float, window: int | None = None
     Windows / sinks / documents go to `flex` (a kernels.flex.FlexAttention; document masks come
     built in `docs.block_masks`), else to the eager reference. use_kernels binds `sdpa_first`,
     `flex` and `fa4` per model (each attention module's `attention` is this function, bound)."""
-    dev = q_BHSd.device.type
-    half = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q_BHSd.dtype
-    if fa4 and docs is None and half in (torch.bfloat16, torch.float16):  # its kernels' dtypes
-        from pithtrain.kernels.fa4 import attention as fa4_attention
-        q, k, v = (t.transpose(1, 2).to(half) for t in (q_BHSd, k_BKSd, v_BKSe))  # autocast, as SDPA's rule
-        return fa4_attention(q, k, v, scale=scale, window=window, sinks_H=sinks_H).transpose(1, 2)
+    if fa4 and docs is None:
+        dev = q_BHSd.device.type
+        half = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q_BHSd.dtype
+        if half in (torch.bfloat16, torch.float16):  # its kernels' dtypes; float32 runs take SDPA
+            from pithtrain.kernels.fa4 import attention as fa4_attention
+            q, k, v = (t.transpose(1, 2).to(half) for t in (q_BHSd, k_BKSd, v_BKSe))  # as SDPA's autocast rule
+            return fa4_attention(q, k, v, scale=scale, window=window, sinks_H=sinks_H).transpose(1, 2)
     if docs is not None:
         if docs.block_masks is not None:  # made by the model's rotary with its `flex`
             S = q_BHSd.shape[2]
