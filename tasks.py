@@ -339,8 +339,9 @@ def _build_lines(target: str, pins: dict, registry: str, push: bool) -> list[str
 def doctor(c, gpu="", runtime="", manifest="", skill="", dry_run=False):
     """Compare the environment (or an image manifest) with images/versions.yaml; exit 1 on drift.
 
-    Inside the image it checks the build's manifest and the live environment; outside it, with
-    --gpu, it runs itself in that image (docker) or checks this machine against it (native)."""
+    Inside the image it checks the build's manifest and the live environment (where the pinned
+    kernel packages, flash-attn-4 and DeepGEMM, must also import); outside it, with --gpu, it runs
+    itself in that image (docker) or checks this machine against it (native)."""
     gpu_ = _gpu(gpu)
     rt = "native" if manifest else _runtime(runtime, gpu_, dry_run)
     if rt == "docker":
@@ -367,6 +368,8 @@ def doctor(c, gpu="", runtime="", manifest="", skill="", dry_run=False):
                 checks.append((f"image manifest {ap.MANIFEST}", json.loads(ap.MANIFEST.read_text())))
             checks.append(("this environment", ap.collect_manifest()))
         problems += [f"{what}: {p}" for what, m in checks for p in ap.drift(m, target, pins)]
+        if not manifest:  # the live environment: the kernel packages must load, not only be installed
+            problems += [f"this environment: {p}" for p in ap.import_problems(pins)]
         if not manifest and shutil.which("nvidia-smi"):
             out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
                                   "--format=csv,noheader"], capture_output=True, text=True)

@@ -459,6 +459,20 @@ def test_doctor_passes_on_a_matching_manifest(tmp_path, target):
     assert "doctor: PASS" in r.stdout
 
 
+def test_import_problems_names_each_pinned_package_that_does_not_load(tmp_path, monkeypatch):
+    """doctor's live check imports each pinned kernel package in its own interpreter: one that is
+    missing and one that crashes the interpreter (as DeepGEMM's load order did) are both reported,
+    a loading one and an unpinned one are not, and the crash does not end the check."""
+    (tmp_path / "crashes_on_import.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    modules = {"a": "json", "b": "no_such_module_here", "c": "crashes_on_import", "d": "no_such_either"}
+    problems = ap.import_problems({"a": "1", "b": "1", "c": "1"}, modules)
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("import no_such_module_here: failed (exit 1): ModuleNotFoundError")
+    assert problems[1] == "import crashes_on_import: failed (killed by signal 11)"
+    assert ap.KERNEL_MODULES == {"flash_attn_4": "flash_attn.cute", "deepgemm_commit": "deep_gemm"}
+
+
 def test_doctor_reports_every_drift(tmp_path):
     m = _matching_manifest("hopper")
     m.update(python="3.11.9", cuda="12.8.1", nccl_runtime="2.27.3", deepgemm_commit="f" * 40,

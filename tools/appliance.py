@@ -256,6 +256,26 @@ def drift(manifest: dict, target: str, pins: dict) -> list[str]:
     return out
 
 
+# The kernel packages a target pins -> the module to import (doctor's live check).
+KERNEL_MODULES = {"flash_attn_4": "flash_attn.cute", "deepgemm_commit": "deep_gemm"}
+
+
+def import_problems(pins: dict, modules: dict = KERNEL_MODULES) -> list[str]:
+    """Import each kernel package the target pins, each in a fresh interpreter: a package that
+    installs but does not load (a missing native library, a crash in its load order as DeepGEMM's
+    libstdc++ segfault, issue #22) is reported, and a crash does not end the check."""
+    out = []
+    for key, module in modules.items():
+        if key not in pins:
+            continue
+        r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True)
+        if r.returncode:
+            why = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
+            last = (r.stderr.strip().splitlines() or [""])[-1]
+            out.append(f"import {module}: failed ({why}){': ' + last if last else ''}")
+    return out
+
+
 def driver_problem(driver: str, driver_min: str) -> str | None:
     have, need = ([int(x) for x in v.split(".")] for v in (driver, driver_min))
     if have < need:
