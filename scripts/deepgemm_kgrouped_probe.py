@@ -43,14 +43,21 @@ cases = [  # (groups, m, n, rows per group, one empty group)
     (64, 2048, 2816, 768, False),   # DeepSeek w13
     (64, 1408, 2048, 768, False),   # DeepSeek w2
 ]
-for G, m, n, kpg, empty in cases:
-    code = CASE.format(G=G, m=m, n=n, kpg=kpg, empty=empty)
+
+
+def run(code: str, timeout: int) -> str:
+    """One case in its own interpreter: its last output line, or how it failed."""
     try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
-        tail = (r.stdout.strip().splitlines() or [""])[-1] if r.returncode == 0 else \
-            f"rc {r.returncode}: " + " | ".join((r.stderr.strip().splitlines() or ["?"])[-2:])[:300]
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        tail = "timeout"
+        return "timeout"
+    if r.returncode == 0:
+        return (r.stdout.strip().splitlines() or [""])[-1]
+    return f"rc {r.returncode}: " + " | ".join((r.stderr.strip().splitlines() or ["?"])[-2:])[:300]
+
+
+for G, m, n, kpg, empty in cases:
+    tail = run(CASE.format(G=G, m=m, n=n, kpg=kpg, empty=empty), 90)
     print(f"groups {G:3d} m {m:5d} n {n:5d} rows/group {kpg:5d} empty {int(empty)}: {tail}", flush=True)
 
 
@@ -103,12 +110,6 @@ pairs = [  # (experts, m, n, mean rows per expert, every 7th expert empty)
     (64, 2048, 2816, 64, True),     # DeepSeek w13, the GPU test's pattern
 ]
 for E, m, n, rows, every7 in pairs:
-    code = PAIR.format(E=E, m=m, n=n, rows=rows, every7=every7)
-    try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-        tail = (r.stdout.strip().splitlines() or [""])[-1] if r.returncode == 0 else \
-            f"rc {r.returncode}: " + " | ".join((r.stderr.strip().splitlines() or ["?"])[-2:])[:300]
-    except subprocess.TimeoutExpired:
-        tail = "timeout"
+    tail = run(PAIR.format(E=E, m=m, n=n, rows=rows, every7=every7), 120)
     print(f"pair: experts {E:3d} m {m:5d} n {n:5d} rows/expert ~{rows:4d} every7th empty {int(every7)}: {tail}",
           flush=True)

@@ -471,6 +471,10 @@ def test_import_problems_names_each_pinned_package_that_does_not_load(tmp_path, 
     assert problems[0].startswith("import no_such_module_here: failed (exit 1): ModuleNotFoundError")
     assert problems[1] == "import crashes_on_import: failed (killed by signal 11)"
     assert ap.KERNEL_MODULES == {"flash_attn_4": "flash_attn.cute", "deepgemm_commit": "deep_gemm"}
+    # DeepGEMM is checked through the framework's loader (kernels/deepgemm.load), not a plain import;
+    # here it is not installed, and the loader's reason comes back
+    (dg,) = ap.import_problems({"deepgemm_commit": "x"})
+    assert dg.startswith("import deep_gemm: failed (exit 1): AssertionError") and "deep_gemm" in dg.split(":", 3)[-1]
 
 
 def test_doctor_reports_every_drift(tmp_path):

@@ -18,6 +18,20 @@ from pithtrain.models.common import _ce_chunk, use_kernels
 from pithtrain.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 
+def test_configure_turns_the_attention_kernels_off_under_context_parallel(monkeypatch):
+    """On a (simulated) Hopper GPU with flash-attn-4 installed the attention kernels are chosen;
+    under context parallel, whose own attention replaces the model's, none of them is."""
+    from pithtrain.kernels import fa4
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(fa4, "HAVE_FA4", True)
+    attn = ("flex", "cudnn_sdpa", "fa4")
+    assert all(kernels.configure("auto", "cuda")[k] for k in attn)
+    assert not any(kernels.configure("auto", "cuda", cp=True)[k] for k in attn)
+
+
 def test_configure_on_cpu_picks_references_and_says_so():
     use = kernels.configure("auto", "cpu")
     assert set(use) == set(kernels.NAMES)

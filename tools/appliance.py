@@ -256,19 +256,23 @@ def drift(manifest: dict, target: str, pins: dict) -> list[str]:
     return out
 
 
-# The kernel packages a target pins -> the module to import (doctor's live check).
+# The kernel packages a target pins -> the module to import (doctor's live check), and how the
+# framework loads a module where a plain import is not how it runs: DeepGEMM through
+# kernels/deepgemm.load, which puts libstdc++ in the global scope first (a plain import segfaults).
 KERNEL_MODULES = {"flash_attn_4": "flash_attn.cute", "deepgemm_commit": "deep_gemm"}
+LOADERS = {"deep_gemm": "from pithtrain.kernels.deepgemm import load; why = []; assert load(why), why"}
 
 
 def import_problems(pins: dict, modules: dict = KERNEL_MODULES) -> list[str]:
-    """Import each kernel package the target pins, each in a fresh interpreter: a package that
-    installs but does not load (a missing native library, a crash in its load order as DeepGEMM's
-    libstdc++ segfault, issue #22) is reported, and a crash does not end the check."""
+    """Import each kernel package the target pins as the framework loads it (LOADERS), each in a
+    fresh interpreter: a package that installs but does not load (a missing native library, a crash
+    in its load order, issue #22) is reported, and a crash does not end the check."""
     out = []
     for key, module in modules.items():
         if key not in pins:
             continue
-        r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True)
+        code = LOADERS.get(module, f"import {module}")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         if r.returncode:
             why = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
             last = (r.stderr.strip().splitlines() or [""])[-1]

@@ -58,22 +58,25 @@ NAMES = ("swiglu", "permute", "expert_bias", "linear_ce", "flex", "cudnn_sdpa", 
 
 
 def configure(mode: str = "auto", device: torch.device | str = "cuda", fp8: bool = False,
-              off: tuple = (), fsdp: bool = False, bf16: bool = True) -> dict:
+              off: tuple = (), fsdp: bool = False, bf16: bool = True, cp: bool = False) -> dict:
     """The operators a run uses (name -> on): mode "auto" (fastest available) or "torch"
     (references); `off` names operators to keep on their reference (the bench's `no-NAME`).
     `fp8` (train.fp8) routes the routed experts' GEMMs through fp8_linear; the trainer has
     already refused it where it cannot run (train.check_runnable). `wgrad` needs bf16 compute
     (`bf16`), a Hopper or later GPU (its kernel loads through TMA) and a gradient that outlives the
     micro-batch: not under FSDP (`fsdp`), which reduces and frees it after each one, nor with FP8
-    experts (their own GEMM). `fa4` needs flash-attn-4 installed and a Hopper or later GPU."""
+    experts (their own GEMM). `fa4` needs flash-attn-4 installed and a Hopper or later GPU. Under
+    context parallel (`cp`) its own attention replaces the model's, so the attention kernels (flex,
+    cudnn_sdpa, fa4) are off there rather than listed as running."""
     from pithtrain.kernels.fa4 import HAVE_FA4
 
     cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
     auto = mode == "auto"
     triton_ok = auto and cuda and HAVE_TRITON
     hopper = cuda and torch.cuda.get_device_capability(device)[0] >= 9
-    use = dict(swiglu=triton_ok, permute=triton_ok, expert_bias=triton_ok, linear_ce=auto, flex=auto and cuda,
-               cudnn_sdpa=auto and cuda and torch.backends.cudnn.is_available(), fa4=auto and hopper and HAVE_FA4,
+    attn = auto and cuda and not cp
+    use = dict(swiglu=triton_ok, permute=triton_ok, expert_bias=triton_ok, linear_ce=auto, flex=attn,
+               cudnn_sdpa=attn and torch.backends.cudnn.is_available(), fa4=attn and hopper and HAVE_FA4,
                fp8=fp8, adamw=triton_ok, wgrad=triton_ok and bf16 and not fsdp and not fp8 and hopper)
     return {k: v and k not in off for k, v in use.items()}
 
