@@ -7,8 +7,9 @@ attributes every family has (`self_attn`, `input_layernorm`, `post_attention_lay
 and inside a MoE block `route`, `experts`, `dispatcher`, optional `shared_experts`).
 
 What is compiled (fullgraph=True: a graph break is an error, not a silent slow path):
-  every child of a layer that holds no experts (attention with its projections, RoPE and q/k
-  norms; the norms; dense MLP layers), and inside a MoE block the router (`route`), its balancing
+  each layer's attention phase as one graph (`DecoderLayer.attend`: the input norm, attention with
+  its projections, RoPE and q/k norms, the residual add and the MLP's input norm), a dense MLP
+  layer's `mlp`, and inside a MoE block the router (`route`), its balancing
   unit's `observe` (load count and loss: a dozen small operations; not under context parallel,
   whose statistics take an all-reduce) and any other expert-free child (shared experts).
   Dispatch, the grouped expert GEMMs and combine stay eager: their shapes depend on the routing
@@ -62,18 +63,20 @@ def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     """torch.compile(fullgraph=True) on the non-MoE parts of every layer (module identity and
-    parameter names unchanged: nn.Module.compile). Dynamo's recompile limits are left as they are:
-    its modules are inlined, so every layer shares the graphs of the first (one per kind: attention,
-    norm, router; tests/test_kernels.py checks this at 12 layers), far below the default limit."""
+    parameter names unchanged). Dynamo's recompile limits are left as they are: its modules are
+    inlined, so every layer shares the graphs of the first (one per kind: attention phase, router,
+    balancing unit; tests/test_kernels.py checks this at 12 layers), far below the default limit.
+    Fewer, larger graphs also cost the host less: each compiled call pays its guards and autograd
+    wrapper once, forward and backward (docs/perf-notes.md)."""
     for layer in decoder_layers(model):  # a pipeline stage holds some of them
-        for child in layer.children():
-            if not _has_experts(child):
-                child.compile(fullgraph=True, backend=backend)
-                continue
-            if hasattr(child, "route"):
-                child.route = torch.compile(child.route, fullgraph=True, backend=backend)
-                if child.balance.stats_sum is local_sum:  # context parallel's all-reduce stays eager
-                    child.balance.observe = torch.compile(child.balance.observe, fullgraph=True, backend=backend)
-            for sub in child.children():
-                if not _has_experts(sub) and not isinstance(sub, nn.Linear):  # e.g. shared experts
-                    sub.compile(fullgraph=True, backend=backend)
+        layer.attend = torch.compile(layer.attend, fullgraph=True, backend=backend)
+        mlp = layer.mlp
+        if not _has_experts(mlp):
+            mlp.compile(fullgraph=True, backend=backend)
+            continue
+        mlp.route = torch.compile(mlp.route, fullgraph=True, backend=backend)
+        if mlp.balance.stats_sum is local_sum:  # context parallel's all-reduce stays eager
+            mlp.balance.observe = torch.compile(mlp.balance.observe, fullgraph=True, backend=backend)
+        for sub in mlp.children():
+            if not _has_experts(sub) and not isinstance(sub, nn.Linear):  # e.g. shared experts
+                sub.compile(fullgraph=True, backend=backend)

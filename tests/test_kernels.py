@@ -177,9 +177,9 @@ def test_every_family_compiles_without_graph_breaks(family):
     counters.clear()
     apply_compile(model, backend="eager")
     loss, grads = loss_and_grads(model, x, y)
-    # compiled for real: graphs for the attention, the norms, the router and the balancing unit
+    # compiled for real: graphs for the attention phase, the router and the balancing unit
     # (layers share them)
-    assert counters["stats"]["unique_graphs"] >= 4, dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] >= 3, dict(counters["stats"])
     assert all(hasattr(b.observe, "_torchdynamo_orig_callable") for b in balances)  # compiled
     for b, ref in zip(balances, ref_stats, strict=True):
         assert ref.sum() > 0
@@ -305,7 +305,7 @@ def test_balance_observe_stays_eager_under_context_parallel():
 
 def test_layers_share_compiled_graphs_within_default_dynamo_limits():
     """apply_compile leaves dynamo's process-wide limits alone: inlined modules make every layer
-    reuse the first layer's graphs, so 12 layers compile to one graph per kind (attention, norm,
+    reuse the first layer's graphs, so 12 layers compile to one graph per kind (attention phase,
     router, balancing unit), not one per layer that would need raised recompile limits."""
     torch.manual_seed(1)
     cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_layers=12, num_heads=4, num_kv_heads=2,
@@ -319,7 +319,7 @@ def test_layers_share_compiled_graphs_within_default_dynamo_limits():
     apply_compile(model, backend="eager")
     x = torch.randint(0, 64, (2, 12))
     model(x, labels_BS=x).backward()
-    assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
     assert dict(torch._dynamo.config.get_config_copy()) == limits
     torch._dynamo.reset()
 

@@ -461,6 +461,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(dim, eps)
         self.post_attention_layernorm = RMSNorm(dim, eps)
 
+    def attend(self, h_BSD, rope):
+        """The attention phase: h1 = h + attention(norm(h)), and the MLP's input norm(h1). One
+        graph under apply_compile (the residual add and both norms fused around the attention)."""
+        h1 = h_BSD + self.self_attn(self.input_layernorm(h_BSD), rope)
+        return h1, self.post_attention_layernorm(h1)
+
     def forward(self, x_BSD, rope):
         state = {"h": x_BSD}
         for ph in self.phases(rope):
@@ -483,8 +489,8 @@ class DecoderLayer(nn.Module):
         attn, mlp, unit = self.self_attn, self.mlp, self
 
         def attention(h):
-            h1 = h + attn(self.input_layernorm(h), rope)
-            return {"h1": h1, "x": self.post_attention_layernorm(h1)}
+            h1, x = self.attend(h, rope)
+            return {"h1": h1, "x": x}
 
         def attn_params():
             return [*attn.parameters(), *self.input_layernorm.parameters(),
