@@ -9,12 +9,13 @@ and inside a MoE block `route`, `experts`, `dispatcher`, optional `shared_expert
 What is compiled (fullgraph=True: a graph break is an error, not a silent slow path):
   each layer's attention phase as one graph (`DecoderLayer.attend`: the input norm, attention with
   its projections, RoPE and q/k norms, the residual add and the MLP's input norm), a dense MLP
-  layer's `mlp`, and inside a MoE block the router (`route`), its balancing
-  unit's `observe` (load count and loss: a dozen small operations; not under context parallel,
-  whose statistics take an all-reduce) and any other expert-free child (shared experts).
-  Dispatch, the grouped expert GEMMs and combine stay eager: their shapes depend on the routing
-  (per-expert row counts), and they already run as a few large kernels (grouped GEMM, Triton
-  permute/SwiGLU) that a compiler would not improve.
+  layer's `mlp`, and inside a MoE block the router with its balancing unit's `observe` (load count
+  and loss: a dozen small operations) as one graph (`common.route_and_observe`, set as the block's
+  `routing`; under context parallel, whose statistics take an all-reduce, only the router), the
+  local dispatcher's index plan (`common.dispatch_plan`: expert order, counts, inverse order) and
+  any other expert-free child (shared experts).
+  The permutation, the grouped expert GEMMs and combine stay eager: they already run as a few
+  large kernels (grouped GEMM, Triton permute/SwiGLU) that a compiler would not improve.
 
 Activation checkpointing (`train.activation_checkpoint`):
   "full"       recompute each whole decoder layer in backward (least memory, ~1/3 more compute);
@@ -35,7 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pithtrain.models.balance import local_sum
-from pithtrain.models.common import GroupedExperts, decoder_layers
+from pithtrain.models.common import GroupedExperts, LocalDispatcher, decoder_layers, dispatch_plan, route_and_observe
 
 
 def _has_experts(m: nn.Module) -> bool:
@@ -64,8 +65,9 @@ def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     """torch.compile(fullgraph=True) on the non-MoE parts of every layer (module identity and
     parameter names unchanged). Dynamo's recompile limits are left as they are: its modules are
-    inlined, so every layer shares the graphs of the first (one per kind: attention phase, router,
-    balancing unit; tests/test_kernels.py checks this at 12 layers), far below the default limit.
+    inlined, so every layer shares the graphs of the first (one per kind: attention phase, router
+    with its balancing unit, dispatch plan; tests/test_kernels.py checks this at 12 layers), far
+    below the default limit.
     Fewer, larger graphs also cost the host less: each compiled call pays its guards and autograd
     wrapper once, forward and backward (docs/perf-notes.md)."""
     for layer in decoder_layers(model):  # a pipeline stage holds some of them
@@ -74,9 +76,11 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
         if not _has_experts(mlp):
             mlp.compile(fullgraph=True, backend=backend)
             continue
-        mlp.route = torch.compile(mlp.route, fullgraph=True, backend=backend)
+        mlp.route = torch.compile(mlp.route, fullgraph=True, backend=backend)  # evaluation; context parallel
         if mlp.balance.stats_sum is local_sum:  # context parallel's all-reduce stays eager
-            mlp.balance.observe = torch.compile(mlp.balance.observe, fullgraph=True, backend=backend)
+            mlp.routing = torch.compile(route_and_observe, fullgraph=True, backend=backend)
+        if isinstance(mlp.dispatcher, LocalDispatcher):  # expert parallel's plans around its all-to-all
+            mlp.dispatcher.plan = torch.compile(dispatch_plan, fullgraph=True, backend=backend)
         for sub in mlp.children():
             if not _has_experts(sub) and not isinstance(sub, nn.Linear):  # e.g. shared experts
                 sub.compile(fullgraph=True, backend=backend)

@@ -14,7 +14,7 @@ from pithtrain.kernels import fp8_linear
 from pithtrain.kernels.linear_ce import linear_cross_entropy_sum
 from pithtrain.models import FAMILIES
 from pithtrain.models.balance import Balance
-from pithtrain.models.common import _ce_chunk, use_kernels
+from pithtrain.models.common import LocalDispatcher, _ce_chunk, dispatch_plan, use_kernels
 from pithtrain.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 
@@ -177,10 +177,11 @@ def test_every_family_compiles_without_graph_breaks(family):
     counters.clear()
     apply_compile(model, backend="eager")
     loss, grads = loss_and_grads(model, x, y)
-    # compiled for real: graphs for the attention phase, the router and the balancing unit
-    # (layers share them)
+    # compiled for real: graphs for the attention phase, the router with its balancing unit and
+    # the dispatch plan (layers share them)
     assert counters["stats"]["unique_graphs"] >= 3, dict(counters["stats"])
-    assert all(hasattr(b.observe, "_torchdynamo_orig_callable") for b in balances)  # compiled
+    moes = [m for m in model.modules() if hasattr(m, "balance")]
+    assert moes and all(hasattr(m.routing, "_torchdynamo_orig_callable") for m in moes)  # compiled
     for b, ref in zip(balances, ref_stats, strict=True):
         assert ref.sum() > 0
         torch.testing.assert_close(b.stats, ref)  # the load counted once per micro-batch, as eager
@@ -291,7 +292,7 @@ def test_model_rotary_makes_its_flex_masks_eagerly():
 
 def test_balance_observe_stays_eager_under_context_parallel():
     """Context parallel sums the balancing statistics with an all-reduce (`stats_sum`): apply_compile
-    then leaves the balancing unit eager and compiles it otherwise."""
+    then compiles the router alone and leaves the balancing unit eager; otherwise both as one graph."""
     cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                          head_dim=8, moe_intermediate_size=24, num_experts=4, top_k=2)
     model = Qwen3MoeForCausalLM(cfg)
@@ -299,14 +300,40 @@ def test_balance_observe_stays_eager_under_context_parallel():
     balances[0].stats_sum = lambda t: t  # stands in for ContextParallelSum
     torch._dynamo.reset()
     apply_compile(model, backend="eager")
-    assert [hasattr(b.observe, "_torchdynamo_orig_callable") for b in balances] == [False, True]
+    moes = [m for m in model.modules() if hasattr(m, "balance")]
+    assert [hasattr(m, "routing") for m in moes] == [False, True]
+    assert all(hasattr(m.route, "_torchdynamo_orig_callable") for m in moes)
+    assert not any(hasattr(b.observe, "_torchdynamo_orig_callable") for b in balances)
+    torch._dynamo.reset()
+
+
+def test_dispatch_plan_is_one_graph_and_matches_its_definition():
+    """The local dispatcher's index plan compiles whole (apply_compile sets it) and gives the
+    stable expert order, the slots per expert and, for the fused permute, each slot's place."""
+    torch.manual_seed(0)
+    idx_TA = torch.randint(0, 8, (64, 2))
+    flat_X = idx_TA.reshape(-1)
+    torch._dynamo.reset()
+    plan = torch.compile(dispatch_plan, fullgraph=True, backend="eager")
+    order_X, counts_E, inv_TA = plan(idx_TA, 8, True)
+    assert torch.equal(order_X, torch.argsort(flat_X, stable=True))
+    assert torch.equal(counts_E, torch.bincount(flat_X, minlength=8))
+    assert torch.equal(order_X[inv_TA.reshape(-1)], torch.arange(flat_X.numel()))
+    assert plan(idx_TA, 8, False)[2] is None
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+                                               num_kv_heads=2, head_dim=8, moe_intermediate_size=24,
+                                               num_experts=4, top_k=2))
+    apply_compile(model, backend="eager")
+    dispatchers = [m.dispatcher for m in model.modules() if isinstance(getattr(m, "dispatcher", None), LocalDispatcher)]
+    assert len(dispatchers) == 2 and all(hasattr(d.plan, "_torchdynamo_orig_callable") for d in dispatchers)
     torch._dynamo.reset()
 
 
 def test_layers_share_compiled_graphs_within_default_dynamo_limits():
     """apply_compile leaves dynamo's process-wide limits alone: inlined modules make every layer
-    reuse the first layer's graphs, so 12 layers compile to one graph per kind (attention phase,
-    router, balancing unit), not one per layer that would need raised recompile limits."""
+    reuse the first layer's graphs, so 12 layers compile to one graph per kind (attention phase;
+    router with its balancing unit; dispatch plan), not one per layer that would need raised
+    recompile limits."""
     torch.manual_seed(1)
     cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_layers=12, num_heads=4, num_kv_heads=2,
                          head_dim=8, moe_intermediate_size=24, num_experts=4, top_k=2)

@@ -204,7 +204,8 @@ def test_model_step_has_no_host_synchronisation(family):
     optimizer steps) never waits for the GPU: a host sync drains the queue and leaves the GPU idle
     while the CPU launches the next kernels (torch.bincount did, twice per MoE layer). The first
     call, which makes masks and tunes kernels, runs outside the check; the checked ones add into
-    its gradients (bf16 parameters: kernels/wgrad.py's in-place expert weight gradient)."""
+    its gradients (bf16 parameters: kernels/wgrad.py's in-place expert weight gradient). Eager,
+    then compiled as train.py runs it."""
     from pithtrain.models.common import use_kernels
 
     model = small_model(family)
@@ -218,15 +219,22 @@ def test_model_step_has_no_host_synchronisation(family):
             loss = model(x, labels_BS=x)
         loss.backward()
 
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    from pithtrain.compile import apply_compile
+
+    for compiled in (False, True):  # eager, then as train.py runs it (the dispatch plan compiled too)
+        if compiled:
+            torch._dynamo.reset()
+            apply_compile(model)
         step()
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "gpt_oss"])

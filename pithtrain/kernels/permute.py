@@ -72,13 +72,6 @@ def gather_dot(g_TD, src_XD, idx_TA, dtype):
     return out
 
 
-def inverse_order(order_X: torch.Tensor, A: int) -> torch.Tensor:
-    """inv_TA[t, a]: where slot t*A + a landed in expert order."""
-    inv_X = torch.empty_like(order_X)
-    inv_X[order_X] = torch.arange(order_X.numel(), device=order_X.device, dtype=order_X.dtype)
-    return inv_X.view(-1, A)
-
-
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, order_X, inv_TA):

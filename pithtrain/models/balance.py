@@ -26,7 +26,8 @@ distributed/reductions.balance_after_step after the optimizer step):
   observe(logits_TE, probs_TE, idx_TA, w_TA, sequences, count, loss)
                              route_tokens' one call per routed micro-batch: `count` (when asked)
                              and `loss` (when asked, else None). compile.apply_compile compiles
-                             it, so its dozen small operations run as a few fused kernels.
+                             it with the router as one graph (common.route_and_observe), so its
+                             dozen small operations run as a few fused kernels.
   loss(logits_TE, probs_TE, idx_TA, sequences)   the coefficient-weighted loss for AuxLoss, or None.
   count(idx_TA, w_TA)        this micro-batch's routing into `stats`, once per micro-batch
                              (route_tokens skips a forward that activation checkpointing

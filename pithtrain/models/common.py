@@ -323,6 +323,20 @@ def expert_order(idx_X, num_experts):
     return torch.argsort(idx_X.to(torch.uint8) if num_experts <= 256 else idx_X, stable=True)
 
 
+def dispatch_plan(idx_TA, num_experts: int, inverse: bool):
+    """The routed slots' expert order, the slots per expert and, for the fused permute, where each
+    slot landed in that order (once per layer: combine takes it too). Integer work without
+    gradients, a handful of small operations: one graph under apply_compile."""
+    flat_X = idx_TA.reshape(-1)
+    order_X = expert_order(flat_X, num_experts)
+    inv_TA = None
+    if inverse:  # inv_TA[t, a]: where slot t*A + a landed in expert order
+        inv_X = torch.empty_like(order_X)
+        inv_X[order_X] = torch.arange(order_X.numel(), device=order_X.device, dtype=order_X.dtype)
+        inv_TA = inv_X.view(idx_TA.shape)
+    return order_X, expert_counts(flat_X, num_experts), inv_TA
+
+
 def add_expert_bias(h_XN, b_EN, expert_X, offs_E):
     """h + b[expert of row]. Fused: a Triton add and a segment-sum backward instead of index
     backward's sort + accumulate (kernels/expert_bias.py)."""
@@ -348,15 +362,12 @@ class LocalDispatcher:
 
     def __init__(self):
         self.fused = False
+        self.plan = dispatch_plan  # compiled by apply_compile
 
     def dispatch(self, x_TD, idx_TA, w_TA, num_experts):
-        flat_X = idx_TA.reshape(-1)
-        order_X = expert_order(flat_X, num_experts)
-        counts_E = expert_counts(flat_X, num_experts)
-        inv_TA = None
+        order_X, counts_E, inv_TA = self.plan(idx_TA, num_experts, self.fused)
         if self.fused:
-            from pithtrain.kernels.permute import inverse_order, permute
-            inv_TA = inverse_order(order_X, idx_TA.shape[1])  # once per layer: combine takes it too
+            from pithtrain.kernels.permute import permute
             x_XD = permute(x_TD, order_X, inv_TA)
         else:
             x_XD = x_TD[order_X // idx_TA.shape[1]]
@@ -419,12 +430,20 @@ def route_tokens(moe, x_TD, sequences: int | None = None):
     loss needs it). Inside a backward pass (graph task id != -1) a forward is activation
     checkpointing's recompute of a micro-batch already counted (torch.utils.checkpoint tells the
     two apart the same way), so it is not counted again."""
-    logits_TE, probs_TE, w_TA, idx_TA = moe.route(x_TD)
     if not moe.training:
+        _, _, w_TA, idx_TA = moe.route(x_TD)
         return w_TA, idx_TA, None
     count = torch._C._current_graph_task_id() == -1
-    aux = moe.balance.observe(logits_TE, probs_TE, idx_TA, w_TA, sequences, count, torch.is_grad_enabled())
-    return w_TA, idx_TA, aux
+    routing = getattr(moe, "routing", route_and_observe)  # apply_compile's compiled one, where set
+    return routing(moe, x_TD, sequences, count, torch.is_grad_enabled())
+
+
+def route_and_observe(moe, x_TD, sequences: int | None, count: bool, loss: bool):
+    """The router, then its balancing unit's `observe` (count and loss): one graph under
+    apply_compile, so the router's softmax and the balancing statistics fuse, and the host pays
+    one compiled call per MoE layer, forward and backward, instead of two."""
+    logits_TE, probs_TE, w_TA, idx_TA = moe.route(x_TD)
+    return w_TA, idx_TA, moe.balance.observe(logits_TE, probs_TE, idx_TA, w_TA, sequences, count, loss)
 
 
 def routed_experts(moe, x_TD, sequences: int | None = None):
