@@ -312,9 +312,10 @@ class GroupedExperts(nn.Module):
 def expert_counts(idx_X, num_experts):
     """Routed slots per expert, on the device without a host synchronisation: torch.bincount on
     CUDA reads the indices' min and max to the host, which drained the GPU's queue twice in each
-    MoE layer's forward (docs/perf-notes.md, 12-layer profile)."""
+    MoE layer's forward (docs/perf-notes.md, 12-layer profile). scatter_add_, not index_add_: in
+    the compiled dispatch plan inductor makes int64 index_add_ a sorting index_put_."""
     counts_E = torch.zeros(num_experts, dtype=torch.int64, device=idx_X.device)
-    return counts_E.index_add_(0, idx_X, torch.ones_like(idx_X, dtype=torch.int64))
+    return counts_E.scatter_add_(0, idx_X, torch.ones_like(idx_X, dtype=torch.int64))
 
 
 def expert_order(idx_X, num_experts):
