@@ -17,11 +17,11 @@ import io
 import json
 import os
 import pstats
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from launch_probe import timed  # scripts/ is on the path when a script runs
 from pithtrain.bench import bench_config, parse_variant, pithtrain_step
 
 
@@ -61,19 +61,7 @@ def main():
     for accum in (int(a) for a in args.grad_accum.split(",")):
         cfg = bench_config(args.model, args.layers, 2, 4096, accum)
         model, step = pithtrain_step(cfg, parse_variant(args.variant), dev)
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        walls, gpus = [], []
-        for _ in range(3):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t = time.perf_counter()
-            a.record()
-            step()
-            host = time.perf_counter() - t
-            b.record()
-            b.synchronize()
-            walls.append((host * 1e3, a.elapsed_time(b)))
+        host_us, step_us = timed(step, 3)  # the host's time per step includes the step's own syncs
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
@@ -95,9 +83,8 @@ def main():
         pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(60)
         with open(os.path.join(args.out, f"cprofile_mb{accum}.txt"), "w") as f:
             f.write(s.getvalue())
-        print(f"== {args.model} {args.variant} {accum} mb: host issue / step ms "
-              + ", ".join(f"{h:.1f}/{g:.1f}" for h, g in walls)
-              + f"; profiled step: GPU busy {busy:.1f} ms, idle gaps {idle:.1f} ms", flush=True)
+        print(f"== {args.model} {args.variant} {accum} mb: host {host_us / 1e3:.1f} ms of a {step_us / 1e3:.1f} ms "
+              f"step; profiled step: GPU busy {busy:.1f} ms, idle gaps {idle:.1f} ms", flush=True)
         for g, at, owner in top:
             print(f"   gap {g:7.2f} ms at {at:8.1f} ms before a kernel launched in {owner}")
         del model, step
