@@ -328,7 +328,7 @@ def measure(name, side, cfg, make, warmup, steps, profile=None) -> dict:
               f"{rec['peak_gb']:6.1f} GB  step {med:7.1f} ms (min {min(times):.1f}, max {max(times):.1f})"
               f"  loss0 {first:.3f}" + (f"  FP8 weight quantisations/step {rec['fp8_quantised_per_step']:g}"
                                         if rec["fp8_quantised_per_step"] else "")
-              + (f"  in-place expert wgrads/step {rec['wgrad_adds_per_step']:g}"
+              + (f"  in-place weight gradients/step {rec['wgrad_adds_per_step']:g}"
                  if rec["wgrad_adds_per_step"] else ""), flush=True)
         del model, step
     except Exception as e:  # one failing side must not lose the others' numbers

@@ -3,10 +3,14 @@ what autograd does (torch's k-grouped `F.grouped_mm` making a bf16 gradient, the
 existing bf16 gradient, or into the float32 master's as parallelize.bf16_weights does), at the
 bench's expert shapes, for each tile configuration given.
 
-    python scripts/wgrad_probe.py [--configs 128,256,64,8,3,1,1 ...] [--json FILE]
+    python scripts/wgrad_probe.py [--configs 128,256,64,8,3,1,1 ...] [--first] [--json FILE]
 
 (a configuration: BM, BN, BK, warps, stages, gradient tile loaded first (0/1), programs per SM (0: one
 per tile); kernels/wgrad_triton.py; without --configs, its CONFIGS for each gradient dtype)
+
+--first: a float32 master's first micro-batch instead, the kernel writing the gradient without
+reading it (add=False) against torch's GEMM and the cast into float32 (what autograd and
+bf16_weights' hook did).
 
 One row per shape, target dtype and configuration: milliseconds (CUDA events, median of 10 after 3
 warm-up runs), the ratio to autograd's two kernels, TFLOP/s of the GEMM part and the relative error
@@ -38,6 +42,7 @@ def ms(fn):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", nargs="*", default=[])
+    ap.add_argument("--first", action="store_true", help="float32 gradients written, not added to")
     ap.add_argument("--json")
     args = ap.parse_args()
     given = [tuple(int(v) for v in c.split(",")) for c in args.configs]
@@ -51,16 +56,19 @@ def main():
         dy = torch.randn(X, N, device="cuda", dtype=torch.bfloat16) / 16
         flop = 2 * X * D * N
         gemm = ms(lambda: F.grouped_mm(x.t(), dy, offs=offs))
-        for dtype in (torch.bfloat16, torch.float32):
+        for dtype in (torch.float32,) if args.first else (torch.bfloat16, torch.float32):
             g = torch.zeros(E, D, N, device="cuda", dtype=dtype)
-            base = ms(lambda: g.add_(F.grouped_mm(x.t(), dy, offs=offs)))
+            if args.first:
+                base = ms(lambda: F.grouped_mm(x.t(), dy, offs=offs).to(torch.float32))
+            else:
+                base = ms(lambda: g.add_(F.grouped_mm(x.t(), dy, offs=offs)))
             ref = (F.grouped_mm(x.float().t(), dy.float(), offs=offs)).double() if D * N * E < 6e8 else None
-            for cfg in given or [CONFIGS[dtype]]:
+            for cfg in given or [CONFIGS["write" if args.first else dtype]]:
                 g.zero_()
                 try:
-                    add_kgrouped(g, x, dy, offs, config=cfg)
+                    add_kgrouped(g, x, dy, offs, config=cfg, add=not args.first)
                     err = float((g.double() - ref).norm() / ref.norm()) if ref is not None else float("nan")
-                    t = ms(lambda: add_kgrouped(g, x, dy, offs, config=cfg))
+                    t = ms(lambda: add_kgrouped(g, x, dy, offs, config=cfg, add=not args.first))
                 except Exception as e:  # a tile configuration the compiler refuses
                     print(f"{name} {dtype} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue

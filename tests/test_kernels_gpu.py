@@ -281,6 +281,35 @@ def test_triton_adamw_matches_torch_fused_adamw(dtype, betas):
     check_triton_adamw("cuda", dtype, betas)
 
 
+def test_triton_adamw_writes_the_next_steps_bf16_weights():
+    """kernels/adamw.py on float32 masters holding parallelize.bf16_weights' copies: the copy after
+    the step is the new master rounded to bf16, bit for bit, and the next step's bf16_weights takes
+    it without a cast (a copy overwritten behind its back stays so); an in-place change to the
+    master through torch afterwards makes bf16_weights cast again."""
+    from pithtrain.distributed.parallelize import bf16_weights
+    from pithtrain.kernels.adamw import AdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4099, 64), torch.nn.Linear(64, 3)).cuda()
+    opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    x = torch.randn(8, 4099, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        with bf16_weights(model):
+            model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    for p in model.parameters():
+        assert p.bf16_written == p._version and torch.equal(p.bf16, p.detach().to(torch.bfloat16))
+        p.bf16.detach().fill_(7)  # reused as it is: no cast on entry
+    with bf16_weights(model):
+        assert all((w == 7).all() for w in model.parameters())
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)
+    with bf16_weights(model):
+        assert torch.equal(model[0].weight, model[0].weight.master.detach().to(torch.bfloat16))
+        assert (model[1].weight == 7).all()
+
+
 def check_triton_adamw(device, dtype, betas):
     """kernels/adamw.py against torch.optim.AdamW(fused=True): five steps with changing gradients
     and learning rate, two weight-decay groups (0.1 and 0), sizes not multiples of the block, a
@@ -354,11 +383,12 @@ def check_triton_adamw(device, dtype, betas):
 
 
 @pytest.mark.parametrize("E,D,N,rows", [(8, 256, 384, 3000), (128, 768, 2048, 65536), (32, 2880, 5760, 32768)])
-@pytest.mark.parametrize("target", [torch.bfloat16, torch.float32])
-def test_wgrad_kernel_adds_into_the_gradient(E, D, N, rows, target):
+@pytest.mark.parametrize("target,add", [(torch.bfloat16, True), (torch.float32, True), (torch.float32, False)])
+def test_wgrad_kernel_adds_into_the_gradient(E, D, N, rows, target, add):
     """kernels/wgrad_triton.add_kgrouped: grad[e] += x[rows of e]^T dy[rows of e] against float64, on uneven
     groups with an empty one and unaligned starts; the expert shapes of the three families (Qwen3
-    w2, GPT-OSS w13) and a small one; bf16 and float32 gradients."""
+    w2, GPT-OSS w13) and a small one; bf16 and float32 gradients; add=False (a float32 master's
+    first micro-batch) writes the product over a gradient full of NaN, zeros for the empty expert."""
     from pithtrain.kernels.wgrad_triton import add_kgrouped
 
     torch.manual_seed(0)
@@ -368,20 +398,54 @@ def test_wgrad_kernel_adds_into_the_gradient(E, D, N, rows, target):
     X = int(counts.sum())
     x = torch.randn(X, D, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(X, N, device="cuda", dtype=torch.bfloat16)
-    g = torch.randn(E, D, N, device="cuda").to(target)
-    want = g.double() + torch.nn.functional.grouped_mm(x.t(), dy, offs=offs).double()  # bf16 out, fp32 acc
-    exact = g.double().clone()
+    g = torch.randn(E, D, N, device="cuda").to(target) if add else torch.full((E, D, N), float("nan"), device="cuda")
+    base = g.double() if add else torch.zeros_like(g, dtype=torch.float64)
+    want = base + torch.nn.functional.grouped_mm(x.t(), dy, offs=offs).double()  # bf16 out, fp32 acc
+    exact = base.clone()
     start = 0
     for e, end in enumerate(offs.tolist()):
         exact[e] += x[start:end].double().t() @ dy[start:end].double()
         start = end
     before = g.clone()
-    add_kgrouped(g, x, dy, offs)
-    assert torch.equal(g[1], before[1])  # the empty expert is left as it was
+    add_kgrouped(g, x, dy, offs, add=add)
+    if add:
+        assert torch.equal(g[1], before[1])  # the empty expert is left as it was
+    else:
+        assert not g[1].any() and not g.isnan().any()
     if target == torch.float32:  # products added in float32: no bf16 rounding of dw on the way
         assert rel(g, exact) < 1e-5 < rel(want, exact), (rel(g, exact), rel(want, exact))
     else:  # one rounding to bf16 at the end, at least as close as torch's GEMM and add
         assert rel(g, exact) <= 1.2 * rel(want, exact) + 1e-6
+
+
+def test_embedding_gradient_in_place_is_exact_and_deterministic():
+    """kernels/wgrad.embedding at Qwen3's vocabulary and width, a micro-batch of 8192 tokens of which
+    a fifth are one token: the rows added into a float32 gradient equal float64 sums of the bf16
+    rows (index_put_ with accumulate), bit for bit the same on a second run, and autograd.grad
+    returns F.embedding's gradient."""
+    from pithtrain.kernels import wgrad
+
+    torch.manual_seed(0)
+    V, D, T = 151936, 2048, 8192
+    ids = torch.randint(0, V, (2, T // 2), device="cuda")
+    ids.view(-1)[::5] = 11
+    dys = [torch.randn(2, T // 2, D, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    exact = torch.zeros(V, D, device="cuda", dtype=torch.float64)
+    for dy in dys:
+        exact.index_add_(0, ids.flatten(), dy.flatten(0, 1).double())
+    runs = []
+    for _ in range(2):
+        w = torch.nn.Parameter(torch.zeros(V, D, device="cuda", dtype=torch.bfloat16))
+        w.master = torch.nn.Parameter(torch.zeros(V, D, device="cuda"))
+        for dy in dys:
+            wgrad.embedding(ids, w).backward(dy)
+        assert w.grad is None and w.master.wgrad_adds == 2  # the first micro-batch wrote the master too
+        runs.append(w.master.grad)
+    assert torch.equal(runs[0], runs[1])
+    assert rel(runs[0], exact) < 1e-6
+    (got,) = torch.autograd.grad(wgrad.embedding(ids, w), [w], dys[0])
+    (want,) = torch.autograd.grad(torch.nn.functional.embedding(ids, w), [w], dys[0])
+    assert torch.equal(got, want)
 
 
 def _expert_grads(use_kernel: bool, split: bool, master: bool, micro_batches: int = 3):
@@ -432,13 +496,14 @@ def test_wgrad_grouped_mm_accumulates_like_autograd(split, master):
     from pithtrain.kernels import wgrad
 
     calls, accumulate = [], wgrad.accumulate
-    wgrad.accumulate = lambda g, *a: calls.append(g.dtype) or accumulate(g, *a)
+    wgrad.accumulate = lambda g, *a, add=True: calls.append((g.dtype, add)) or accumulate(g, *a, add=add)
     try:
         got = _expert_grads(True, split, master)
     finally:
         wgrad.accumulate = accumulate
     want = torch.float32 if master else torch.bfloat16
-    assert calls == [want] * 4  # w13 and w2 in micro-batches 2 and 3; the first goes through autograd
+    # w13 and w2 in micro-batches 2 and 3; the first goes through autograd, or writes the float32 master
+    assert calls == [(want, False)] * 2 * master + [(want, True)] * 4, calls
     ref = _expert_grads(False, False, master)
     for g, r in zip(got, ref):  # (a gradient counted twice or missed is off by >= 1/3)
         assert g.dtype == want and rel(g, r) < (5e-3 if master else 1e-2), rel(g, r)

@@ -121,29 +121,32 @@ def test_phased_full_and_split_backward_match_the_model(family):
 
 
 @pytest.mark.parametrize("family", sorted(TINY))
-def test_in_place_expert_weight_gradients_match_autograd(family, monkeypatch):
-    """kernels/wgrad.grouped_mm (the experts' weight gradients added into .grad from the second
-    micro-batch on; on CPU, float32, the reference's GEMM and add stand in for the Triton kernel)
-    gives autograd's gradients through the model's forward, the phases' full backward and the
-    pipeline's B then W (B, on the phases' leaf inputs, adds nothing to .grad); autograd.grad w.r.t.
-    the expert weights returns them and leaves .grad alone. The kernel: tests/test_kernels_gpu.py."""
-    import functools
-
-    from pithtrain.kernels import wgrad
-    from pithtrain.models.common import GroupedExperts, grouped_mm
+def test_in_place_weight_gradients_match_autograd(family, monkeypatch):
+    """kernels/wgrad.py (the weight gradients of the experts, the token embedding and the LM head
+    added into .grad from the second micro-batch on; on CPU, float32, the reference's GEMM and add
+    stand in for the Triton kernel) gives autograd's gradients through the model's forward, the
+    phases' full backward and the pipeline's B then W (B, on the phases' leaf inputs, adds nothing
+    to .grad); autograd.grad w.r.t. those weights returns them and leaves .grad alone. The kernel:
+    tests/test_kernels_gpu.py."""
+    from pithtrain.kernels import NAMES, wgrad
+    from pithtrain.models.common import GroupedExperts, grouped_mm, use_kernels
 
     model = build(family)
+    use = {**dict.fromkeys(NAMES, False), "linear_ce": True}
+    use_kernels(model, use)  # the reference: the same ops, gradients through autograd
     mbs = [batch(0, model.cfg.vocab_size), batch(1, model.cfg.vocab_size)]
     _, ref = reference(model, mbs)
+    use_kernels(model, {**use, "wgrad": True})
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
-    for m in experts:
-        m.mm = functools.partial(wgrad.grouped_mm, reference=grouped_mm)
+    assert all(m.mm.func is wgrad.grouped_mm for m in experts) and model.embed_tokens.lookup is wgrad.embedding
     calls, add = [], wgrad.accumulate
-    monkeypatch.setattr(wgrad, "accumulate", lambda g, *a: calls.append(g.shape) or add(g, *a))
+    monkeypatch.setattr(wgrad, "accumulate", lambda g, *a, **k: calls.append(g.shape) or add(g, *a, **k))
     _, got = reference(model, mbs)
     check_grads(got, ref)
     assert len(calls) == 2 * len(experts)  # w13 and w2, second micro-batch
-    assert wgrad.in_place_adds(model) == len(calls)  # the witness the bench reports
+    counted = {n: p.wgrad_adds for n, p in model.named_parameters() if hasattr(p, "wgrad_adds")}
+    assert counted["embed_tokens.weight"] == counted["lm_head.weight"] == 1, counted
+    assert wgrad.in_place_adds(model) == len(calls) + 2  # the witness the bench reports
     for split in (False, True):
         model.zero_grad()
         calls.clear()
@@ -157,13 +160,13 @@ def test_in_place_expert_weight_gradients_match_autograd(family, monkeypatch):
                 overlap.weight_backward(run)
         check_grads(grads(model), ref)
         assert len(calls) == 2 * len(experts)
-    ws = [w for m in experts for w in (m.w13_EDF2, m.w2_EFD)]
+    ws = [w for m in experts for w in (m.w13_EDF2, m.w2_EFD)] + [model.embed_tokens.weight, model.lm_head.weight]
     x, y = mbs[0]
     for w in ws:
         w.grad = torch.zeros_like(w)
     got = torch.autograd.grad(model(x, labels_BS=y), ws)
-    for m in experts:
-        m.mm = grouped_mm
+    use_kernels(model, use)
+    assert all(m.mm is grouped_mm for m in experts)
     want = torch.autograd.grad(model(x, labels_BS=y), ws)
     for g, r, w in zip(got, want, ws):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)

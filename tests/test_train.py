@@ -84,12 +84,45 @@ def test_a_non_finite_gradient_stops_before_the_update(tiny_overrides, tmp_path,
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_bf16_step_weights_are_fsdps_numbers_without_fsdp(tiny_overrides):
+def test_bf16_weights_copy_is_kept_and_follows_its_master():
+    """parallelize.bf16_weights keeps one bf16 copy per float32 parameter across steps (tied
+    parameters share it, its gradient hook registered once) and casts it again on entry whenever
+    the master changed through torch since (here SGD's update), so each step computes with the
+    current weights. (The cast skipped after kernels/adamw.py writes the copy: a GPU test.)"""
+    import torch
+
+    from pithtrain.distributed.parallelize import bf16_weights
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    model[1].weight = model[0].weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    copies = None
+    for _ in range(3):
+        with bf16_weights(model):
+            ws = list(model.parameters())
+            assert model[0].weight is model[1].weight and all(w.dtype == torch.bfloat16 for w in ws)
+            for w in ws:
+                assert torch.equal(w, w.master.detach().to(torch.bfloat16))
+            copies = copies or ws
+            assert all(a is b for a, b in zip(ws, copies))
+            model(x).square().sum().backward()
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+    assert len(copies[0]._post_accumulate_grad_hooks) == 1
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_bf16_step_weights_are_fsdps_numbers_without_fsdp(tiny_overrides, in_place):
     """Under bf16 autocast without FSDP, train_step runs its micro-batches on one bf16 copy of the
     weights and accumulates each micro-batch's bf16 gradient in float32 (parallelize.bf16_weights):
     the reference is a pure-bf16 twin of the model whose per-micro-batch gradients are summed in
     float32 by hand (what FSDP's bf16 gathers and float32 reduction give). SGD at lr 1 with no clip
-    makes the update the gradient itself; outside the step the modules hold the float32 masters."""
+    makes the update the gradient itself; outside the step the modules hold the float32 masters.
+    in_place: the embedding's and the LM head's gradients go straight into the masters' float32
+    gradients (kernels/wgrad.py; the twin through autograd), the first micro-batch included."""
     import copy
 
     import torch
@@ -109,13 +142,26 @@ def test_bf16_step_weights_are_fsdps_numbers_without_fsdp(tiny_overrides):
         p.data = p.data.to(torch.bfloat16)
     for m in (model, twin):
         set_aux_loss_scale(m, 1 / 3)
+    if in_place:
+        from pithtrain.kernels import NAMES
+        from pithtrain.models.common import use_kernels
+
+        use = {**dict.fromkeys(NAMES, False), "linear_ce": True}
+        use_kernels(twin, use)
+        use_kernels(model, {**use, "wgrad": True})
     g = torch.Generator().manual_seed(1)
     mbs = [(x, x.roll(-1, 1), None, None) for x in torch.randint(0, 250, (3, 4, 64), generator=g)]
-    denom = 3 * 4 * 64
+    denom = 1024  # a power of two: 1/denom scales a bf16 gradient exactly (the in-place LM head multiplies in float32)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
     assert uses_bf16_weights(dims, autocast) and not uses_bf16_weights(dims, __import__("contextlib").nullcontext())
 
     want = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    rows = []  # in place, the embedding's reference: its output's bf16 gradient rows summed in float32
+    if in_place:
+        def keep_rows(module, inputs, out):
+            out.register_hook(rows.append)
+
+        twin.embed_tokens.register_forward_hook(keep_rows)
     for x, y, _, _ in mbs:
         with autocast:
             loss = twin(x, labels_BS=y)
@@ -123,6 +169,11 @@ def test_bf16_step_weights_are_fsdps_numbers_without_fsdp(tiny_overrides):
         for n, p in twin.named_parameters():
             want[n] += p.grad.float()
             p.grad = None
+    if in_place:  # the rows of each token added in float32, not each micro-batch's sum rounded to bf16
+        emb = torch.zeros_like(want["embed_tokens.weight"], dtype=torch.float64)
+        for (x, _, _, _), dy in zip(mbs, rows):
+            emb.index_add_(0, x.flatten(), dy.flatten(0, 1).double())
+        want["embed_tokens.weight"] = emb.float()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     masters = {n: p for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -131,3 +182,5 @@ def test_bf16_step_weights_are_fsdps_numbers_without_fsdp(tiny_overrides):
     for n, p in model.named_parameters():
         assert p is masters[n] and p.dtype == torch.float32, n
         torch.testing.assert_close(before[n] - p.detach(), want[n], rtol=0, atol=1e-6, msg=n)
+    if in_place:  # written in place in each of the 3 micro-batches (the first: a new float32 gradient)
+        assert model.embed_tokens.weight.wgrad_adds == model.lm_head.weight.wgrad_adds == 3

@@ -103,26 +103,36 @@ def uses_bf16_weights(dims: ParallelDims, autocast) -> bool:
 @contextlib.contextmanager
 def bf16_weights(model: nn.Module, on: bool = True):
     """The numbers of FSDP's MixedPrecisionPolicy without FSDP: inside the `with` (one optimizer
-    step) every float32 parameter is replaced in its module by a bf16 leaf cast once, and each
-    micro-batch's bf16 gradient is added into the float32 master's .grad as autograd accumulates
-    it (float32 accumulation, as FSDP's float32 reduction); on exit the modules hold the masters
-    again, so clip, AdamW, checkpoints and export see only float32. Plain autocast would cast
-    every weight in each micro-batch's forward and recompute and cast and accumulate each gradient
-    on its own: 20% of a 4-layer Qwen3 step at 8 micro-batches (docs/perf-notes.md). on=False:
-    nothing changes (float32 runs, FSDP)."""
+    step) every float32 parameter is replaced in its module by a bf16 leaf holding its value, and
+    each micro-batch's bf16 gradient is added into the float32 master's .grad as autograd
+    accumulates it (float32 accumulation, as FSDP's float32 reduction; kernels/wgrad.py writes the
+    gradients it makes there directly); on exit the modules hold the masters again, so clip,
+    AdamW, checkpoints and export see only float32. Plain autocast would cast every weight in each
+    micro-batch's forward and recompute and cast and accumulate each gradient on its own: 20% of a
+    4-layer Qwen3 step at 8 micro-batches (docs/perf-notes.md).
+
+    The bf16 leaf is made once and kept on the master (`p.bf16`); on entry it is refreshed by a cast
+    unless kernels/adamw.py already wrote the updated value into it in its pass, which it marks with
+    the master's version (`p.bf16_written`: any later in-place change through torch moves the
+    version on, and the cast runs again). on=False: nothing changes (float32 runs, FSDP)."""
     if not on:
         yield
         return
     slots = [(mod, name, p) for mod in model.modules() for name, p in mod._parameters.items()
              if p is not None and p.dtype == torch.float32]
-    copies = {}  # tied parameters share one copy
-    for mod, name, p in slots:
-        if id(p) not in copies:
-            b = copies[id(p)] = nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
+    for _, _, p in slots:  # tied parameters share one copy
+        b = getattr(p, "bf16", None)
+        if b is None or b.shape != p.shape or b.device != p.device or b.requires_grad != p.requires_grad:
+            b = p.bf16 = nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
             if p.requires_grad:
                 b.master = p  # where _into_master, and kernels/wgrad.py directly, add its gradients
                 b.register_post_accumulate_grad_hook(_into_master)
-        mod._parameters[name] = copies[id(p)]
+        elif getattr(p, "bf16_written", None) != p._version:
+            with torch.no_grad():
+                b.copy_(p)
+        p.bf16_written = p._version  # current: a second slot of a tied parameter casts nothing
+    for mod, name, p in slots:
+        mod._parameters[name] = p.bf16
     try:
         yield
     finally:

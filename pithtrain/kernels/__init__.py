@@ -11,7 +11,7 @@
 | causal attention incl. window + sinks, not documents | `fa4.py` (flash-attn-4 where installed, Hopper+) | the two rows above |
 | blockwise FP8 expert GEMMs (`train.fp8`) | `fp8.py` (Triton quantisation + scaled grouped GEMMs) | `fp8_linear.py` (autograd, weight cache, dequantise + fp32 matmul) |
 | AdamW (the optimizer step) | `adamw.py` (one Triton pass per parameter) | `torch.optim.AdamW(fused=True)` |
-| expert weight gradient over micro-batches | `wgrad.py` (autograd), `wgrad_triton.py` (k-grouped GEMM adding into the gradient) | autograd's `F.grouped_mm` + `add_` |
+| weight gradients over micro-batches (experts, embedding, LM head) | `wgrad.py` (added in place: `wgrad_triton.py`'s k-grouped GEMM, the embedding's rows, the head's scaled dW) | autograd's gradient + `add_` |
 | same, through DeepGEMM (optional, not wired yet) | `deepgemm.py` (`load()`, FP8 m/k-grouped, bf16 m-grouped) | `fp8_linear.py`; `F.grouped_mm` |
 
 The policy is here, the choice lives in the model. `configure(mode, device, fp8, off, fsdp, bf16)` returns which
@@ -25,11 +25,13 @@ dispatcher), so two models in one process each run their own kernels and nothing
                           wgrad.grouped_mm (its weight gradient accumulates in place), or a
                           fp8_linear.FP8GroupedMM (one per experts module: it owns the weight cache)
   GroupedExperts.swiglu, .bias_add   the activation and the per-expert bias add
+  Embedding.lookup        the token embedding: F.embedding, or wgrad.embedding (its gradient in place)
   LocalDispatcher.fused   the Triton permute / unpermute
   <attention>.attention   functools.partial(common.attention, sdpa_first=, flex=) for every attention
                           module (context parallel then replaces it); flex: one flex.FlexAttention
                           per model, also held by `model.rotary` to build the batch's block masks eagerly
-  model.cross_entropy     the chunked LM-head loss (common.cross_entropy_sum or linear_ce's)
+  model.cross_entropy     the chunked LM-head loss (common.cross_entropy_sum or linear_ce's; with
+                          wgrad, linear_ce adds the head's gradient in place)
 
 and `train.build_optimizer(..., use)` picks the AdamW class (adamw.AdamW or torch's).
 

@@ -33,8 +33,8 @@ BLOCK = 4096
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, N, lr, wd, beta1, beta2, log_beta1, log_beta2, eps,
-                  gscale, DECAY: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, copy_ptr, N, lr, wd, beta1, beta2, log_beta1, log_beta2,
+                  eps, gscale, DECAY: tl.constexpr, COPY: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -52,6 +52,8 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, N, lr, wd, beta1, beta2,
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+    if COPY:  # the next step's bf16 weights (parallelize.bf16_weights), from the value just stored
+        tl.store(copy_ptr + offs, p.to(p_ptr.dtype.element_ty).to(copy_ptr.dtype.element_ty), mask=mask)
 
 
 def _log(beta: float) -> float:
@@ -64,7 +66,9 @@ class AdamW(torch.optim.AdamW):
     kernel instead. No amsgrad, maximize, tensor learning rates or closures: refused here.
     step(grad_scale=c) updates with c * g, the gradient clip's multiply folded into the same pass
     (train_step): the gradients are not rewritten (4 B per bf16 parameter less), except a
-    non-contiguous one, multiplied before torch's kernel takes it."""
+    non-contiguous one, multiplied before torch's kernel takes it. A float32 parameter holding
+    parallelize.bf16_weights' copy (`p.bf16`) gets it rewritten in the same pass (2 B per parameter,
+    where the next step's cast would read 4 and write 2), marked current by `p.bf16_written`."""
 
     takes_grad_scale = True
 
@@ -102,9 +106,14 @@ class AdamW(torch.optim.AdamW):
                 ts = [_local(x) for x in (p, p.grad, st["exp_avg"], st["exp_avg_sq"])]
                 if all(x.is_contiguous() for x in ts):
                     n = ts[0].numel()
-                    _adamw_kernel[(triton.cdiv(n, BLOCK),)](*ts, step, n, lr, wd, beta1, beta2, log_beta1,
-                                                            log_beta2, eps, grad_scale, DECAY=wd != 0,
-                                                            BLOCK=BLOCK, num_warps=8)
+                    copy = getattr(p, "bf16", None)
+                    copy = copy if copy is not None and copy.is_contiguous() and copy.shape == ts[0].shape else None
+                    _adamw_kernel[(triton.cdiv(n, BLOCK),)](*ts, step, ts[0] if copy is None else copy, n, lr, wd,
+                                                            beta1, beta2, log_beta1, log_beta2, eps, grad_scale,
+                                                            DECAY=wd != 0, COPY=copy is not None, BLOCK=BLOCK,
+                                                            num_warps=8)
+                    if copy is not None:  # Triton's stores leave p's version as it is
+                        p.bf16_written = p._version
                 else:
                     if grad_scale != 1.0:
                         ts[1].mul_(grad_scale)

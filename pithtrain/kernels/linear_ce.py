@@ -9,11 +9,16 @@ the summed loss (a scalar used linearly). Peak extra memory: one chunk of logits
 plus dW. Under autocast the matmuls run in the autocast dtype, as the reference's would.
 On CUDA with Triton the loss and the logit gradient come from kernels/ce.py (two streaming passes
 over the bf16 logits, gradient written in place); elsewhere from the PyTorch code below.
+`in_place` (kernels.configure's `wgrad`): backward adds the scaled dW into the gradient it
+accumulates into (kernels/wgrad.target: p.grad, or a float32 master's) in one pass, instead of
+returning it for autograd to add.
 """
 
 from __future__ import annotations
 
 import torch
+
+from pithtrain.kernels import wgrad
 
 try:
     from pithtrain.kernels.ce import ce_rows_inplace
@@ -25,7 +30,7 @@ except ImportError:  # no Triton: the PyTorch path below
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_TD, weight_VD, labels_T, chunk: int):
+    def forward(ctx, h_TD, weight_VD, labels_T, chunk: int, param: tuple):
         dt = torch.get_autocast_dtype(h_TD.device.type) if torch.is_autocast_enabled(h_TD.device.type) \
             else h_TD.dtype
         with torch.autocast(h_TD.device.type, enabled=False):
@@ -56,12 +61,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dw = torch.zeros_like(weight_VD)
         ctx.save_for_backward(dh, dw)
         ctx.h_dtype = h_TD.dtype
+        ctx.w = param[0] if param else None  # in place: the parameter, and its nodes (kernels/wgrad.py)
+        ctx.nodes = wgrad.grad_nodes(weight_VD, ctx.w) if param else None
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
         dh, dw = ctx.saved_tensors
-        return (dh * grad_out.to(dh.dtype)).to(ctx.h_dtype), dw * grad_out.to(dw.dtype), None, None
+        dh = (dh * grad_out.to(dh.dtype)).to(ctx.h_dtype)
+        if ctx.w is not None and ctx.nodes[0] is not None and wgrad.will_run(ctx.nodes[0]):
+            g, fresh = wgrad.target(ctx.w, ctx.nodes[1])
+            if g is not None:
+                if fresh:
+                    torch.mul(dw, grad_out, out=g)
+                else:
+                    g.addcmul_(dw, grad_out)
+                wgrad.count(ctx.w)
+                return dh, None, None, None, None
+        return dh, dw * grad_out.to(dw.dtype), None, None, None
 
 
 def _ce_grad_torch(logits, labels):
@@ -77,6 +94,9 @@ def _ce_grad_torch(logits, labels):
     return probs.mul_(valid[:, None]), loss
 
 
-def linear_cross_entropy_sum(h_TD, weight_VD, labels_T, chunk: int = 4096):
-    """Sum of token cross-entropies of (h @ W^T) against labels (-100 ignored)."""
-    return _LinearCrossEntropy.apply(h_TD, weight_VD, labels_T, chunk)
+def linear_cross_entropy_sum(h_TD, weight_VD, labels_T, chunk: int = 4096, in_place: bool = False):
+    """Sum of token cross-entropies of (h @ W^T) against labels (-100 ignored). in_place: W's
+    gradient accumulates in place (module docstring), where W is a plain parameter."""
+    if in_place and weight_VD.requires_grad and type(weight_VD) is torch.nn.Parameter:
+        return _LinearCrossEntropy.apply(h_TD, weight_VD.view_as(weight_VD), labels_T, chunk, (weight_VD,))
+    return _LinearCrossEntropy.apply(h_TD, weight_VD, labels_T, chunk, ())

@@ -24,7 +24,18 @@ from pithtrain.models.balance import Balance
 
 
 # ---------------------------------------------------------------------------------------------
-# Norm and rotary embeddings
+# Token embedding, norm and rotary embeddings
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose lookup, (ids, weight) -> rows, is the model's own swappable attribute:
+    F.embedding, or kernels/wgrad.embedding (bound by use_kernels: the weight gradient accumulates
+    in place over micro-batches, touching only the rows of the tokens seen)."""
+
+    lookup = staticmethod(F.embedding)
+
+    def forward(self, ids):
+        return self.lookup(ids, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -573,8 +584,11 @@ def use_kernels(model: nn.Module, use: dict) -> nn.Module:
     model.rotary.flex = flex
     bound = functools.partial(attention, sdpa_first=SDPA_CUDNN_FIRST if use["cudnn_sdpa"] else None, flex=flex,
                               fa4=use["fa4"])
-    model.cross_entropy = functools.partial(cross_entropy_sum, fused=use["linear_ce"])
+    model.cross_entropy = functools.partial(cross_entropy_sum, fused=use["linear_ce"], in_place=use["wgrad"])
     for m in model.modules():
+        if isinstance(m, Embedding):
+            from pithtrain.kernels import wgrad
+            m.lookup = wgrad.embedding if use["wgrad"] else F.embedding
         call = getattr(m, "attention", None)
         if attention in (call, getattr(call, "func", None)):  # not context parallel's
             m.attention = bound
@@ -630,16 +644,17 @@ def head_loss(model, h_BSD, labels_BS):
 # Loss
 
 
-def cross_entropy_sum(h_TD, weight_VD, labels_T, chunk: int = 4096, fused: bool = False):
+def cross_entropy_sum(h_TD, weight_VD, labels_T, chunk: int = 4096, fused: bool = False, in_place: bool = False):
     """Sum of token cross-entropies (labels == -100 ignored), with logits made `chunk` rows at a
     time under activation checkpointing, so (T, V) logits never exist at once in fp32.
     `fused` (use_kernels binds it into the model's `cross_entropy`) and gradients wanted: each
     chunk once, its gradients made in the forward pass (kernels/linear_ce.py), saving the
-    recomputed LM-head matmul."""
+    recomputed LM-head matmul; `in_place` there: the head's weight gradient accumulates in place
+    over micro-batches (kernels/wgrad.py)."""
     wants_grad = torch.is_grad_enabled() and (h_TD.requires_grad or weight_VD.requires_grad)
     if fused and wants_grad:
         from pithtrain.kernels.linear_ce import linear_cross_entropy_sum
-        return linear_cross_entropy_sum(h_TD, weight_VD, labels_T, chunk)
+        return linear_cross_entropy_sum(h_TD, weight_VD, labels_T, chunk, in_place)
     total = h_TD.new_zeros((), dtype=torch.float32)
     for s in range(0, h_TD.shape[0], chunk):
         total = total + torch.utils.checkpoint.checkpoint(

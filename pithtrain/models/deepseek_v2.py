@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
-from pithtrain.models.common import (DecoderLayer, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
+from pithtrain.models.common import (DecoderLayer, Embedding, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
                                      SwiGLUMLP, apply_rope, attention, causal_lm_forward, cross_entropy_sum, init_normal,
                                      routed_experts)
 from pithtrain.models.hub import hub_name, native_name, per_expert_to_stacked, stacked_to_per_expert
@@ -310,7 +310,7 @@ class DeepseekV2ForCausalLM(nn.Module):
     def __init__(self, cfg: DeepseekV2Config):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         # RoPE covers only the R decoupled dims; YaRN's cos/sin factor (mscale / mscale_all_dim,
         # 1.0 for V2's published 0.707 / 0.707) is applied inside Rotary, the softmax-scale
         # correction in Attention.scale.

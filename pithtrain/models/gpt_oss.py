@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
-from pithtrain.models.common import (DecoderLayer, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
+from pithtrain.models.common import (DecoderLayer, Embedding, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
                                      apply_rope, attention, causal_lm_forward, cross_entropy_sum, init_normal,
                                      routed_experts)
 from pithtrain.models.hub import hub_name, native_name
@@ -269,7 +269,7 @@ class GptOssForCausalLM(nn.Module):
     def __init__(self, cfg: GptOssConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling())
         self.layers = nn.ModuleList(DecoderLayer(Attention(cfg, i), MoE(cfg), cfg.hidden_size, cfg.rms_norm_eps)
                                     for i in range(cfg.num_layers))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
-from pithtrain.models.common import (DecoderLayer, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
+from pithtrain.models.common import (DecoderLayer, Embedding, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
                                      SwiGLUMLP, apply_rope, attention, causal_lm_forward, cross_entropy_sum, init_normal,
                                      routed_experts)
 from pithtrain.models.hub import hub_name, native_name, per_expert_to_stacked, stacked_to_per_expert
@@ -198,7 +198,7 @@ class Qwen3MoeForCausalLM(nn.Module):
     def __init__(self, cfg: Qwen3MoeConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         self.layers = nn.ModuleList(DecoderLayer(Attention(cfg), MoE(cfg) if cfg.is_moe_layer(i) else
                                                  SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size),
