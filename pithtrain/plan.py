@@ -45,7 +45,7 @@ Peak: the larger of
     backward         static + all gradients + one layer's activations (its backward transients)
                      + the other in-flight micro-batches' activations + comm
 with static = parameters + optimizer state (present from the first step on) + without FSDP under
-bf16 the step's bf16 copy of the weights (2 B per parameter) + with train.fp8 the
+bf16 the bf16 copy of the weights (2 B per parameter, kept across steps) + with train.fp8 the
 FP8 weight cache (2 B per unsharded expert weight element, pithtrain/kernels/fp8_linear.py) + the
 cuBLAS workspaces (WORKSPACE: 32 MiB per handle on Hopper, one for the forward's thread and one
 for autograd's, allocated through the caching allocator; measured on the H200). The in-flight
@@ -216,7 +216,7 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks) -> dict
     grads = 4 * n
     held = grads + head_grad if t.grad_accum > 1 else head_grad
     logits = c * min(LOSS_CHUNK, T) * V if head else 0
-    copy = 2 * n if c == 2 and not fsdp else 0  # parallelize.bf16_weights: the step's bf16 weights
+    copy = 2 * n if c == 2 and not fsdp else 0  # parallelize.bf16_weights: the bf16 weights (kept across steps)
     static = 4 * n + 8 * n + copy + cache + WORKSPACE
     largest = max(whole.values(), default=0)
     fwd = static + acts + held + logits + comm
