@@ -18,7 +18,7 @@ float32 sharded gradient), AdamW's two float32 moments (8 B).
 
 Activations: an analytic count of the tensors autograd saves per token on the CUDA bf16 path,
 with c the compute bytes (2; the residual stream is bf16 too, as every weight is: FSDP's bf16
-gathers, or without FSDP the step's bf16 copy, parallelize.bf16_weights):
+gathers, or without FSDP the bf16 copy, parallelize.bf16_weights):
     RMSNorm of width D                2 c D        its input and the normalised input
     nn.Linear (attention, router, MLP) c in         its bf16 input
     attention core                    c H (2 d_qk + 2 d_v) + 4 H d_qk    q, k, v (k, v counted

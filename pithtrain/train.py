@@ -164,8 +164,8 @@ def train_step(model, optimizer, scheduler, micro_batches, denom: float, cfg: Co
     the gradient norm over every shard, the finite check (before the update: the weights stay
     finite), the clip and AdamW (one pass where the optimizer takes the clip's factor: kernels/adamw.py),
     the FP8 weight copies dropped, the balancing update, the LR schedule.
-    Under bf16 autocast without FSDP the micro-batches run on one bf16 copy of the weights made for
-    the step, gradients accumulating in float32 (parallelize.bf16_weights)."""
+    Under bf16 autocast without FSDP the micro-batches run on one bf16 copy of the weights (kept
+    across steps, rewritten by AdamW), gradients accumulating in float32 (parallelize.bf16_weights)."""
     with bf16_weights(model, uses_bf16_weights(dims, autocast)):
         if runner is None:
             loss_sum, n_tokens = forward_backward(model, micro_batches, denom, autocast)

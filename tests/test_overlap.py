@@ -160,6 +160,8 @@ def test_in_place_weight_gradients_match_autograd(family, monkeypatch):
                 overlap.weight_backward(run)
         check_grads(grads(model), ref)
         assert len(calls) == 2 * len(experts)
+        assert wgrad.in_place_adds(model) == sum(counted.values()) + len(calls) + 2  # the head and embedding too
+        counted = {n: p.wgrad_adds for n, p in model.named_parameters() if hasattr(p, "wgrad_adds")}
     ws = [w for m in experts for w in (m.w13_EDF2, m.w2_EFD)] + [model.embed_tokens.weight, model.lm_head.weight]
     x, y = mbs[0]
     for w in ws:

@@ -104,7 +104,7 @@ def test_bf16_weights_copy_is_kept_and_follows_its_master():
             ws = list(model.parameters())
             assert model[0].weight is model[1].weight and all(w.dtype == torch.bfloat16 for w in ws)
             for w in ws:
-                assert torch.equal(w, w.master.detach().to(torch.bfloat16))
+                assert torch.equal(w, w.master().detach().to(torch.bfloat16))
             copies = copies or ws
             assert all(a is b for a, b in zip(ws, copies))
             model(x).square().sum().backward()
@@ -114,15 +114,16 @@ def test_bf16_weights_copy_is_kept_and_follows_its_master():
     assert len(copies[0]._post_accumulate_grad_hooks) == 1
 
 
-@pytest.mark.parametrize("in_place", [False, True])
-def test_bf16_step_weights_are_fsdps_numbers_without_fsdp(tiny_overrides, in_place):
+@pytest.mark.parametrize("in_place,tied", [(False, False), (True, False), (True, True)])
+def test_bf16_step_weights_are_fsdps_numbers_without_fsdp(tiny_overrides, in_place, tied):
     """Under bf16 autocast without FSDP, train_step runs its micro-batches on one bf16 copy of the
     weights and accumulates each micro-batch's bf16 gradient in float32 (parallelize.bf16_weights):
     the reference is a pure-bf16 twin of the model whose per-micro-batch gradients are summed in
     float32 by hand (what FSDP's bf16 gathers and float32 reduction give). SGD at lr 1 with no clip
     makes the update the gradient itself; outside the step the modules hold the float32 masters.
     in_place: the embedding's and the LM head's gradients go straight into the masters' float32
-    gradients (kernels/wgrad.py; the twin through autograd), the first micro-batch included."""
+    gradients (kernels/wgrad.py; the twin through autograd), the first micro-batch included; tied:
+    both into one (tie_word_embeddings)."""
     import copy
 
     import torch
@@ -133,7 +134,8 @@ def test_bf16_step_weights_are_fsdps_numbers_without_fsdp(tiny_overrides, in_pla
     from pithtrain.models.common import set_aux_loss_scale
     from pithtrain.train import train_step
 
-    cfg = load_config(None, tiny_overrides + ["train.grad_accum=3", "train.grad_clip=0"])
+    cfg = load_config(None, tiny_overrides + ["train.grad_accum=3", "train.grad_clip=0",
+                                              f"model.tie_word_embeddings={str(tied).lower()}"])
     dims = ParallelDims.from_config(cfg, 1, 0)
     torch.manual_seed(0)
     model = build_model(cfg.model, torch.device("cpu"))
@@ -151,7 +153,9 @@ def test_bf16_step_weights_are_fsdps_numbers_without_fsdp(tiny_overrides, in_pla
         use_kernels(model, {**use, "wgrad": True})
     g = torch.Generator().manual_seed(1)
     mbs = [(x, x.roll(-1, 1), None, None) for x in torch.randint(0, 250, (3, 4, 64), generator=g)]
-    denom = 1024  # a power of two: 1/denom scales a bf16 gradient exactly (the in-place LM head multiplies in float32)
+    # in place, the LM head's dW / denom is float32 where the twin's autograd rounds it to bf16: a
+    # power of two makes that exact; without, the tokens' count (not one)
+    denom = 1024 if in_place else 3 * 4 * 64
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
     assert uses_bf16_weights(dims, autocast) and not uses_bf16_weights(dims, __import__("contextlib").nullcontext())
 
@@ -169,7 +173,7 @@ def test_bf16_step_weights_are_fsdps_numbers_without_fsdp(tiny_overrides, in_pla
         for n, p in twin.named_parameters():
             want[n] += p.grad.float()
             p.grad = None
-    if in_place:  # the rows of each token added in float32, not each micro-batch's sum rounded to bf16
+    if in_place and not tied:  # the rows of each token added in float32, not each micro-batch's sum in bf16
         emb = torch.zeros_like(want["embed_tokens.weight"], dtype=torch.float64)
         for (x, _, _, _), dy in zip(mbs, rows):
             emb.index_add_(0, x.flatten(), dy.flatten(0, 1).double())
@@ -181,6 +185,13 @@ def test_bf16_step_weights_are_fsdps_numbers_without_fsdp(tiny_overrides, in_pla
     train_step(model, opt, sched, mbs, denom, cfg, dims, autocast)
     for n, p in model.named_parameters():
         assert p is masters[n] and p.dtype == torch.float32, n
+        if tied and n == "embed_tokens.weight":  # the twin rounds each micro-batch's head + embedding sum to
+            d = before[n] - p.detach()             # bf16; here both parts add into float32: ~2^-9 apart
+            assert (d - want[n]).norm() < 4e-3 * want[n].norm(), ((d - want[n]).norm() / want[n].norm())
+            continue
         torch.testing.assert_close(before[n] - p.detach(), want[n], rtol=0, atol=1e-6, msg=n)
     if in_place:  # written in place in each of the 3 micro-batches (the first: a new float32 gradient)
-        assert model.embed_tokens.weight.wgrad_adds == model.lm_head.weight.wgrad_adds == 3
+        assert model.embed_tokens.weight.wgrad_adds == (6 if tied else 3)
+        assert tied == (model.lm_head.weight is model.embed_tokens.weight)
+        if not tied:
+            assert model.lm_head.weight.wgrad_adds == 3

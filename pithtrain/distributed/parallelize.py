@@ -34,6 +34,7 @@ mean over efsdp would divide by the wrong count.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -111,10 +112,13 @@ def bf16_weights(model: nn.Module, on: bool = True):
     micro-batch's forward and recompute and cast and accumulate each gradient on its own: 20% of a
     4-layer Qwen3 step at 8 micro-batches (docs/perf-notes.md).
 
-    The bf16 leaf is made once and kept on the master (`p.bf16`); on entry it is refreshed by a cast
-    unless kernels/adamw.py already wrote the updated value into it in its pass, which it marks with
-    the master's version (`p.bf16_written`: any later in-place change through torch moves the
-    version on, and the cast runs again). on=False: nothing changes (float32 runs, FSDP)."""
+    The bf16 leaf is made once and kept on the master (`p.bf16`; it points back weakly, `b.master`);
+    on entry it is refreshed by a cast unless kernels/adamw.py already wrote the updated value into
+    it in its pass, which it marks with the master's version and storage (`p.bf16_written`): any
+    later in-place change through torch moves the version on, a new tensor the storage, and the
+    cast runs again. A write through `p.data`, which torch does not count, is not seen: change
+    masters between steps through torch ops (as checkpoint loading does). on=False: nothing changes
+    (float32 runs, FSDP)."""
     if not on:
         yield
         return
@@ -122,15 +126,16 @@ def bf16_weights(model: nn.Module, on: bool = True):
              if p is not None and p.dtype == torch.float32]
     for _, _, p in slots:  # tied parameters share one copy
         b = getattr(p, "bf16", None)
-        if b is None or b.shape != p.shape or b.device != p.device or b.requires_grad != p.requires_grad:
+        if (b is None or b.shape != p.shape or b.device != p.device or b.requires_grad != p.requires_grad
+                or b.master() is not p):
             b = p.bf16 = nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
+            b.master = weakref.ref(p)  # where _into_master, and kernels/wgrad.py directly, add its gradients
             if p.requires_grad:
-                b.master = p  # where _into_master, and kernels/wgrad.py directly, add its gradients
                 b.register_post_accumulate_grad_hook(_into_master)
-        elif getattr(p, "bf16_written", None) != p._version:
+        elif getattr(p, "bf16_written", None) != (p._version, p.data_ptr()):
             with torch.no_grad():
                 b.copy_(p)
-        p.bf16_written = p._version  # current: a second slot of a tied parameter casts nothing
+        p.bf16_written = (p._version, p.data_ptr())  # current: a tied parameter's second slot casts nothing
     for mod, name, p in slots:
         mod._parameters[name] = p.bf16
     try:
@@ -143,7 +148,7 @@ def bf16_weights(model: nn.Module, on: bool = True):
 def _into_master(b: torch.Tensor) -> None:
     if b.grad is None:  # kernels/wgrad.py added this micro-batch's gradient into master.grad itself
         return
-    master = b.master
+    master = b.master()
     if master.grad is None:
         master.grad = b.grad.to(master.dtype)
     else:

@@ -67,7 +67,8 @@ def configure(mode: str = "auto", device: torch.device | str = "cuda", fp8: bool
     already refused it where it cannot run (train.check_runnable). `wgrad` needs bf16 compute
     (`bf16`), a Hopper or later GPU (its kernel loads through TMA) and a gradient that outlives the
     micro-batch: not under FSDP (`fsdp`), which reduces and frees it after each one, nor with FP8
-    experts (their own GEMM). `fa4` needs flash-attn-4 installed and a Hopper or later GPU. Under
+    experts (their own GEMM; the embedding's and LM head's in-place gradients, which ride on the
+    same switch, are then off too). `fa4` needs flash-attn-4 installed and a Hopper or later GPU. Under
     context parallel (`cp`) its own attention replaces the model's, so the attention kernels (flex,
     cudnn_sdpa, fa4) are off there rather than listed as running."""
     from pithtrain.kernels.fa4 import HAVE_FA4

@@ -68,7 +68,9 @@ class AdamW(torch.optim.AdamW):
     (train_step): the gradients are not rewritten (4 B per bf16 parameter less), except a
     non-contiguous one, multiplied before torch's kernel takes it. A float32 parameter holding
     parallelize.bf16_weights' copy (`p.bf16`) gets it rewritten in the same pass (2 B per parameter,
-    where the next step's cast would read 4 and write 2), marked current by `p.bf16_written`."""
+    where the next step's cast would read 4 and write 2), marked current by `p.bf16_written`. Both
+    tensors' versions move on, as a torch op's would (FP8 weight caches and autograd's saved-tensor
+    check read them)."""
 
     takes_grad_scale = True
 
@@ -107,13 +109,16 @@ class AdamW(torch.optim.AdamW):
                 if all(x.is_contiguous() for x in ts):
                     n = ts[0].numel()
                     copy = getattr(p, "bf16", None)
-                    copy = copy if copy is not None and copy.is_contiguous() and copy.shape == ts[0].shape else None
+                    copy = copy if (copy is not None and copy.is_contiguous() and copy.shape == ts[0].shape
+                                    and copy.device == p.device and copy.dtype == torch.bfloat16) else None
                     _adamw_kernel[(triton.cdiv(n, BLOCK),)](*ts, step, ts[0] if copy is None else copy, n, lr, wd,
                                                             beta1, beta2, log_beta1, log_beta2, eps, grad_scale,
                                                             DECAY=wd != 0, COPY=copy is not None, BLOCK=BLOCK,
                                                             num_warps=8)
-                    if copy is not None:  # Triton's stores leave p's version as it is
-                        p.bf16_written = p._version
+                    torch.autograd.graph.increment_version(ts[0])  # Triton's stores move no version
+                    if copy is not None:
+                        torch.autograd.graph.increment_version(copy)
+                        p.bf16_written = (p._version, p.data_ptr())
                 else:
                     if grad_scale != 1.0:
                         ts[1].mul_(grad_scale)

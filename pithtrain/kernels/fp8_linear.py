@@ -138,7 +138,7 @@ class WeightCache:
             return e[2]
         with torch.no_grad():
             value = (self.quant or _ops(w_GRC).quant_blocks)(w_GRC.detach())
-        key = id(owner)  # the copies go with their parameter (e.g. a step's bf16 weights, bf16_weights)
+        key = id(owner)  # the copies go with their parameter (e.g. bf16_weights' bf16 copy)
         self._entries[key] = (weakref.ref(owner, lambda ref: self._forget(key, ref)), stamp, value)
         self.quantised += 1
         return value

@@ -69,11 +69,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         dh, dw = ctx.saved_tensors
         dh = (dh * grad_out.to(dh.dtype)).to(ctx.h_dtype)
-        if ctx.w is not None and ctx.nodes[0] is not None and wgrad.will_run(ctx.nodes[0]):
+        if ctx.w is not None:  # in place
+            if ctx.nodes[0] is None or not wgrad.will_run(ctx.nodes[0]):  # e.g. the pipeline's input-only pass
+                return dh, None, None, None, None
             g, fresh = wgrad.target(ctx.w, ctx.nodes[1])
-            if g is not None:
+            if g is not None:  # float32 arithmetic either way (an expanded scale takes part in promotion)
                 if fresh:
-                    torch.mul(dw, grad_out, out=g)
+                    torch.mul(dw, grad_out.expand_as(dw), out=g)
                 else:
                     g.addcmul_(dw, grad_out)
                 wgrad.count(ctx.w)

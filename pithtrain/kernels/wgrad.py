@@ -18,7 +18,7 @@ Where the gradient goes, per micro-batch (`target`):
 
   first micro-batch  bf16 parameters: autograd as before (its tensor becomes p.grad, no copy).
                      Under parallelize.bf16_weights the op writes the float32 master's .grad
-                     itself (`p.master`: made here, written rather than added to), instead of a
+                     itself (`owner`: made here, written rather than added to), instead of a
                      bf16 gradient that bf16_weights' hook would cast into it
   later ones         the tensor the gradient accumulates into exists: p.grad, or its float32
                      master's .grad; the op adds into it (float32 arithmetic, one rounding to its
@@ -73,6 +73,14 @@ def grad_nodes(w_view: torch.Tensor, p: torch.Tensor) -> tuple:
             get_gradient_edge(p).node if p.requires_grad else None)
 
 
+def owner(w: torch.Tensor) -> torch.Tensor:
+    """The parameter w's gradient accumulates in: under parallelize.bf16_weights the float32 master
+    (`w.master`, a weak reference: the master keeps its copy alive, not the other way round), else w."""
+    ref = getattr(w, "master", None)
+    p = ref() if ref is not None else None
+    return w if p is None else p
+
+
 def target(w: torch.Tensor, acc_node) -> tuple[torch.Tensor | None, bool]:
     """In backward, once w's gradient is wanted: (the tensor to add it into, False); on the first
     micro-batch under parallelize.bf16_weights (the float32 master's .grad, made here empty, True:
@@ -82,21 +90,21 @@ def target(w: torch.Tensor, acc_node) -> tuple[torch.Tensor | None, bool]:
             return None, False
     except RuntimeError:  # autograd.grad(): the gradient is returned, .grad stays untouched
         return None, False
-    owner = getattr(w, "master", w)
-    g = owner.grad
+    p = owner(w)
+    g = p.grad
     if g is None:
-        if owner is w or type(owner) is not torch.nn.Parameter or owner.device != w.device:
+        if p is w or type(p) is not torch.nn.Parameter or p.device != w.device:
             return None, False
-        owner.grad = torch.empty_like(owner, memory_format=torch.contiguous_format)
-        return owner.grad, True
+        p.grad = torch.empty_like(p, memory_format=torch.contiguous_format)
+        return p.grad, True
     ok = (type(g) is torch.Tensor and g.device == w.device and g.is_contiguous() and g.shape == w.shape
           and g.dtype in (torch.float32, torch.bfloat16))
     return (g, False) if ok else (None, False)
 
 
 def count(w: torch.Tensor) -> None:
-    owner = getattr(w, "master", w)
-    owner.wgrad_adds = getattr(owner, "wgrad_adds", 0) + 1  # the witness: in_place_adds
+    p = owner(w)
+    p.wgrad_adds = getattr(p, "wgrad_adds", 0) + 1  # the witness: in_place_adds
 
 
 class _GroupedMM(torch.autograd.Function):

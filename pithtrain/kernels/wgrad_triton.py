@@ -8,8 +8,8 @@ Loads go through TMA with one device-side tensor descriptor per expert: its rows
 (rows, D) tensor, so the hardware zero-fills the rows past the expert's end and the loop has no
 masks. A bf16 gradient is handled by a persistent kernel (one program per SM walking the tiles)
 whose accumulator starts from the gradient tile, loaded before the main loop; a float32 gradient
-tile is twice the shared memory, so there one program per tile adds it after the loop, or, for a
-float32 master's first micro-batch (kernels/wgrad.py), writes without reading it.
+tile is twice the shared memory, so there one program per tile adds it after the loop; a float32
+master's first micro-batch (kernels/wgrad.py) is written without reading it, by one program per SM.
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ class Embedding(nn.Embedding):
 
     lookup = staticmethod(F.embedding)
 
+    def __init__(self, num_embeddings: int, embedding_dim: int):  # no padding_idx, max_norm, ...: lookup
+        super().__init__(num_embeddings, embedding_dim)        # takes (ids, weight) only
+
     def forward(self, ids):
         return self.lookup(ids, self.weight)
 
