@@ -30,12 +30,13 @@ from pithtrain.models.balance import Balance
 class Embedding(nn.Embedding):
     """nn.Embedding whose lookup, (ids, weight) -> rows, is the model's own swappable attribute:
     F.embedding, or kernels/wgrad.embedding (bound by use_kernels: the weight gradient accumulates
-    in place over micro-batches, touching only the rows of the tokens seen)."""
+    in place over micro-batches, touching only the rows of the tokens seen). No padding_idx,
+    max_norm or the other options: the lookup takes (ids, weight) only."""
 
     lookup = staticmethod(F.embedding)
 
-    def __init__(self, num_embeddings: int, embedding_dim: int):  # no padding_idx, max_norm, ...: lookup
-        super().__init__(num_embeddings, embedding_dim)        # takes (ids, weight) only
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__(num_embeddings, embedding_dim)
 
     def forward(self, ids):
         return self.lookup(ids, self.weight)
