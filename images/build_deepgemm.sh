@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Build DeepGEMM at the pins of images/versions.yaml (deepgemm_commit, cutlass_commit, fmt_commit),
-# as a wheel, optionally install it, then smoke-check it through pithtrain's loader.
+# Build DeepGEMM at the pins of images/versions.yaml (deepgemm_commit, cutlass_commit, fmt_commit,
+# deepgemm_patches), as a wheel, optionally install it, then smoke-check it through pithtrain's loader.
 #
-#   DEEPGEMM_COMMIT=... CUTLASS_COMMIT=... FMT_COMMIT=... TORCH_CUDA_ARCH_LIST=9.0a \
+#   DEEPGEMM_COMMIT=... CUTLASS_COMMIT=... FMT_COMMIT=... DEEPGEMM_PATCHES="C1 C2 ..." TORCH_CUDA_ARCH_LIST=9.0a \
 #     images/build_deepgemm.sh [--src DIR|TARBALL] [--wheel-dir DIR] [--target DIR | --install] [--check]
 #
 # Sources: --src a tarball from scripts/pack_deepgemm_src.sh (DeepGEMM/ with third-party/{cutlass,fmt}/include
 # and a PINS file, checked against the env pins) or an unpacked tree; without --src, git fetches the three
 # pinned commits (the image build) and checks that DeepGEMM's submodule entries are the cutlass/fmt pins.
-# Only the submodules' include/ trees are used. TORCH_CUDA_ARCH_LIST: 9.0a Hopper, 10.0a Blackwell.
+# DEEPGEMM_PATCHES: upstream DeepGEMM commits whose diffs (`git diff C^ C`) are applied on top, in order
+# (the tarball carries them as patches/C.diff; the git path fetches each C). Only the submodules'
+# include/ trees are used. TORCH_CUDA_ARCH_LIST: 9.0a Hopper, 10.0a Blackwell.
 # --target DIR: pip install --target (no venv needed); --install: into the running environment;
 # neither: the wheel is left in --wheel-dir (the Dockerfiles install it in their runtime stage).
 # --check: import + a tiny FP8 grouped GEMM through `python -m pithtrain.kernels.deepgemm` (needs a GPU
@@ -29,12 +31,13 @@ done
 : "${DEEPGEMM_COMMIT:?set DEEPGEMM_COMMIT (images/versions.yaml deepgemm_commit)}"
 : "${CUTLASS_COMMIT:?set CUTLASS_COMMIT (images/versions.yaml cutlass_commit)}"
 : "${FMT_COMMIT:?set FMT_COMMIT (images/versions.yaml fmt_commit)}"
+: "${DEEPGEMM_PATCHES?set DEEPGEMM_PATCHES (images/versions.yaml deepgemm_patches; may be empty)}"
 : "${TORCH_CUDA_ARCH_LIST:?set TORCH_CUDA_ARCH_LIST (9.0a Hopper, 10.0a Blackwell)}"
 PYTHON="${PYTHON:-python3}"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/deepgemm.XXXXXX")"
 WHEEL_DIR="${WHEEL_DIR:-$WORK/wheels}"
-PINS="deepgemm=$DEEPGEMM_COMMIT cutlass=$CUTLASS_COMMIT fmt=$FMT_COMMIT"
+PINS="deepgemm=$DEEPGEMM_COMMIT cutlass=$CUTLASS_COMMIT fmt=$FMT_COMMIT patches=${DEEPGEMM_PATCHES// /,}"
 echo "build_deepgemm: pins $PINS arch $TORCH_CUDA_ARCH_LIST work $WORK"
 
 # --- sources
@@ -47,6 +50,11 @@ if [ -z "$SRC" ]; then
     name="${sub%%:*}" want="${sub#*:}"
     got="$(git -C "$WORK/DeepGEMM" ls-tree HEAD "third-party/$name" | awk '{print $3}')"
     [ "$got" = "$want" ] || { echo "build_deepgemm: DeepGEMM pins third-party/$name at $got, versions.yaml $want" >&2; exit 1; }
+  done
+  mkdir -p "$WORK/DeepGEMM/patches"
+  for c in $DEEPGEMM_PATCHES; do  # C and its parent, for the diff
+    git -C "$WORK/DeepGEMM" fetch -q --depth 2 https://github.com/deepseek-ai/DeepGEMM.git "$c"
+    git -C "$WORK/DeepGEMM" diff "$c^" "$c" > "$WORK/DeepGEMM/patches/$c.diff"
   done
   fetch https://github.com/NVIDIA/cutlass.git "$CUTLASS_COMMIT" "$WORK/cutlass"
   fetch https://github.com/fmtlib/fmt.git "$FMT_COMMIT" "$WORK/fmt"
@@ -62,6 +70,13 @@ fi
 if [ -f "$SRC/PINS" ] && [ "$(cat "$SRC/PINS")" != "$PINS" ]; then
   echo "build_deepgemm: $SRC/PINS is '$(cat "$SRC/PINS")', versions.yaml wants '$PINS'" >&2; exit 1
 fi
+apply_fix() {  # patch(1) where installed, else git apply (which works outside a repository too)
+  if command -v patch >/dev/null; then patch -d "$SRC" -p1 --forward --quiet < "$1"; else (cd "$SRC" && git apply "$1"); fi
+}
+for c in $DEEPGEMM_PATCHES; do
+  apply_fix "$SRC/patches/$c.diff" || { echo "build_deepgemm: upstream fix $c does not apply" >&2; exit 1; }
+  echo "build_deepgemm: applied upstream fix $c"
+done
 for d in cutlass/include/cute fmt/include/fmt; do
   [ -d "$SRC/third-party/$d" ] || { echo "build_deepgemm: $SRC/third-party/$d missing" >&2; exit 1; }
 done

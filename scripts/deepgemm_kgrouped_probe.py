@@ -6,11 +6,11 @@ tarball (scripts/pack_deepgemm_src.sh) into /tmp/dgsrc:
 
     PYTHONPATH=$PWD:/tmp/dg-site python3 scripts/deepgemm_kgrouped_probe.py
 
-Outcome on the H200, 2026-12-02: docs/perf-notes.md (DeepGEMM section, call 20). The second half runs
-the same data through both DeepGEMM's own operand path (per_channel_cast_to_fp8, the generator's
-transposed blocks) and pithtrain's wrapper (deepgemm.plan / pad / kgrouped_fp8_wgrad), on the GPU
-test's pattern (few rows per expert, every 7th expert empty, the first included), and compares the
-operands tensor by tensor: which of the two makes the 0.167 error."""
+Outcomes on the H200: docs/perf-notes.md (DeepGEMM section, calls 20 and 21; call 21 with the upstream
+fixes of versions.yaml's deepgemm_patches). The second half builds
+the operands DeepGEMM's own way (per_channel_cast_to_fp8, the generator's transposed blocks) on the
+GPU test's pattern (0-127 rows per expert, so 128 padded rows per group, every 7th expert empty)
+and at ~512 rows per expert: is the GEMM itself wrong at one K block per group?"""
 import os
 import subprocess
 import sys
@@ -35,13 +35,7 @@ print(f"diff {{calc_diff(d, ref):.2e}}")
 '''
 
 cases = [  # (groups, m, n, rows per group, one empty group)
-    (4, 4096, 7168, 8192, False),   # DeepGEMM's own first case (sanity)
-    (4, 4096, 7168, 512, False),    # fewer rows per group
-    (128, 4096, 7168, 512, False),  # 128 groups
-    (128, 768, 2048, 512, False),   # Qwen3 w2 (D x N of dw2)
-    (128, 2048, 1536, 512, False),  # Qwen3 w13
-    (64, 2048, 2816, 768, False),   # DeepSeek w13
-    (64, 1408, 2048, 768, False),   # DeepSeek w2
+    (128, 768, 2048, 512, True),    # Qwen3 w2 (D x N of dw2): fewer output tiles than SMs
 ]
 
 
@@ -57,59 +51,56 @@ def run(code: str, timeout: int) -> str:
 
 
 for G, m, n, kpg, empty in cases:
-    tail = run(CASE.format(G=G, m=m, n=n, kpg=kpg, empty=empty), 90)
+    tail = run(CASE.format(G=G, m=m, n=n, kpg=kpg, empty=empty), 35)
     print(f"groups {G:3d} m {m:5d} n {n:5d} rows/group {kpg:5d} empty {int(empty)}: {tail}", flush=True)
 
 
 PAIR = r'''
 import sys, torch
 sys.path.insert(0, "/tmp/dgsrc/DeepGEMM/tests")
-from pithtrain.kernels import deepgemm, fp8
+from pithtrain.kernels import deepgemm
+dg = deepgemm.load()  # first: the libstdc++ promotion must precede any import of deep_gemm
 from deep_gemm.utils.math import per_channel_cast_to_fp8
 from deep_gemm.testing.numeric import calc_diff
-dg = deepgemm.load()
 E, m, n, rows = {E}, {m}, {n}, {rows}
 g = torch.Generator(device="cuda").manual_seed(0)
 counts = torch.randint(0, 2 * rows, (E,), generator=g, device="cuda")
 if {every7}: counts[::7] = 0
-offs = counts.cumsum(0).int()
-M = int(offs[-1])
-x = torch.randn(M, m, device="cuda", dtype=torch.bfloat16, generator=g)
-dy = torch.randn(M, n, device="cuda", dtype=torch.bfloat16, generator=g)
-p = deepgemm.plan(offs, M)
-xp, dyp = deepgemm.pad(x, p), deepgemm.pad(dy, p)
+ks = [-(-c // 128) * 128 for c in counts.tolist()]
+Mp = sum(ks)
+x = torch.randn(Mp, m, device="cuda", dtype=torch.bfloat16, generator=g)
+dy = torch.randn(Mp, n, device="cuda", dtype=torch.bfloat16, generator=g)
+s0 = 0
+for c, k in zip(counts.tolist(), ks):  # zero padding rows, as a padded layout has
+    x[s0 + c:s0 + k] = 0
+    dy[s0 + c:s0 + k] = 0
+    s0 += k
 ref = torch.zeros(E, m, n, device="cuda")
 s0 = 0
-for e, k in enumerate(p.ks):
-    ref[e] = xp[s0:s0 + k].float().T @ dyp[s0:s0 + k].float()
+for e, k in enumerate(ks):
+    ref[e] = x[s0:s0 + k].float().T @ dy[s0:s0 + k].float()
     s0 += k
 def theirs(t):  # DeepGEMM's generator: 128 x 1 scales, each group's block transposed (K-major)
     q, sf = per_channel_cast_to_fp8(t, use_ue8m0=False)
     flat, s0 = torch.empty(q.numel(), dtype=q.dtype, device="cuda"), 0
-    for k in p.ks:
+    for k in ks:
         flat[s0 * t.shape[1]:(s0 + k) * t.shape[1]] = q[s0:s0 + k].T.flatten()
         s0 += k
     return flat, sf
-(qa, sa), (qb, sb) = theirs(xp), theirs(dyp)
-d1 = torch.zeros_like(ref)
-dg.k_grouped_fp8_gemm_nt_contiguous((qa, sa.T), (qb, sb.T), d1, p.ks, p.ks_tensor, d1)
-d2 = deepgemm.kgrouped_fp8_wgrad(dg, xp, dyp, p)
-ours = fp8.quant_tokens(xp, p.tile_start, p.tile_len, transpose=True, ue8m0=False)
+(qa, sa), (qb, sb) = theirs(x), theirs(dy)
+d = torch.zeros_like(ref)
+dg.k_grouped_fp8_gemm_nt_contiguous((qa, sa.T), (qb, sb.T), d, ks, torch.tensor(ks, device="cuda", dtype=torch.int32), d)
 torch.cuda.synchronize()
-live = sa > 1e-4 / 448 * 1.0001  # blocks holding a nonzero value (DeepGEMM clamps amax at 1e-4, we at 1e-30)
-print(f"theirs {{calc_diff(d1, ref):.2e}} ours {{calc_diff(d2, ref):.2e}} | x codes equal "
-      f"{{(ours[0].view(torch.uint8) == qa.view(torch.uint8)).float().mean().item():.4f}}, scales max rel diff "
-      f"{{((ours[1] - sa).abs() / sa)[live].max().item():.2e}}, scale shapes {{tuple(ours[1].shape)}} {{tuple(sa.shape)}}, "
-      f"empty groups {{sum(k == 0 for k in p.ks)}}, first ks {{p.ks[:4]}}")
+print(f"diff {{calc_diff(d, ref):.2e}}, rows per group {{min(ks)}}-{{max(ks)}}, empty groups {{ks.count(0)}}")
 '''
 
 pairs = [  # (experts, m, n, mean rows per expert, every 7th expert empty)
-    (128, 2048, 1536, 64, True),    # the GPU test's Qwen3 w13 case
+    (128, 2048, 1536, 64, True),    # the GPU test's Qwen3 w13 case (wrong through the old wrapper)
     (128, 2048, 1536, 64, False),
-    (128, 2048, 1536, 512, False),  # the probe's passing size through the wrapper
-    (64, 2048, 2816, 64, True),     # DeepSeek w13, the GPU test's pattern
+    (64, 2048, 2816, 64, True),     # DeepSeek w13 (right through the old wrapper)
+    (128, 2048, 1536, 512, True),
 ]
 for E, m, n, rows, every7 in pairs:
-    tail = run(PAIR.format(E=E, m=m, n=n, rows=rows, every7=every7), 120)
+    tail = run(PAIR.format(E=E, m=m, n=n, rows=rows, every7=every7), 40)
     print(f"pair: experts {E:3d} m {m:5d} n {n:5d} rows/expert ~{rows:4d} every7th empty {int(every7)}: {tail}",
           flush=True)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue #22 on the lent H200, in one call (under 420 s): build DeepGEMM from the carried tarball,
-# import it through pithtrain's loader, run its GPU tests, benchmark the expert GEMMs. Logs in $OUT.
+# Issue #22 on the lent H200, in one call (under 420 s): build DeepGEMM from the carried tarball (its
+# wheel left in $OUT/wheel), import it through pithtrain's loader, probe the k-grouped GEMM, run its
+# GPU tests, time the expert GEMMs piece by piece. Logs in $OUT.
 #
 #   scripts/pack_deepgemm_src.sh          # here, once: .carry/deepgemm-src.tar.gz
 #   run(command="bash scripts/device22.sh", carry=[".carry"], timeout_s=450)
@@ -23,9 +24,10 @@ stage "1 build DeepGEMM (TORCH_CUDA_ARCH_LIST=9.0a) into /tmp/dg-site"
 eval "$(python3 -c "
 from tools.appliance import load_versions
 p = load_versions()['targets']['hopper']
-print(f\"export DEEPGEMM_COMMIT={p['deepgemm_commit']} CUTLASS_COMMIT={p['cutlass_commit']} FMT_COMMIT={p['fmt_commit']}\")")"
+print(f\"export DEEPGEMM_COMMIT={p['deepgemm_commit']} CUTLASS_COMMIT={p['cutlass_commit']} FMT_COMMIT={p['fmt_commit']}\")
+print(f\"export DEEPGEMM_PATCHES='{p['deepgemm_patches']}'\")")"
 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 timeout 240 images/build_deepgemm.sh \
-  --src .carry/deepgemm-src.tar.gz --target /tmp/dg-site > "$OUT/build.log" 2>&1
+  --src .carry/deepgemm-src.tar.gz --target /tmp/dg-site --wheel-dir "$OUT/wheel" > "$OUT/build.log" 2>&1
 STATUS[build]=$?; tail -5 "$OUT/build.log"
 export PYTHONPATH="$REPO:/tmp/dg-site"
 
@@ -41,17 +43,19 @@ else
   STATUS[import]=skipped
 fi
 
-stage "3 pytest -m gpu tests/test_deepgemm_gpu.py"
+stage "3 k-grouped probe (DeepGEMM's own generator, then the wrapper) and pytest -m gpu tests/test_deepgemm_gpu.py"
+mkdir -p /tmp/dgsrc && tar -xzf .carry/deepgemm-src.tar.gz -C /tmp/dgsrc
+timeout 120 python3 scripts/deepgemm_kgrouped_probe.py > "$OUT/probe.log" 2>&1
+STATUS[probe]=$?; cat "$OUT/probe.log"
 timeout 150 python3 -m pytest -p no:cacheprovider -q -m gpu -rs tests/test_deepgemm_gpu.py > "$OUT/pytest.log" 2>&1
 STATUS[pytest]=$?; tail -25 "$OUT/pytest.log"
 
-stage "4 bench (budget: what is left of 400 s)"
-left=$(( 405 - SECONDS )); [ $left -lt 70 ] && left=70
-timeout $left python3 scripts/deepgemm_bench.py --budget-s $(( left - 60 )) > "$OUT/bench.log" 2>&1
-STATUS[bench]=$?
+stage "4 where the time goes (scripts/deepgemm_parts.py)"
+timeout 150 python3 scripts/deepgemm_parts.py > "$OUT/parts.log" 2>&1
+STATUS[parts]=$?
 set +x
 stage "summary"
 for k in "${!STATUS[@]}"; do echo "  $k: ${STATUS[$k]}"; done
-echo "--- bench"; cat "$OUT/bench.log"
+echo "--- parts"; cat "$OUT/parts.log"
 }
 main 2>&1 | tee "$OUT/device22.log"  # a pipeline: bash waits for tee (no lost tail)

@@ -91,13 +91,14 @@ def test_dockerfiles_build_deepgemm_with_the_script_at_the_pins(dockerfile):
     run = [line for line in text.replace("\\\n", " ").splitlines() if "build_deepgemm.sh --" in line]
     assert len(run) == 1 and "DeepGEMM.git" not in text  # no second, inline build
     for arg, key in (("DEEPGEMM_COMMIT", "deepgemm_commit"), ("CUTLASS_COMMIT", "cutlass_commit"),
-                     ("FMT_COMMIT", "fmt_commit")):
+                     ("FMT_COMMIT", "fmt_commit"), ("DEEPGEMM_PATCHES", "deepgemm_patches")):
         assert f'{arg}="${{{arg}}}"' in run[0]
         assert ap.build_args(dockerfile.parent.name, pins)[arg] == pins[key]
     assert "TORCH_CUDA_ARCH_LIST=${CUDA_ARCH}" in text
     script = (REPO / "images/build_deepgemm.sh").read_text()
     for name in ("DEEPGEMM_COMMIT", "CUTLASS_COMMIT", "FMT_COMMIT", "TORCH_CUDA_ARCH_LIST"):
-        assert f"${{{name}:?" in script  # required, no default: no second home for a pin
+        assert f"${{{name}:?" in script
+    assert "${DEEPGEMM_PATCHES?" in script  # required too (may be empty)
     assert ap.find_unpinned_versions([REPO / "images/build_deepgemm.sh"], VERSIONS, allowed=set()) == []
 
 

@@ -123,7 +123,8 @@ def build_args(target: str, pins: dict) -> dict[str, str]:
             "PYTHON_VERSION": pins["python"], "NSYS_VERSION": pins["nsys"],
             "CUDA_ARCH": pins["cuda_arch"], "DRIVER_MIN": pins["driver_min"],
             "PIP_PACKAGES": " ".join(pip_pins(pins)), "DEEPGEMM_COMMIT": pins["deepgemm_commit"],
-            "CUTLASS_COMMIT": pins["cutlass_commit"], "FMT_COMMIT": pins["fmt_commit"]}
+            "CUTLASS_COMMIT": pins["cutlass_commit"], "FMT_COMMIT": pins["fmt_commit"],
+            "DEEPGEMM_PATCHES": pins["deepgemm_patches"]}
     return args
 
 

@@ -9,10 +9,9 @@
 | attention with sinks / sliding window / documents | `flex.py` (FlexAttention, block-sparse) | `common.eager_attention` |
 | plain causal attention | cuDNN-first SDPA (`common.attention`'s `sdpa_first`) | SDPA's own choice |
 | causal attention incl. window + sinks, not documents | `fa4.py` (flash-attn-4 where installed, Hopper+) | the two rows above |
-| blockwise FP8 expert GEMMs (`train.fp8`) | `fp8.py` (Triton quantisation + scaled grouped GEMMs) | `fp8_linear.py` (autograd, weight cache, dequantise + fp32 matmul) |
+| blockwise FP8 expert GEMMs (`train.fp8`) | `deepgemm.py` (DeepGEMM's FP8 grouped GEMMs, Hopper, where installed); else `fp8.py` (Triton quantisation + scaled grouped GEMMs) | `fp8_linear.py` (autograd, weight cache, dequantise + fp32 matmul); `deepgemm.REFERENCE` |
 | AdamW (the optimizer step) | `adamw.py` (one Triton pass per parameter) | `torch.optim.AdamW(fused=True)` |
 | weight gradients over micro-batches (experts, embedding, LM head) | `wgrad.py` (added in place: `wgrad_triton.py`'s k-grouped GEMM, the embedding's rows, the head's scaled dW) | autograd's gradient + `add_` |
-| same, through DeepGEMM (optional, not wired yet) | `deepgemm.py` (`load()`, FP8 m/k-grouped, bf16 m-grouped) | `fp8_linear.py`; `F.grouped_mm` |
 
 The policy is here, the choice lives in the model. `configure(mode, device, fp8, off, fsdp, bf16)` returns which
 operators a run uses (name -> on) from the recipe's `train.kernels` ("auto": every fused operator
@@ -23,7 +22,8 @@ dispatcher), so two models in one process each run their own kernels and nothing
 
   GroupedExperts.mm       the grouped expert GEMM, (x_XD, w parameter, offs_E) -> y: common.grouped_mm,
                           wgrad.grouped_mm (its weight gradient accumulates in place), or a
-                          fp8_linear.FP8GroupedMM (one per experts module: it owns the weight cache)
+                          deepgemm.FP8GroupedMM / fp8_linear.FP8GroupedMM (one per experts module:
+                          it owns the weight cache)
   GroupedExperts.swiglu, .bias_add   the activation and the per-expert bias add
   Embedding.lookup        the token embedding: F.embedding, or wgrad.embedding (its gradient in place)
   LocalDispatcher.fused   the Triton permute / unpermute
@@ -56,19 +56,23 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128  # scale block: 1 x BLOCK for activations, BLOCK x BLOCK for weights
 
-NAMES = ("swiglu", "permute", "expert_bias", "linear_ce", "flex", "cudnn_sdpa", "fa4", "fp8", "adamw", "wgrad")
+NAMES = ("swiglu", "permute", "expert_bias", "linear_ce", "flex", "cudnn_sdpa", "fa4", "fp8", "deepgemm", "adamw",
+         "wgrad")
 
 
 def configure(mode: str = "auto", device: torch.device | str = "cuda", fp8: bool = False,
               off: tuple = (), fsdp: bool = False, bf16: bool = True, cp: bool = False) -> dict:
     """The operators a run uses (name -> on): mode "auto" (fastest available) or "torch"
     (references); `off` names operators to keep on their reference (the bench's `no-NAME`).
-    `fp8` (train.fp8) routes the routed experts' GEMMs through fp8_linear; the trainer has
-    already refused it where it cannot run (train.check_runnable). `wgrad` needs bf16 compute
-    (`bf16`), a Hopper or later GPU (its kernel loads through TMA) and a gradient that outlives the
-    micro-batch: not under FSDP (`fsdp`), which reduces and frees it after each one, nor with FP8
-    experts (their own GEMM; the embedding's and LM head's in-place gradients, which ride on the
-    same switch, are then off too). `fa4` needs flash-attn-4 installed and a Hopper or later GPU. Under
+    `fp8` (train.fp8) routes the routed experts' GEMMs through FP8; the trainer has already refused
+    it where it cannot run (train.check_runnable). They run on DeepGEMM (`deepgemm`: deep_gemm
+    loadable, a Hopper GPU; Blackwell's path is coded but untested, so off there) or else on
+    fp8_linear's Triton kernels. `wgrad` needs bf16 compute (`bf16`), a Hopper or later GPU (its
+    kernel loads through TMA) and a gradient that outlives the micro-batch: not under FSDP (`fsdp`),
+    which reduces and frees it after each one, nor with the Triton FP8 experts (their own weight
+    gradient; the embedding's and LM head's in-place gradients, which ride on the same switch, are
+    then off too); DeepGEMM's FP8 experts take it. `fa4` needs flash-attn-4 installed and a Hopper
+    or later GPU. Under
     context parallel (`cp`) its own attention replaces the model's, so the attention kernels (flex,
     cudnn_sdpa, fa4) are off there rather than listed as running."""
     from pithtrain.kernels.fa4 import HAVE_FA4
@@ -78,10 +82,19 @@ def configure(mode: str = "auto", device: torch.device | str = "cuda", fp8: bool
     triton_ok = auto and cuda and HAVE_TRITON
     hopper = cuda and torch.cuda.get_device_capability(device)[0] >= 9
     attn = auto and cuda and not cp
+    sm90 = cuda and torch.cuda.get_device_capability(device)[0] == 9
     use = dict(swiglu=triton_ok, permute=triton_ok, expert_bias=triton_ok, linear_ce=auto, flex=attn,
                cudnn_sdpa=attn and torch.backends.cudnn.is_available(), fa4=attn and hopper and HAVE_FA4,
-               fp8=fp8, adamw=triton_ok, wgrad=triton_ok and bf16 and not fsdp and not fp8 and hopper)
-    return {k: v and k not in off for k, v in use.items()}
+               fp8=fp8, deepgemm=fp8 and triton_ok and sm90 and "deepgemm" not in off and _deepgemm(),
+               adamw=triton_ok, wgrad=triton_ok and bf16 and not fsdp and hopper)
+    use = {k: v and k not in off for k, v in use.items()}
+    use["wgrad"] = use["wgrad"] and (not fp8 or use["deepgemm"])
+    return use
+
+
+def _deepgemm() -> bool:
+    from pithtrain.kernels.deepgemm import load
+    return load() is not None
 
 
 def describe(use: dict) -> str:

@@ -1,43 +1,45 @@
-"""DeepGEMM (deepseek-ai/DeepGEMM, images/build_deepgemm.sh) for the routed experts' grouped GEMMs.
+"""DeepGEMM (deepseek-ai/DeepGEMM, built by images/build_deepgemm.sh) for the routed experts' FP8 GEMMs.
 
   python -m pithtrain.kernels.deepgemm      # import + a tiny FP8 grouped GEMM: prints OK or why not
 
-Optional and not wired into the models (the Triton kernels in fp8.py stay the GPU path): `load()`
-gives the module or None, and `FP8GroupedMM` has fp8_linear.FP8GroupedMM's contract (rows sorted by
-group, offs_G cumulative ends, w (G, K, N)) with DeepGEMM underneath:
+`train.fp8: true` on a Hopper GPU with deep_gemm installed gives each experts module an
+`FP8GroupedMM` below (kernels.configure's `deepgemm`; `no-deepgemm` in the bench, or no deep_gemm:
+fp8_linear's Triton kernels). The contract is fp8_linear.FP8GroupedMM's (rows sorted by group,
+offs_G cumulative ends, w (G, K, N), the same per-step weight cache):
 
-  forward      y  = x w        m-grouped contiguous NT: x 1x128 scales, w^T (G, N, K) 128x128 blocks
+  forward      y  = x w        DeepGEMM m-grouped contiguous FP8 GEMM: x 1x128 scales, w^T (G, N, K)
+                               in 128x128 blocks
   data grad    dx = dy w^T     the same GEMM on w (G, K, N): dy 1x128 scales
-  weight grad  dw = x^T dy     k-grouped contiguous: x and dy with 128x1 scales along the tokens,
-                               each group's block transposed (Hopper: K-major, `nt`; Blackwell: `tn`)
+  weight grad  dw = x^T dy     bf16 from the saved activations (wgrad.accumulate in place where
+                               kernels.configure's `wgrad` is on, else torch's grouped_mm): DeepGEMM's
+                               k-grouped FP8 GEMM measured 2.5x slower than bf16 at these shapes,
+                               quantisation included, and wrong at 1-127 rows per expert
 
-DeepGEMM's contiguous layouts want each group's rows padded to 128 (`ALIGN`): `plan` pads once per
-forward (m_indices -1 on padding rows) and its padded x and dy are what the weight gradient reads.
-The plan costs one host sync (the k-grouped API takes the group sizes as a host list). Quantisation
-is pithtrain's Triton (fp8.quant_rows / quant_blocks / quant_tokens), not DeepGEMM's PyTorch casts.
-Hopper: fp32 scales. Blackwell: power-of-2 (UE8M0) scales behind the same calls -- untested (no
-B200 lent). `mgrouped_bf16` is DeepGEMM's bf16 m-grouped GEMM (SM90 only in this release).
+DeepGEMM's contiguous layout wants each group's rows to start on a multiple of 128 (`ALIGN`).
+`layout` places the rows on the device without reading anything back to the host: the padded row
+count is the bound M + G * 127 (rounded to 128), and the tiles past the last group are marked -1,
+which DeepGEMM skips. The activation quantisation (fp8.quant_rows with `rows`) writes each row
+straight into its padded place, and the output rows are gathered back (`unpad`); padding rows are
+never read. Blackwell (power-of-2 UE8M0 scales, the same calls): coded, untested (no B200 lent).
 
-Measured on the H200 (2026-12-01, scripts/device22.sh, issue #22): the pinned source builds in 87 s
-and `load()` imports it and runs the smoke GEMM with no LD_PRELOAD (the libstdc++ promotion works).
-Forward and data gradient match the bf16 reference on Qwen3's gate/up shape (rel. error 0.037);
-the weight gradient does not (0.167), and the down-projection shape (K 768) ends in a CUDA error in
-the weight-gradient GEMM. 2026-12-02 (scripts/deepgemm_kgrouped_probe.py): with DeepGEMM's own
-generator the k-grouped GEMM is right on Qwen3's gate/up and both DeepSeek shapes, so the 0.167 is
-in `kgrouped_fp8_wgrad` below (not found yet); m = 768 fails with DeepGEMM's generator too. Through
-these wrappers the GEMMs ran at 196-225 TFLOP/s against torch's 564 (padding, the plan's host sync
-and first-call JIT in the timing, not yet separated). So this stays unwired until #22 fixes both.
+`ops`: the same maths in PyTorch (`REFERENCE`: dequantise, per-group fp32 products) for CPU
+tensors, so the layout and the autograd logic are tested in CI; the GPU tests compare the two.
+
+Measured on the lent H200 (docs/perf-notes.md, DeepGEMM section, issue #22): v2.1.1.post3 with three
+upstream fixes (images/versions.yaml deepgemm_patches) builds in ~60 s; GEMM alone at the bench's
+expert shapes 1.67-1.86x torch's bf16 grouped_mm (forward), 1.58-1.83x (data grad).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 
-from pithtrain.kernels import BLOCK, FP8, FP8_MAX, fp8_linear
+from pithtrain.kernels import BLOCK, fp8_linear, wgrad
 
 ALIGN = BLOCK  # DeepGEMM's get_mk_alignment_for_contiguous_layout() (128 in v2.1.1)
 
@@ -65,147 +67,161 @@ def load(why: list | None = None):
         return None
 
 
-def _ue8m0() -> bool:
-    return torch.cuda.get_device_capability()[0] >= 10
+# ---------------------------------------------------------------------------------------------
+# The padded contiguous layout, on the device (plain PyTorch: tested on the CPU)
+
+
+class Layout(NamedTuple):
+    rows: torch.Tensor       # (M,) int64: each row's row in the padded layout
+    m_indices: torch.Tensor  # (Mp,) int32: each padded row's group, -1 on padding rows
+
+
+def padded_rows(M: int, G: int) -> int:
+    """The padded row count for M rows in G groups, whatever their sizes: each group pads at most
+    ALIGN - 1 rows. A host integer from host integers: no device read."""
+    return -(-(M + G * (ALIGN - 1)) // ALIGN) * ALIGN if M else 0
+
+
+def layout(offs_G: torch.Tensor, M: int) -> Layout:
+    """Where M rows sorted by group (offs_G: cumulative ends, offs_G[-1] == M) go when each group
+    starts on a multiple of ALIGN. Device work only (no host synchronisation)."""
+    dev, G = offs_G.device, len(offs_G)
+    ends = offs_G.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded = (counts + ALIGN - 1) // ALIGN * ALIGN
+    shift = torch.cumsum(padded, 0) - padded - (ends - counts)  # padded start - start, per group
+    arange = torch.arange(M, device=dev)
+    group_M = torch.searchsorted(ends, arange, right=True)
+    rows = arange + shift[group_M.clamp(max=max(G - 1, 0))] if G else arange
+    m_indices = torch.full((padded_rows(M, G),), -1, device=dev, dtype=torch.int32)
+    m_indices[rows] = group_M.to(torch.int32)
+    return Layout(rows, m_indices)
+
+
+def unpad(y: torch.Tensor, lay: Layout) -> torch.Tensor:
+    return y.index_select(0, lay.rows)
 
 
 # ---------------------------------------------------------------------------------------------
-# Padding to DeepGEMM's contiguous layout (plain PyTorch: tested on the CPU)
+# Operators: DeepGEMM + Triton on CUDA, the same contracts in PyTorch for the tests
 
 
-class Plan(NamedTuple):
-    rows: torch.Tensor        # (M,) int64: each input row's row in the padded layout
-    m_indices: torch.Tensor   # (Mp,) int32: each padded row's group, -1 on padding rows
-    ks: list                  # (G,) padded rows per group, multiples of ALIGN (host ints)
-    ks_tensor: torch.Tensor   # (G,) int32, the same on the device
-    tile_start: torch.Tensor  # (Mp / ALIGN,) int32: first padded row of each 128-row tile's group
-    tile_len: torch.Tensor    # (Mp / ALIGN,) int32: that group's padded rows
+def _ue8m0(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 10
 
 
-def plan(offs_G: torch.Tensor, M: int) -> Plan:
-    """The padded layout of M rows sorted by group (offs_G: cumulative ends, offs_G[-1] == M)."""
-    ends = offs_G.long().tolist()  # the one host sync
-    assert (ends[-1] if ends else 0) == M, "rows past offs[-1] belong to no group"
-    starts = [0] + ends[:-1]
-    counts = [e - s for s, e in zip(starts, ends)]
-    ks = [-(-c // ALIGN) * ALIGN for c in counts]
-    pad_starts = [sum(ks[:g]) for g in range(len(ks))]
-    dev, Mp = offs_G.device, sum(ks)
-    t = lambda v: torch.tensor(v, device=dev, dtype=torch.long)  # noqa: E731
-    counts_t = t(counts)
-    rows = torch.arange(M, device=dev) + torch.repeat_interleave(
-        t([p - s for p, s in zip(pad_starts, starts)]), counts_t, output_size=M)
-    m_indices = torch.full((Mp,), -1, device=dev, dtype=torch.int32)
-    m_indices[rows] = torch.repeat_interleave(torch.arange(len(ks), device=dev), counts_t, output_size=M).int()
-    tiles = t([k // ALIGN for k in ks])
-    tile_start = torch.repeat_interleave(t(pad_starts), tiles, output_size=Mp // ALIGN).int()
-    tile_len = torch.repeat_interleave(t(ks), tiles, output_size=Mp // ALIGN).int()
-    return Plan(rows, m_indices, ks, t(ks).int(), tile_start, tile_len)
+def _quant_padded_ref(x: torch.Tensor, rows: torch.Tensor, Mp: int, ue8m0: bool = False):
+    q, s = fp8_linear.quant_rows(x)
+    qp = q.new_zeros(Mp, q.shape[1])
+    qp.view(torch.uint8).index_copy_(0, rows, q.view(torch.uint8))  # no index_copy_ for fp8 on the CPU
+    sp = s.new_ones(s.shape[0], Mp).index_copy_(1, rows, s)
+    return qp, sp
 
 
-def pad(x: torch.Tensor, p: Plan) -> torch.Tensor:
-    """(M, K) -> (Mp, K): rows moved to their padded places, zeros between groups."""
-    return x.new_zeros(len(p.m_indices), x.shape[1]).index_copy_(0, p.rows, x)
+def _mgrouped_ref(a, a_s, b, b_s, m_indices, out):
+    """out[r] = deq(a)[r] @ deq(b[m_indices[r]])^T for rows with a group (DeepGEMM's contract:
+    b (G, N, K), b_s (G, N/128, K/128)); padding rows left as they are."""
+    A = fp8_linear.dequant_rows(a, a_s)
+    B = fp8_linear.dequant_blocks(b, b_s)
+    for g in range(len(b)):
+        sel = (m_indices == g).nonzero().squeeze(1)
+        out[sel] = (A[sel] @ B[g].t()).to(out.dtype)
 
 
-def unpad(y: torch.Tensor, p: Plan) -> torch.Tensor:
-    return y.index_select(0, p.rows)
+REFERENCE = SimpleNamespace(quant_padded=_quant_padded_ref, mgrouped=_mgrouped_ref)
 
 
-def quant_tokens_reference(x: torch.Tensor, p: Plan, transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8.quant_tokens in PyTorch: 128 x 1 scales along the rows of padded x (Mp, D) -> (q, s (Mp/128, D));
-    q (Mp, D), or flat with each group's block transposed to (D, rows)."""
-    Mp, D = x.shape
-    xt = x.float().view(Mp // ALIGN, ALIGN, D)
-    amax = xt.abs().amax(1, keepdim=True).clamp_min(1e-30)
-    q = (xt * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(Mp, D)
-    if transpose:
-        starts = [sum(p.ks[:g]) for g in range(len(p.ks))]
-        q = torch.cat([q[s:s + k].t().reshape(-1) for s, k in zip(starts, p.ks)] or [q.view(-1)])
-    return q, (amax.squeeze(1) / FP8_MAX)
-
-
-# ---------------------------------------------------------------------------------------------
-# GEMMs (CUDA; dg = load())
-
-
-def mgrouped_fp8(dg, a: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor, p: Plan) -> torch.Tensor:
-    """d (Mp, N) bf16 = quant(a)[rows of g] @ deq(b[g])^T for padded a (Mp, K) bf16, b (G, N, K) e4m3
-    with 128x128 scales b_s (G, N/128, K/128). Padding rows of d are garbage (unpad drops them)."""
+def _cuda_ops(dg):
     from pithtrain.kernels import fp8
-    ue8m0 = _ue8m0()
-    aq, a_s = fp8.quant_rows(a, ue8m0=ue8m0)  # a_s (K/128, Mp): its .t() is the MN-major layout DeepGEMM reads
-    d = torch.empty(a.shape[0], b.shape[1], device=a.device, dtype=torch.bfloat16)
-    dg.m_grouped_fp8_gemm_nt_contiguous((aq, a_s.t()), (b, b_s.contiguous()), d, p.m_indices,
-                                        disable_ue8m0_cast=not ue8m0)
-    return d
+
+    def quant_padded(x, rows, Mp, ue8m0=False):
+        return fp8.quant_rows(x, ue8m0=ue8m0, rows=rows, out_rows=Mp)
+
+    def mgrouped(a, a_s, b, b_s, m_indices, out):
+        # a_s (K/128, Mp): its transpose is the MN-major layout DeepGEMM reads, without a copy.
+        dg.m_grouped_fp8_gemm_nt_contiguous((a, a_s.t()), (b, b_s), out, m_indices,
+                                            disable_ue8m0_cast=not _ue8m0(a))
+    return SimpleNamespace(quant_padded=quant_padded, mgrouped=mgrouped)
 
 
-def kgrouped_fp8_wgrad(dg, x: torch.Tensor, dy: torch.Tensor, p: Plan) -> torch.Tensor:
-    """dw (G, K, N) fp32 = x[rows of g]^T dy[rows of g] for padded x (Mp, K), dy (Mp, N), 128x1 scales."""
-    from pithtrain.kernels import fp8
-    ue8m0 = _ue8m0()
-    d = torch.zeros(len(p.ks), x.shape[1], dy.shape[1], device=x.device, dtype=torch.float32)
-    if not len(x):
-        return d
-    a, b = (fp8.quant_tokens(t, p.tile_start, p.tile_len, transpose=not ue8m0, ue8m0=ue8m0) for t in (x, dy))
-    if ue8m0:  # Blackwell: MN-major operands (untested)
-        dg.k_grouped_fp8_gemm_tn_contiguous(a, b, d, p.ks, p.ks_tensor, d)
-    else:      # Hopper: per-group K-major blocks, MN-major scales
-        dg.k_grouped_fp8_gemm_nt_contiguous((a[0], a[1].t()), (b[0], b[1].t()), d, p.ks, p.ks_tensor, d)
-    return d
-
-
-def mgrouped_bf16(dg, x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor,
-                  p: Plan | None = None) -> torch.Tensor:
-    """F.grouped_mm(x, w_GNK.mT, offs) through DeepGEMM's bf16 m-grouped GEMM (w K-major (G, N, K))."""
-    p = p or plan(offs_G, len(x_MK))
-    d = torch.empty(len(p.m_indices), w_GNK.shape[1], device=x_MK.device, dtype=torch.bfloat16)
-    if len(d):
-        dg.m_grouped_bf16_gemm_nt_contiguous(pad(x_MK, p), w_GNK, d, p.m_indices)
-    return unpad(d, p)
+def _gemm(ops, x_MK, b_GNK, bs_GNK, lay: Layout) -> torch.Tensor:
+    """y (M, N) = x[rows of g] @ deq(b[g])^T, through the padded layout."""
+    M, N = len(x_MK), b_GNK.shape[1]
+    if M == 0:
+        return x_MK.new_zeros(0, N)
+    Mp = len(lay.m_indices)
+    aq, a_s = ops.quant_padded(x_MK, lay.rows, Mp, _ue8m0(x_MK))
+    out = torch.empty(Mp, N, device=x_MK.device, dtype=torch.bfloat16 if x_MK.is_cuda else x_MK.dtype)
+    ops.mgrouped(aq, a_s, b_GNK, bs_GNK, lay.m_indices, out)
+    return unpad(out, lay).to(x_MK.dtype)
 
 
 class _DeepGEMMFP8(torch.autograd.Function):
-    """y[rows of g] = x[rows of g] @ w[g] for w (G, K, N); the weight's FP8 copies come in."""
+    """y[rows of g] = x[rows of g] @ w[g] for w (G, K, N); the weight's FP8 copies come in. `param`
+    (in a tuple, not an autograd input): the parameter whose gradient wgrad.target may write."""
 
     @staticmethod
-    def forward(ctx, dg, x_MK, w_GKN, offs_G, wq_GKN, wqt_GNK, ws_GKN):
-        p = plan(offs_G, len(x_MK))
-        x_pad = pad(x_MK, p)
-        y = unpad(mgrouped_fp8(dg, x_pad, wqt_GNK, ws_GKN.transpose(1, 2), p), p) if len(x_MK) \
-            else x_MK.new_zeros(0, w_GKN.shape[2])
-        ctx.save_for_backward(x_pad, wq_GKN, ws_GKN)
-        ctx.dg, ctx.plan, ctx.w_dtype = dg, p, w_GKN.dtype
-        return y.to(x_MK.dtype)
+    def forward(ctx, ops, x_MK, w_GKN, offs_G, wq_GKN, wqt_GNK, ws_GKN, wst_GNK, param):
+        lay = layout(offs_G, len(x_MK))
+        y = _gemm(ops, x_MK, wqt_GNK, wst_GNK, lay)
+        ctx.save_for_backward(x_MK, offs_G, wq_GKN, ws_GKN)
+        ctx.ops, ctx.lay, ctx.w_dtype, ctx.G = ops, lay, w_GKN.dtype, len(w_GKN)
+        # In place (param given, x and w views made for this call, as wgrad's _GroupedMM): which
+        # gradients this backward wants (the pipeline's input-only and weight-only passes).
+        ctx.w = param[0] if param else None
+        ctx.x_node, ctx.nodes = None, (None, None)
+        if ctx.w is not None:
+            ctx.x_node = wgrad.grad_nodes(x_MK, ctx.w)[0]
+            ctx.nodes = wgrad.grad_nodes(w_GKN, ctx.w)
+        return y
 
     @staticmethod
     def backward(ctx, dy_MN):
-        x_pad, wq_GKN, ws_GKN = ctx.saved_tensors
-        p, dx, dw = ctx.plan, None, None
-        dy_pad = pad(dy_MN.contiguous().to(x_pad.dtype), p)
-        if ctx.needs_input_grad[1]:
-            dx = unpad(mgrouped_fp8(ctx.dg, dy_pad, wq_GKN, ws_GKN, p), p).to(x_pad.dtype) if len(p.rows) \
-                else x_pad.new_zeros(0, x_pad.shape[1])
-        if ctx.needs_input_grad[2]:
-            dw = kgrouped_fp8_wgrad(ctx.dg, x_pad, dy_pad, p).to(ctx.w_dtype)
-        return None, dx, dw, None, None, None, None
+        x_MK, offs_G, wq_GKN, ws_GKN = ctx.saved_tensors
+        dy_MN = dy_MN.contiguous().to(x_MK.dtype)
+        dx = dw = None
+        if ctx.needs_input_grad[1] and (ctx.x_node is None or wgrad.will_run(ctx.x_node)):
+            dx = _gemm(ctx.ops, dy_MN, wq_GKN, ws_GKN, ctx.lay)
+        w_node, acc_node = ctx.nodes
+        if ctx.needs_input_grad[2] and (w_node is None or wgrad.will_run(w_node)):
+            g, fresh = wgrad.target(ctx.w, acc_node) if ctx.w is not None else (None, False)
+            if g is None:
+                dw = fp8_linear.weight_grad(x_MK, dy_MN, offs_G, ctx.G).to(ctx.w_dtype)
+            else:
+                wgrad.accumulate(g, x_MK, dy_MN, offs_G, add=not fresh)
+                wgrad.count(ctx.w)
+        return None, dx, dw, None, None, None, None, None, None
 
 
 class FP8GroupedMM(fp8_linear.FP8GroupedMM):
-    """fp8_linear.FP8GroupedMM (its weight cache, its contract) with DeepGEMM's GEMMs; bf16 x."""
+    """fp8_linear.FP8GroupedMM (its weight cache, its contract) on DeepGEMM. `dg`: the deep_gemm
+    module (None: the PyTorch reference, for CPU tensors); `in_place`: the weight gradient
+    accumulates in place (kernels.configure's `wgrad`) where wgrad.target allows it."""
 
-    def __init__(self, dg):
-        from pithtrain.kernels import fp8
-        ue8m0 = _ue8m0()
-        self.cache = fp8_linear.WeightCache(quant=lambda w: fp8.quant_blocks(w, ue8m0=ue8m0))
-        self.dg = dg
+    def __init__(self, dg=None, in_place: bool = False):
+        from pithtrain.kernels import fp8_linear as ref
+        self.ops = _cuda_ops(dg) if dg is not None else REFERENCE
+
+        def quant(w):  # q (G, K, N), q^T (G, N, K), scales in both layouts (made once per step)
+            if dg is None:
+                q, qt, s = ref.quant_blocks(w)
+            else:
+                from pithtrain.kernels import fp8
+                q, qt, s = fp8.quant_blocks(w, ue8m0=_ue8m0(w))
+            return q, qt, s.contiguous(), s.transpose(1, 2).contiguous()
+        self.cache = fp8_linear.WeightCache(quant=quant)
+        self.in_place = in_place
 
     def __call__(self, x_MK: torch.Tensor, w: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
         w_GKN = w.to_local() if hasattr(w, "to_local") else w
-        wq, wqt, ws = self.cache.weights(w, w_GKN)
+        wq, wqt, ws, wst = self.cache.weights(w, w_GKN)
+        param = ()
+        if (self.in_place and torch.is_grad_enabled() and type(w) is torch.nn.Parameter
+                and w_GKN.dtype == x_MK.dtype and all(n % 8 == 0 for n in w_GKN.shape[1:])):
+            param = (w,)  # views made for this call: their nodes are never leaves
+            x_MK, w_GKN = x_MK.view_as(x_MK), w_GKN.view_as(w_GKN)
         with torch.autocast(x_MK.device.type, enabled=False):
-            return _DeepGEMMFP8.apply(self.dg, x_MK, w_GKN, offs_G, wq, wqt, ws)
+            return _DeepGEMMFP8.apply(self.ops, x_MK, w_GKN, offs_G.to(torch.int32), wq, wqt, ws, wst, param)
 
 
 # ---------------------------------------------------------------------------------------------

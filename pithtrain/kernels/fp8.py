@@ -13,10 +13,9 @@ Hopper's FP8 tensor cores read), so a weight is quantised into both layouts:
 | forward   y = x w     | x, 1x128 along D  | w^T (N x D), 128x128 |
 | data grad dx = dy w^T | dy, 1x128 along N | w   (D x N), 128x128 |
 
-`quant_tokens` makes the weight gradient's operands for DeepGEMM's k-grouped GEMM (128 x 1 tiles
-along the tokens; kernels/deepgemm.py). The ue8m0 flags round scales up to powers of 2 (Blackwell's
-DeepGEMM kernels read them as exponents). No Triton weight gradient here: fp8_linear computes it in
-bf16 (measured faster at the routed experts' shapes, docs/perf-notes.md). M-grouped: rows sorted by group, group g owns rows
+`quant_rows(rows=...)` writes into DeepGEMM's padded layout (kernels/deepgemm.py). The ue8m0 flags round
+scales up to powers of 2 (Blackwell's DeepGEMM kernels read them as exponents). No FP8 weight gradient
+here: fp8_linear computes it in bf16 (measured faster at the routed experts' shapes, docs/perf-notes.md). M-grouped: rows sorted by group, group g owns rows
 [offs[g-1], offs[g]) and multiplies its own B. Every FP8 tensor made here has a row stride that is
 a multiple of 16 bytes (the last dimension padded in storage), as the TMA descriptors require.
 """
@@ -54,9 +53,10 @@ def _scale(amax, UE8M0: tl.constexpr):
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, sx_m, sx_k, sq_m, BM: tl.constexpr, BK: tl.constexpr,
-                       UE8M0: tl.constexpr):
-    """x (M, K) -> q (M, K) fp8, s (cdiv(K, BK), M): one scale per row per BK columns."""
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, M, K, M_out, sx_m, sx_k, sq_m, BM: tl.constexpr,
+                       BK: tl.constexpr, ROWS: tl.constexpr, UE8M0: tl.constexpr):
+    """x (M, K) -> q (M_out, K) fp8, s (cdiv(K, BK), M_out): one scale per row per BK columns; row
+    m goes to row rows_ptr[m] (ROWS) or m."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     kb = tl.program_id(1)
     rk = kb * BK + tl.arange(0, BK)
@@ -64,8 +64,9 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, sx_m, sx_k, sq_m, BM: tl.const
     x = tl.load(x_ptr + rm[:, None].to(tl.int64) * sx_m + rk[None, :] * sx_k, mask=mask, other=0.0).to(tl.float32)
     s, inv = _scale(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30), UE8M0)
     q = tl.clamp(x * inv[:, None], -448.0, 448.0)
-    tl.store(q_ptr + rm[:, None].to(tl.int64) * sq_m + rk[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + kb * M + rm, s, mask=rm < M)
+    dst = tl.load(rows_ptr + rm, mask=rm < M, other=0).to(tl.int64) if ROWS else rm.to(tl.int64)
+    tl.store(q_ptr + dst[:, None] * sq_m + rk[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + kb * M_out + dst, s, mask=rm < M)
 
 
 @triton.jit
@@ -84,37 +85,19 @@ def _quant_blocks_kernel(w_ptr, q_ptr, s_ptr, R, C, sw_g, sw_r, sw_c, sq_g, sq_r
     tl.store(s_ptr + g * ss_g + rb * ss_r + cb * ss_c, s)
 
 
-@triton.jit
-def _quant_tokens_kernel(x_ptr, q_ptr, s_ptr, start_ptr, len_ptr, D, sx_m, B: tl.constexpr, BD: tl.constexpr,
-                         TRANSPOSE: tl.constexpr, UE8M0: tl.constexpr):
-    """x (Mp, D), its rows in groups padded to B -> s (Mp / B, D): one scale per column per B rows.
-    q: (Mp, D) like x, or (TRANSPOSE) each group's rows [g0, g0 + n) stored transposed at q[g0 * D:]
-    as a (D, n) block (tile t's group: start_ptr[t], len_ptr[t])."""
-    t = tl.program_id(0)
-    rm = t * B + tl.arange(0, B)
-    rd = tl.program_id(1) * BD + tl.arange(0, BD)
-    dmask = rd < D
-    x = tl.load(x_ptr + rm[:, None].to(tl.int64) * sx_m + rd[None, :], mask=dmask[None, :], other=0.0).to(tl.float32)
-    s, inv = _scale(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30), UE8M0)
-    q = tl.clamp(x * inv[None, :], -448.0, 448.0).to(q_ptr.dtype.element_ty)
-    if TRANSPOSE:
-        g0 = tl.load(start_ptr + t).to(tl.int64)
-        n = tl.load(len_ptr + t).to(tl.int64)
-        offs = g0 * D + rd[None, :].to(tl.int64) * n + (rm[:, None] - g0)
-    else:
-        offs = rm[:, None].to(tl.int64) * D + rd[None, :]
-    tl.store(q_ptr + offs, q, mask=dmask[None, :])
-    tl.store(s_ptr + t * D + rd, s, mask=dmask)
-
-
-def quant_rows(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) -> (q (M, K) e4m3, s (cdiv(K, 128), M) fp32), 1 x 128 tiles along K (ue8m0: power-of-2 scales)."""
+def quant_rows(x: torch.Tensor, ue8m0: bool = False, rows: torch.Tensor | None = None,
+               out_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) -> (q (M, K) e4m3, s (cdiv(K, 128), M) fp32), 1 x 128 tiles along K (ue8m0: power-of-2 scales).
+    `rows` (M,) with `out_rows`: row m is written at row rows[m] of q (out_rows, K) and s (., out_rows)
+    (DeepGEMM's padded layout, kernels/deepgemm.py); rows not named are left unwritten."""
     M, K = x.shape
-    q = _fp8_empty(M, K, device=x.device)
-    s = torch.empty(triton.cdiv(K, BLOCK), M, device=x.device, dtype=torch.float32)
+    M_out = M if rows is None else out_rows
+    q = _fp8_empty(M_out, K, device=x.device)
+    s = torch.empty(triton.cdiv(K, BLOCK), M_out, device=x.device, dtype=torch.float32)
     if M:
         _quant_rows_kernel[(triton.cdiv(M, 32), triton.cdiv(K, BLOCK))](
-            x, q, s, M, K, x.stride(0), x.stride(1), q.stride(0), BM=32, BK=BLOCK, UE8M0=ue8m0, num_warps=4)
+            x, q, s, x if rows is None else rows, M, K, M_out, x.stride(0), x.stride(1), q.stride(0), BM=32,
+            BK=BLOCK, ROWS=rows is not None, UE8M0=ue8m0, num_warps=4)
     return q, s
 
 
@@ -136,23 +119,6 @@ def quant_blocks(w: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, to
             src, dst, sc, src.shape[1], src.shape[2], *src.stride(), dst.stride(0), dst.stride(1), *sc.stride(),
             B=BLOCK, UE8M0=ue8m0, num_warps=8)
     return q, qt, s
-
-
-def quant_tokens(x: torch.Tensor, tile_start: torch.Tensor, tile_len: torch.Tensor, transpose: bool,
-                 ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight gradient's operands for DeepGEMM's k-grouped GEMM (kernels/deepgemm.py): x (Mp, D),
-    unit last stride, rows in groups padded to 128 (tile_start / tile_len: each 128-row tile's group
-    start and length) -> (q, s (Mp / 128, D) fp32), 128 x 1 tiles along the rows; q is (Mp, D), or
-    (transpose) flat (Mp * D,) with each group's block stored (D, rows), K-major for Hopper."""
-    Mp, D = x.shape
-    assert x.stride(1) == 1 and Mp % BLOCK == 0
-    q = torch.empty(Mp * D if transpose else (Mp, D), device=x.device, dtype=FP8)
-    s = torch.empty(Mp // BLOCK, D, device=x.device, dtype=torch.float32)
-    if Mp:
-        _quant_tokens_kernel[(Mp // BLOCK, triton.cdiv(D, 64))](
-            x, q, s, tile_start, tile_len, D, x.stride(0), B=BLOCK, BD=64, TRANSPOSE=transpose, UE8M0=ue8m0,
-            num_warps=4)
-    return q, s
 
 
 # ---------------------------------------------------------------------------------------------

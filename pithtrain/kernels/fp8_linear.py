@@ -190,11 +190,11 @@ class _FP8GroupedMM(torch.autograd.Function):
             dyq, dys = ops.quant_rows(dy_MN)
             dx = ops.mgrouped_mm(dyq, dys, wq_GKN, ws_GKN.transpose(1, 2), offs_G, out_dtype=x_MK.dtype)
         if ctx.needs_input_grad[1]:
-            dw = _weight_grad(x_MK, dy_MN, offs_G, len(wq_GKN)).to(ctx.w_dtype)
+            dw = weight_grad(x_MK, dy_MN, offs_G, len(wq_GKN)).to(ctx.w_dtype)
         return dx, dw, None, None, None, None
 
 
-def _weight_grad(x_MK, dy_MN, offs_G, G):
+def weight_grad(x_MK, dy_MN, offs_G, G):
     """dw[g] = x[rows of g]^T dy[rows of g] in the activations' precision (bf16 on the GPU)."""
     if x_MK.is_cuda and x_MK.dtype == dy_MN.dtype == torch.bfloat16 and len(x_MK):
         return torch.nn.functional.grouped_mm(x_MK.t(), dy_MN, offs=offs_G)

@@ -599,10 +599,14 @@ def use_kernels(model: nn.Module, use: dict) -> nn.Module:
         if isinstance(getattr(m, "dispatcher", None), LocalDispatcher):
             m.dispatcher.fused = use["permute"]
         if isinstance(m, GroupedExperts):
-            if use["fp8"]:
+            m.mm = grouped_mm
+            if use["fp8"] and use["deepgemm"]:  # each its own FP8 weight cache
+                from pithtrain.kernels import deepgemm
+                m.mm = deepgemm.FP8GroupedMM(deepgemm.load(), in_place=use["wgrad"])
+            elif use["fp8"]:
                 from pithtrain.kernels.fp8_linear import FP8GroupedMM
-            m.mm = FP8GroupedMM() if use["fp8"] else grouped_mm  # each its own FP8 weight cache
-            if use["wgrad"]:
+                m.mm = FP8GroupedMM()
+            elif use["wgrad"]:
                 from pithtrain.kernels.wgrad import grouped_mm as accumulating_grouped_mm
                 m.mm = functools.partial(accumulating_grouped_mm, reference=grouped_mm)
             m.swiglu, m.bias_add = swiglu, add_expert_bias
