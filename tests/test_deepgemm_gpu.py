@@ -5,8 +5,8 @@ At each bench family's expert shapes (all experts, ~64 rows each, every 7th empt
 deepgemm.FP8GroupedMM: forward, data grad and weight grad within 2^-4 = 6.25% relative of bf16
 grouped_mm (tests/test_fp8_gpu.py's bound for the Triton FP8 path) and within 1e-2 of the PyTorch
 reference on the same quantisation (deepgemm.REFERENCE); the quantisation into the padded layout
-against the reference; no host synchronisation in a forward and backward; the weight gradient
-added in place over two micro-batches."""
+against the reference; the padded layout's Triton kernel against its PyTorch form; no host
+synchronisation in a forward and backward; the weight gradient added in place over two micro-batches."""
 
 import pytest
 import torch
@@ -102,3 +102,14 @@ def test_weight_gradient_added_in_place_over_micro_batches():
     assert getattr(w, "wgrad_adds", 0) == 1  # the second micro-batch's, added into p.grad
     assert rel(w.grad, want) < 1e-2
     assert mm.cache.quantised == 1  # one quantisation of w for both micro-batches (the step's cache)
+
+
+def test_layout_kernel_matches_the_pytorch_layout():
+    """deepgemm.layout on CUDA (fp8.padded_layout, one Triton kernel) against its PyTorch form."""
+    g = torch.Generator().manual_seed(0)
+    for counts in ([3, 0, 128, 129, 1], [0, 0, 5], [300], torch.randint(0, 1200, (128,), generator=g).tolist(),
+                   torch.randint(0, 3, (256,), generator=g).tolist()):
+        offs = torch.tensor(counts).cumsum(0).int()
+        ref = deepgemm.layout(offs, sum(counts))
+        lay = deepgemm.layout(offs.cuda(), sum(counts))
+        assert torch.equal(lay.rows.cpu(), ref.rows) and torch.equal(lay.m_indices.cpu(), ref.m_indices)

@@ -84,8 +84,13 @@ def padded_rows(M: int, G: int) -> int:
 
 def layout(offs_G: torch.Tensor, M: int) -> Layout:
     """Where M rows sorted by group (offs_G: cumulative ends, offs_G[-1] == M) go when each group
-    starts on a multiple of ALIGN. Device work only (no host synchronisation)."""
+    starts on a multiple of ALIGN. Device work only (no host synchronisation): one Triton kernel on
+    CUDA (fp8.padded_layout), the same in PyTorch elsewhere."""
     dev, G = offs_G.device, len(offs_G)
+    m_indices = torch.full((padded_rows(M, G),), -1, device=dev, dtype=torch.int32)
+    if offs_G.is_cuda and M:
+        from pithtrain.kernels import fp8
+        return Layout(fp8.padded_layout(offs_G, M, m_indices, ALIGN), m_indices)
     ends = offs_G.long()
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     padded = (counts + ALIGN - 1) // ALIGN * ALIGN
@@ -93,7 +98,6 @@ def layout(offs_G: torch.Tensor, M: int) -> Layout:
     arange = torch.arange(M, device=dev)
     group_M = torch.searchsorted(ends, arange, right=True)
     rows = arange + shift[group_M.clamp(max=max(G - 1, 0))] if G else arange
-    m_indices = torch.full((padded_rows(M, G),), -1, device=dev, dtype=torch.int32)
     m_indices[rows] = group_M.to(torch.int32)
     return Layout(rows, m_indices)
 
@@ -161,8 +165,7 @@ class _DeepGEMMFP8(torch.autograd.Function):
     (in a tuple, not an autograd input): the parameter whose gradient wgrad.target may write."""
 
     @staticmethod
-    def forward(ctx, ops, x_MK, w_GKN, offs_G, wq_GKN, wqt_GNK, ws_GKN, wst_GNK, param):
-        lay = layout(offs_G, len(x_MK))
+    def forward(ctx, ops, lay, x_MK, w_GKN, offs_G, wq_GKN, wqt_GNK, ws_GKN, wst_GNK, param):
         y = _gemm(ops, x_MK, wqt_GNK, wst_GNK, lay)
         ctx.save_for_backward(x_MK, offs_G, wq_GKN, ws_GKN)
         ctx.ops, ctx.lay, ctx.w_dtype, ctx.G = ops, lay, w_GKN.dtype, len(w_GKN)
@@ -180,17 +183,17 @@ class _DeepGEMMFP8(torch.autograd.Function):
         x_MK, offs_G, wq_GKN, ws_GKN = ctx.saved_tensors
         dy_MN = dy_MN.contiguous().to(x_MK.dtype)
         dx = dw = None
-        if ctx.needs_input_grad[1] and (ctx.x_node is None or wgrad.will_run(ctx.x_node)):
+        if ctx.needs_input_grad[2] and (ctx.x_node is None or wgrad.will_run(ctx.x_node)):
             dx = _gemm(ctx.ops, dy_MN, wq_GKN, ws_GKN, ctx.lay)
         w_node, acc_node = ctx.nodes
-        if ctx.needs_input_grad[2] and (w_node is None or wgrad.will_run(w_node)):
+        if ctx.needs_input_grad[3] and (w_node is None or wgrad.will_run(w_node)):
             g, fresh = wgrad.target(ctx.w, acc_node) if ctx.w is not None else (None, False)
             if g is None:
                 dw = fp8_linear.weight_grad(x_MK, dy_MN, offs_G, ctx.G).to(ctx.w_dtype)
             else:
                 wgrad.accumulate(g, x_MK, dy_MN, offs_G, add=not fresh)
                 wgrad.count(ctx.w)
-        return None, dx, dw, None, None, None, None, None, None
+        return None, None, dx, dw, None, None, None, None, None, None
 
 
 class FP8GroupedMM(fp8_linear.FP8GroupedMM):
@@ -211,6 +214,13 @@ class FP8GroupedMM(fp8_linear.FP8GroupedMM):
             return q, qt, s.contiguous(), s.transpose(1, 2).contiguous()
         self.cache = fp8_linear.WeightCache(quant=quant)
         self.in_place = in_place
+        self._layout = None  # (offs, M, Layout) of the last call: the layer's second GEMM reuses it
+
+    def layout(self, offs_G: torch.Tensor, M: int) -> Layout:
+        last = self._layout
+        if last is None or last[0] is not offs_G or last[1] != M:
+            last = self._layout = (offs_G, M, layout(offs_G, M))
+        return last[2]
 
     def __call__(self, x_MK: torch.Tensor, w: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
         w_GKN = w.to_local() if hasattr(w, "to_local") else w
@@ -221,7 +231,9 @@ class FP8GroupedMM(fp8_linear.FP8GroupedMM):
             param = (w,)  # views made for this call: their nodes are never leaves
             x_MK, w_GKN = x_MK.view_as(x_MK), w_GKN.view_as(w_GKN)
         with torch.autocast(x_MK.device.type, enabled=False):
-            return _DeepGEMMFP8.apply(self.ops, x_MK, w_GKN, offs_G.to(torch.int32), wq, wqt, ws, wst, param)
+            offs_G = offs_G.to(torch.int32)
+            return _DeepGEMMFP8.apply(self.ops, self.layout(offs_G, len(x_MK)), x_MK, w_GKN, offs_G, wq, wqt, ws, wst,
+                                      param)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -85,6 +85,37 @@ def _quant_blocks_kernel(w_ptr, q_ptr, s_ptr, R, C, sw_g, sw_r, sw_c, sq_g, sq_r
     tl.store(s_ptr + g * ss_g + rb * ss_r + cb * ss_c, s)
 
 
+@triton.jit
+def _padded_layout_kernel(offs_ptr, rows_ptr, mi_ptr, M, G, ALIGN: tl.constexpr, GP: tl.constexpr,
+                          BM: tl.constexpr):
+    """Rows [pid * BM, +BM): each row's group g (the number of group ends <= the row) and its row in
+    the padded layout (row + padded start of g - start of g); m_indices[that row] = g."""
+    g = tl.arange(0, GP)
+    ends = tl.load(offs_ptr + g, mask=g < G, other=2147483647).to(tl.int64)
+    prev = tl.load(offs_ptr + g - 1, mask=(g > 0) & (g < G), other=0).to(tl.int64)
+    counts = tl.where(g < G, ends - prev, 0)
+    padded = (counts + ALIGN - 1) // ALIGN * ALIGN
+    shift = tl.cumsum(padded, 0) - padded - prev
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    below = ends[None, :] <= r[:, None]  # (BM, GP): groups ending at or before each row
+    grp = tl.sum(below.to(tl.int32), axis=1)
+    mine = g[None, :] == grp[:, None]
+    dst = r + tl.sum(tl.where(mine, shift[None, :], 0), axis=1)
+    tl.store(rows_ptr + r, dst, mask=r < M)
+    tl.store(mi_ptr + dst, grp, mask=r < M)
+
+
+def padded_layout(offs_G: torch.Tensor, M: int, m_indices: torch.Tensor, align: int) -> torch.Tensor:
+    """deepgemm.layout in two launches: rows (M,) int64, and each row's group written into
+    m_indices (filled with -1 by the caller). offs_G: cumulative group ends (G <= 4096)."""
+    rows = torch.empty(M, device=offs_G.device, dtype=torch.int64)
+    G = len(offs_G)
+    if M:
+        _padded_layout_kernel[(triton.cdiv(M, 64),)](offs_G, rows, m_indices, M, G, ALIGN=align,
+                                                     GP=max(16, triton.next_power_of_2(G)), BM=64, num_warps=4)
+    return rows
+
+
 def quant_rows(x: torch.Tensor, ue8m0: bool = False, rows: torch.Tensor | None = None,
                out_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) -> (q (M, K) e4m3, s (cdiv(K, 128), M) fp32), 1 x 128 tiles along K (ue8m0: power-of-2 scales).
