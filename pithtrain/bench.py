@@ -16,9 +16,10 @@ peers' is forward, backward, clip to 1.0, fused AdamW around their own model cla
 A variant is '+'-joined words: `ref` (PyTorch reference operators, kernels=torch) or `fused`
 (kernels=auto); `compile` (train.compile); `ac-full` / `ac-sel` (activation checkpointing);
 `bf16` (a comparison with the peers, not a training setting: bf16 parameters and AdamW state);
-`fp8` (train.fp8: blockwise FP8 expert GEMMs, pithtrain/kernels/fp8_linear.py; `--fp8` adds
-`<first variant>+fp8`, so bf16 and FP8 are timed in the same run); `no-NAME` turns one fused
-operator off (names: pithtrain.kernels.NAMES).
+`fp8` (train.fp8: blockwise FP8 expert GEMMs, on DeepGEMM where installed (kernels/deepgemm.py), else
+Triton (kernels/fp8_linear.py); `--fp8` adds `<first variant>+fp8`, so bf16 and FP8 are timed in the
+same run); `no-NAME` turns one fused operator off (names: pithtrain.kernels.NAMES; `no-deepgemm`:
+FP8 on Triton).
 Timing: CUDA events around each step after warm-up; the median of the timed steps.
 MFU = tokens/s x model FLOPs per token (pithtrain.metrics.flops_per_token) / the GPU's dense bf16
 peak (pithtrain.metrics.PEAK_TFLOPS: 989e12 on H100/H200).
@@ -85,6 +86,8 @@ def parse_variant(v: str) -> dict:
         raise SystemExit(f"bench: unknown variant words in {v!r}: {unknown or out['off']}")
     if out["fp8"] and out["kernels"] == "torch":
         raise SystemExit(f"bench: {v!r}: fp8 runs Triton GEMMs, it does not go with ref (train.fp8 needs kernels=auto)")
+    if "deepgemm" in out["off"] and not out["fp8"]:
+        raise SystemExit(f"bench: {v!r}: no-deepgemm changes only fp8 variants (DeepGEMM runs the FP8 expert GEMMs)")
     return out
 
 

@@ -200,6 +200,9 @@ def test_bench_variant_words_and_table():
     assert parse_variant("fused+bf16")["bf16"]
     assert parse_variant("ref")["kernels"] == "torch"
     assert parse_variant("fused+compile+fp8")["fp8"]
+    assert parse_variant("fused+fp8+no-deepgemm")["off"] == ["deepgemm"]  # FP8 on the Triton kernels
+    with pytest.raises(SystemExit, match="no-deepgemm changes only fp8 variants"):
+        parse_variant("fused+no-deepgemm")  # a switch that would do nothing
     with pytest.raises(SystemExit):
         parse_variant("fused+turbo")
     from pithtrain.bench import main  # every variant is checked before anything is built or timed

@@ -18,8 +18,9 @@ GEMMs measured are no faster at the attention projections' sizes (docs/perf-note
 Operators: Triton (`kernels/fp8.py`) for CUDA tensors; the functions below are the same
 maths in plain PyTorch (dequantise, fp32 matmul): the tests' reference, and what CPU tensors run,
 so the autograd and cache logic is tested in CI. Recipes with train.fp8 on a CPU are refused
-(train.check_runnable). DeepGEMM (kernels/deepgemm.py, the same contract) and Blackwell's MXFP8 are not
-wired: the Triton kernels are the one GPU path (no B200 is lent).
+(train.check_runnable). On Hopper with deep_gemm installed kernels/deepgemm.py's FP8GroupedMM (this
+class's contract and cache, DeepGEMM's GEMMs) takes over; Blackwell's MXFP8 is not wired (no B200 is
+lent).
 
 Weight cache: each `FP8GroupedMM` (one per experts module) quantises a weight at most once per
 optimizer step (`next_step(model)`, called by the trainer after `optimizer.step()`, drops every
