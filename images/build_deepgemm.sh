@@ -77,6 +77,14 @@ for c in $DEEPGEMM_PATCHES; do
   apply_fix "$SRC/patches/$c.diff" || { echo "build_deepgemm: upstream fix $c does not apply" >&2; exit 1; }
   echo "build_deepgemm: applied upstream fix $c"
 done
+# The build, stamped into the package's version (PEP 440 local label: the commit and each fix, 7
+# hex digits each: <version>+<commit>.<fix>...): what `invoke doctor` reads from the installed
+# distribution (tools/appliance.py deepgemm_build), not from an environment variable.
+STAMP="$(printf %.7s "$DEEPGEMM_COMMIT")"
+for c in $DEEPGEMM_PATCHES; do STAMP="$STAMP.$(printf %.7s "$c")"; done
+sed -i -E "s/^(__version__ = ['\"])([0-9.]+)(['\"])/\1\2+$STAMP\3/" "$SRC/deep_gemm/__init__.py"
+grep -q "^__version__ = .*+$STAMP" "$SRC/deep_gemm/__init__.py" \
+  || { echo "build_deepgemm: could not stamp $STAMP into deep_gemm/__init__.py's __version__" >&2; exit 1; }
 for d in cutlass/include/cute fmt/include/fmt; do
   [ -d "$SRC/third-party/$d" ] || { echo "build_deepgemm: $SRC/third-party/$d missing" >&2; exit 1; }
 done

@@ -99,6 +99,9 @@ def test_dockerfiles_build_deepgemm_with_the_script_at_the_pins(dockerfile):
     for name in ("DEEPGEMM_COMMIT", "CUTLASS_COMMIT", "FMT_COMMIT", "TORCH_CUDA_ARCH_LIST"):
         assert f"${{{name}:?" in script
     assert "${DEEPGEMM_PATCHES?" in script  # required too (may be empty)
+    # The build is stamped into the package version, 7 hex digits per commit, as doctor expects.
+    assert 'printf %.7s "$DEEPGEMM_COMMIT"' in script and ap.deepgemm_build(pins) == ".".join(
+        c[:7] for c in [pins["deepgemm_commit"], *pins["deepgemm_patches"].split()])
     assert ap.find_unpinned_versions([REPO / "images/build_deepgemm.sh"], VERSIONS, allowed=set()) == []
 
 
@@ -446,8 +449,7 @@ def _matching_manifest(target: str) -> dict:
     return {"target": target, "base_image": ap.base_ref(pins), "python": pins["python"] + ".3",
             "cuda": pins["cuda"], "nvcc": "13.0.88", "nsys": pins["nsys"] + ".266",
             "nccl_runtime": pins["nccl"], "driver_min": pins["driver_min"],
-            "deepgemm_commit": pins["deepgemm_commit"],
-            "packages": {**packages, "sympy": "1.14.0"}}
+            "packages": {**packages, "sympy": "1.14.0", "deep-gemm": "2.1.1+" + ap.deepgemm_build(pins)}}
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -480,8 +482,8 @@ def test_import_problems_names_each_pinned_package_that_does_not_load(tmp_path, 
 
 def test_doctor_reports_every_drift(tmp_path):
     m = _matching_manifest("hopper")
-    m.update(python="3.11.9", cuda="12.8.1", nccl_runtime="2.27.3", deepgemm_commit="f" * 40,
-             base_image="nvidia/cuda:latest")
+    m.update(python="3.11.9", cuda="12.8.1", nccl_runtime="2.27.3", base_image="nvidia/cuda:latest")
+    m["packages"]["deep-gemm"] = "2.1.1"  # built without the stamp: not the pinned build
     m["packages"]["triton"] = "3.5.1"
     del m["packages"]["nvidia-cudnn-cu13"]
     f = tmp_path / "manifest.json"
@@ -490,7 +492,7 @@ def test_doctor_reports_every_drift(tmp_path):
     assert r.returncode == 1
     lines = r.stdout.strip().splitlines()
     assert sorted(line.split(": ")[1] for line in lines) == sorted(
-        ["base_image", "python", "cuda", "nccl_runtime", "deepgemm_commit", "pip triton",
+        ["base_image", "python", "cuda", "nccl_runtime", "deep-gemm", "pip triton",
          "pip nvidia-cudnn-cu13"])
     assert f"{f}: pip triton: versions.yaml pins 3.6.0, found 3.5.1" in lines
     assert "doctor: FAIL, 7 problem(s)" in r.stderr
@@ -506,7 +508,7 @@ def _fed_manifest(monkeypatch, pins: dict, python: tuple, nccl: tuple, dists: di
     import torch
 
     env = {"PITHTRAIN_TARGET": "hopper", "PITHTRAIN_BASE_IMAGE": ap.base_ref(pins), "CUDA_VERSION": pins["cuda"],
-           "PITHTRAIN_DRIVER_MIN": pins["driver_min"], "PITHTRAIN_DEEPGEMM_COMMIT": pins["deepgemm_commit"]}
+           "PITHTRAIN_DRIVER_MIN": pins["driver_min"]}
     out = {"nvcc": "Cuda compilation tools, release 13.0, V13.0.88",
            "nsys": f"NVIDIA Nsight Systems version {pins['nsys']}.266-1234567890"}
     with monkeypatch.context() as m:
@@ -532,7 +534,8 @@ def test_collect_manifest_reads_the_environment_and_drift_compares_it(monkeypatc
     assert "nvidia-cudnn-cu13" in pinned and "pyyaml" in pinned and "flash-attn-4" in pinned
     # as distributions' metadata spells them: underscores, capitals, a local version tag
     installed = {n.replace("-", "_"): v for n, v in pinned.items() if n != "pyyaml"}
-    installed.update(PyYAML=pinned["pyyaml"], torch=pins["torch"] + "+cu130", sympy="1.14.0")
+    installed.update(PyYAML=pinned["pyyaml"], torch=pins["torch"] + "+cu130", sympy="1.14.0",
+                     deep_gemm="2.1.1+" + ap.deepgemm_build(pins))  # as images/build_deepgemm.sh stamps it
     m = _fed_manifest(monkeypatch, pins, py, nccl, installed)
     assert set(_matching_manifest("hopper")) <= set(m)
     assert (m["python"], m["nccl_runtime"], m["nvcc"], m["nsys"]) == (

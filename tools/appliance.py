@@ -224,9 +224,14 @@ def collect_manifest() -> dict:
         "python": ".".join(map(str, sys.version_info[:3])), "cuda": env("CUDA_VERSION"),
         "nvcc": nvcc and nvcc.group(1), "nsys": nsys and nsys.group(1), "nccl_runtime": nccl,
         "driver_min": env("PITHTRAIN_DRIVER_MIN"),
-        "deepgemm_commit": env("PITHTRAIN_DEEPGEMM_COMMIT"),
         "packages": {_canon(d.metadata["Name"]): d.version for d in metadata.distributions()},
     }
+
+
+def deepgemm_build(pins: dict) -> str:
+    """The local version label images/build_deepgemm.sh stamps on DeepGEMM: the commit and each
+    upstream fix, 7 hex digits each, dot-joined (2.1.1+c9f8b34.f63d7f2...)."""
+    return ".".join(c[:7] for c in [pins["deepgemm_commit"], *pins.get("deepgemm_patches", "").split()])
 
 
 def _canon(name: str) -> str:
@@ -245,10 +250,14 @@ def drift(manifest: dict, target: str, pins: dict) -> list[str]:
     """Every difference between a manifest (or a live environment) and versions.yaml's target."""
     want = {"target": target, "base_image": base_ref(pins), "python": pins["python"],
             "cuda": pins["cuda"], "nsys": pins["nsys"], "nccl_runtime": pins["nccl"],
-            "driver_min": pins["driver_min"], "deepgemm_commit": pins["deepgemm_commit"]}
+            "driver_min": pins["driver_min"]}
     out = [f"{k}: versions.yaml pins {v}, found {manifest.get(k)}"
            for k, v in want.items() if not _same(v, manifest.get(k))]
     packages = manifest.get("packages") or {}
+    if "deepgemm_commit" in pins:  # the installed distribution's version names its build
+        dg, stamp = packages.get("deep-gemm"), deepgemm_build(pins)
+        if dg is None or str(dg).partition("+")[2] != stamp:
+            out.append(f"deep-gemm: versions.yaml pins the build {stamp}, found {dg}")
     for req in pip_pins(pins):
         name, version = req.split("==")
         name = _canon(name.split("[")[0])
