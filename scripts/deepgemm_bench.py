@@ -29,12 +29,10 @@ def ms(fn):
     return statistics.median(time_steps(fn, 3, 20)[0])
 
 
-def main():
-    why = []
-    dg = deepgemm.load(why)
-    assert dg is not None, why
-    rows = []
-    for model in MODELS:
+def expert_shapes(models=MODELS):
+    """(model, which, E, M, K, N, offs) per expert GEMM: all experts, the top-k rows of TOKENS tokens
+    drawn uniformly (the bench's random routing), offs their cumulative ends (int32, CUDA)."""
+    for model in models:
         m = load_config(model).model
         E, D, F_, k = m.num_experts, m.hidden_size, getattr(m, m.expert_width_field), m.top_k
         M = TOKENS * k
@@ -42,18 +40,27 @@ def main():
         counts = torch.multinomial(torch.ones(E, device="cuda"), M, replacement=True, generator=g).bincount(minlength=E)
         offs = counts.cumsum(0).int()
         for which, (K, N) in (("w13", (D, 2 * F_)), ("w2", (F_, D))):
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            w = torch.nn.Parameter((torch.randn(E, K, N, device="cuda") / K ** 0.5).bfloat16())
-            dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-            paths = {"bf16": lambda a, b, o: F.grouped_mm(a, b, offs=o),
-                     "triton fp8": fp8_linear.FP8GroupedMM(), "dg fp8": deepgemm.FP8GroupedMM(dg)}
-            t = {}
-            for name, mm in paths.items():
-                with torch.no_grad():
-                    t[name + " fwd"] = ms(lambda: mm(x, w, offs))
-                t[name + " f+b"] = ms(lambda: torch.autograd.backward(mm(x, w, offs), dy))
-            rows.append((model, which, M, K, N, t))
-            print(f"{model} {which} M={M} K={K} N={N}: " + ", ".join(f"{k} {v:.3f}" for k, v in t.items()), flush=True)
+            yield model, which, E, M, K, N, offs
+
+
+def main():
+    why = []
+    dg = deepgemm.load(why)
+    assert dg is not None, why
+    rows = []
+    for model, which, E, M, K, N, offs in expert_shapes():
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.nn.Parameter((torch.randn(E, K, N, device="cuda") / K ** 0.5).bfloat16())
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        paths = {"bf16": lambda a, b, o: F.grouped_mm(a, b, offs=o),
+                 "triton fp8": fp8_linear.FP8GroupedMM(), "dg fp8": deepgemm.FP8GroupedMM(dg)}
+        t = {}
+        for name, mm in paths.items():
+            with torch.no_grad():
+                t[name + " fwd"] = ms(lambda: mm(x, w, offs))
+            t[name + " f+b"] = ms(lambda: torch.autograd.backward(mm(x, w, offs), dy))
+        rows.append((model, which, M, K, N, t))
+        print(f"{model} {which} M={M} K={K} N={N}: " + ", ".join(f"{k} {v:.3f}" for k, v in t.items()), flush=True)
     print("\nms (median of 20; FP8 with activation quantisation, weight cache warm); ratio = bf16 / path")
     print(f"{'model':17} {'gemm':4} {'bf16 fwd':>9} {'triton':>13} {'deepgemm':>13} {'bf16 f+b':>9} {'triton':>13} {'deepgemm':>13}")
     for model, which, M, K, N, t in rows:

@@ -19,11 +19,9 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from deepgemm_bench import expert_shapes  # scripts/: the same shapes and routing
 from pithtrain.bench import time_steps
-from pithtrain.config import load_config
 from pithtrain.kernels import deepgemm, fp8
-
-TOKENS = 2 * 4096
 
 
 def ms(fn, iters=20):
@@ -35,44 +33,37 @@ def main():
     dg = deepgemm.load(why)
     assert dg is not None, why
     rows = []
-    for model in ("qwen3-30b-a3b", "deepseek-v2-lite", "gpt-oss-20b"):
-        m = load_config(model).model
-        E, D, F_, k = m.num_experts, m.hidden_size, getattr(m, m.expert_width_field), m.top_k
-        M = TOKENS * k
-        g = torch.Generator(device="cuda").manual_seed(0)
-        counts = torch.multinomial(torch.ones(E, device="cuda"), M, replacement=True, generator=g).bincount(minlength=E)
-        offs = counts.cumsum(0).int()
-        for which, (K, N) in (("w13", (D, 2 * F_)), ("w2", (F_, D))):
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-            w = (torch.randn(E, K, N, device="cuda") / K ** 0.5).bfloat16()
-            t = {}
-            t["bf16 fwd"] = ms(lambda: F.grouped_mm(x, w, offs=offs))
-            t["bf16 dgrad"] = ms(lambda: F.grouped_mm(dy, w.transpose(1, 2), offs=offs))
-            t["bf16 wgrad"] = ms(lambda: F.grouped_mm(x.t(), dy, offs=offs))
-            lay = deepgemm.layout(offs, M)
-            Mp = len(lay.m_indices)
-            t["layout"] = ms(lambda: deepgemm.layout(offs, M))
-            wq, wqt, ws = fp8.quant_blocks(w)
-            ws_t, ws_c = ws.transpose(1, 2).contiguous(), ws.contiguous()
-            aq, a_s = fp8.quant_rows(x, rows=lay.rows, out_rows=Mp)
-            t["quant padded x"] = ms(lambda: fp8.quant_rows(x, rows=lay.rows, out_rows=Mp))
-            d = torch.empty(Mp, N, device="cuda", dtype=torch.bfloat16)
-            t["dg fp8 fwd gemm"] = ms(lambda: dg.m_grouped_fp8_gemm_nt_contiguous(
-                (aq, a_s.t()), (wqt, ws_t), d, lay.m_indices, disable_ue8m0_cast=True))
-            ref = F.grouped_mm(x, w, offs=offs).float()
-            err = ((deepgemm.unpad(d, lay).float() - ref).norm() / ref.norm()).item()
-            t["unpad y"] = ms(lambda: deepgemm.unpad(d, lay))
-            dq, d_s = fp8.quant_rows(dy, rows=lay.rows, out_rows=Mp)
-            dx = torch.empty(Mp, K, device="cuda", dtype=torch.bfloat16)
-            t["dg fp8 dgrad gemm"] = ms(lambda: dg.m_grouped_fp8_gemm_nt_contiguous(
-                (dq, d_s.t()), (wq, ws_c), dx, lay.m_indices, disable_ue8m0_cast=True))
-            xp = x.new_zeros(Mp, K).index_copy_(0, lay.rows, x)
-            wt = w.transpose(1, 2).contiguous()
-            t["dg bf16 fwd gemm"] = ms(lambda: dg.m_grouped_bf16_gemm_nt_contiguous(xp, wt, d, lay.m_indices))
-            rows.append((model, which, M, Mp, K, N, t, err))
-            print(f"{model} {which}: M {M} Mp {Mp} K {K} N {N} fwd err {err:.4f}: "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in t.items()), flush=True)
+    for model, which, E, M, K, N, offs in expert_shapes():
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(E, K, N, device="cuda") / K ** 0.5).bfloat16()
+        t = {}
+        t["bf16 fwd"] = ms(lambda: F.grouped_mm(x, w, offs=offs))
+        t["bf16 dgrad"] = ms(lambda: F.grouped_mm(dy, w.transpose(1, 2), offs=offs))
+        t["bf16 wgrad"] = ms(lambda: F.grouped_mm(x.t(), dy, offs=offs))
+        lay = deepgemm.layout(offs, M)
+        Mp = len(lay.m_indices)
+        t["layout"] = ms(lambda: deepgemm.layout(offs, M))
+        wq, wqt, ws = fp8.quant_blocks(w)
+        ws_t, ws_c = ws.transpose(1, 2).contiguous(), ws.contiguous()
+        aq, a_s = fp8.quant_rows(x, rows=lay.rows, out_rows=Mp)
+        t["quant padded x"] = ms(lambda: fp8.quant_rows(x, rows=lay.rows, out_rows=Mp))
+        d = torch.empty(Mp, N, device="cuda", dtype=torch.bfloat16)
+        t["dg fp8 fwd gemm"] = ms(lambda: dg.m_grouped_fp8_gemm_nt_contiguous(
+            (aq, a_s.t()), (wqt, ws_t), d, lay.m_indices, disable_ue8m0_cast=True))
+        ref = F.grouped_mm(x, w, offs=offs).float()
+        err = ((deepgemm.unpad(d, lay).float() - ref).norm() / ref.norm()).item()
+        t["unpad y"] = ms(lambda: deepgemm.unpad(d, lay))
+        dq, d_s = fp8.quant_rows(dy, rows=lay.rows, out_rows=Mp)
+        dx = torch.empty(Mp, K, device="cuda", dtype=torch.bfloat16)
+        t["dg fp8 dgrad gemm"] = ms(lambda: dg.m_grouped_fp8_gemm_nt_contiguous(
+            (dq, d_s.t()), (wq, ws_c), dx, lay.m_indices, disable_ue8m0_cast=True))
+        xp = x.new_zeros(Mp, K).index_copy_(0, lay.rows, x)
+        wt = w.transpose(1, 2).contiguous()
+        t["dg bf16 fwd gemm"] = ms(lambda: dg.m_grouped_bf16_gemm_nt_contiguous(xp, wt, d, lay.m_indices))
+        rows.append((model, which, M, Mp, K, N, t, err))
+        print(f"{model} {which}: M {M} Mp {Mp} K {K} N {N} fwd err {err:.4f}: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in t.items()), flush=True)
     print("\nms (median of 20); ratios: bf16 GEMM / DeepGEMM path")
     for model, which, M, Mp, K, N, t, err in rows:
         fl = 2 * M * K * N / 1e9
