@@ -43,11 +43,16 @@ def expert_shapes(models=MODELS):
             yield model, which, E, M, K, N, offs
 
 
-def main():
+def load_deepgemm():
     why = []
     dg = deepgemm.load(why)
-    assert dg is not None, why
-    rows = []
+    if dg is None:
+        raise SystemExit(f"deep_gemm not loadable: {'; '.join(why)}")
+    return dg
+
+
+def main():
+    dg, rows = load_deepgemm(), []
     for model, which, E, M, K, N, offs in expert_shapes():
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w = torch.nn.Parameter((torch.randn(E, K, N, device="cuda") / K ** 0.5).bfloat16())

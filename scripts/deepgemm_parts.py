@@ -19,7 +19,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from deepgemm_bench import expert_shapes  # scripts/: the same shapes and routing
+from deepgemm_bench import expert_shapes, load_deepgemm  # scripts/: the same shapes and routing
 from pithtrain.bench import time_steps
 from pithtrain.kernels import deepgemm, fp8
 
@@ -29,10 +29,7 @@ def ms(fn, iters=20):
 
 
 def main():
-    why = []
-    dg = deepgemm.load(why)
-    assert dg is not None, why
-    rows = []
+    dg, rows = load_deepgemm(), []
     for model, which, E, M, K, N, offs in expert_shapes():
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
