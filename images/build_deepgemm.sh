@@ -66,12 +66,15 @@ if [ -z "$SRC" ]; then
 elif [ -f "$SRC" ]; then
   tar -xzf "$SRC" -C "$WORK"
   SRC="$WORK/DeepGEMM"
+else  # an unpacked tree: patched and stamped in a copy, so a second run starts from the same sources
+  cp -r "$SRC" "$WORK/DeepGEMM"
+  SRC="$WORK/DeepGEMM"
 fi
 if [ -f "$SRC/PINS" ] && [ "$(cat "$SRC/PINS")" != "$PINS" ]; then
   echo "build_deepgemm: $SRC/PINS is '$(cat "$SRC/PINS")', versions.yaml wants '$PINS'" >&2; exit 1
 fi
 apply_fix() {  # patch(1) where installed, else git apply (which works outside a repository too)
-  if command -v patch >/dev/null; then patch -d "$SRC" -p1 --forward --quiet < "$1"; else (cd "$SRC" && git apply "$1"); fi
+  if command -v patch >/dev/null; then patch -d "$SRC" -p1 --forward --fuzz=0 --quiet < "$1"; else (cd "$SRC" && git apply "$1"); fi
 }
 for c in $DEEPGEMM_PATCHES; do
   apply_fix "$SRC/patches/$c.diff" || { echo "build_deepgemm: upstream fix $c does not apply" >&2; exit 1; }
@@ -92,6 +95,7 @@ done
 # --- build: DG_USE_LOCAL_VERSION=0 (no git needed in the tree), DG_FORCE_BUILD=1 (no attempt to
 # download a prebuilt wheel: the image build and the device have no route to it).
 mkdir -p "$WHEEL_DIR"
+rm -f "$WHEEL_DIR"/deep_gemm-*.whl  # a reused directory: only this build's wheel is installed below
 start=$SECONDS
 (cd "$SRC" && DG_USE_LOCAL_VERSION=0 DG_FORCE_BUILD=1 MAX_JOBS="${MAX_JOBS:-8}" \
   "$PYTHON" -m pip wheel --no-build-isolation --no-deps -w "$WHEEL_DIR" .)

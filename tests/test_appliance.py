@@ -82,7 +82,7 @@ def test_dockerfiles_write_the_manifest_and_run_non_root():
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
-def test_dockerfiles_build_deepgemm_with_the_script_at_the_pins(dockerfile):
+def test_dockerfiles_build_deepgemm_with_the_script_at_the_pins(dockerfile, tmp_path):
     """DeepGEMM is built only by images/build_deepgemm.sh, fed the three pins as build args, which
     build_args takes from versions.yaml; the tag's commit and submodules are checked when the source
     tarball is packed (scripts/pack_deepgemm_src.sh) and again by the script's git path."""
@@ -99,9 +99,17 @@ def test_dockerfiles_build_deepgemm_with_the_script_at_the_pins(dockerfile):
     for name in ("DEEPGEMM_COMMIT", "CUTLASS_COMMIT", "FMT_COMMIT", "TORCH_CUDA_ARCH_LIST"):
         assert f"${{{name}:?" in script
     assert "${DEEPGEMM_PATCHES?" in script  # required too (may be empty)
-    # The build is stamped into the package version, 7 hex digits per commit, as doctor expects.
-    assert 'printf %.7s "$DEEPGEMM_COMMIT"' in script and ap.deepgemm_build(pins) == ".".join(
-        c[:7] for c in [pins["deepgemm_commit"], *pins["deepgemm_patches"].split()])
+    # The build is stamped into the package version as doctor expects: the script's own stamping
+    # lines, run on a file like DeepGEMM's __init__.py.
+    stamping = [line for line in script.splitlines() if line.startswith(("STAMP=", "for c in $DEEPGEMM_PATCHES; do STAMP", "sed -i -E"))]
+    assert len(stamping) == 3
+    init = tmp_path / "deep_gemm" / "__init__.py"
+    init.parent.mkdir()
+    init.write_text("import os\n__version__ = '2.1.1'\n")
+    env = {**os.environ, "SRC": str(tmp_path), "DEEPGEMM_COMMIT": pins["deepgemm_commit"],
+           "DEEPGEMM_PATCHES": pins["deepgemm_patches"]}
+    subprocess.run(["bash", "-c", "set -euo pipefail\n" + "\n".join(stamping)], env=env, check=True)
+    assert init.read_text() == f"import os\n__version__ = '2.1.1+{ap.deepgemm_build(pins)}'\n"
     assert ap.find_unpinned_versions([REPO / "images/build_deepgemm.sh"], VERSIONS, allowed=set()) == []
 
 
@@ -495,6 +503,12 @@ def test_doctor_reports_every_drift(tmp_path):
         ["base_image", "python", "cuda", "nccl_runtime", "deep-gemm", "pip triton",
          "pip nvidia-cudnn-cu13"])
     assert f"{f}: pip triton: versions.yaml pins 3.6.0, found 3.5.1" in lines
+    # An installer writes an all-digit local segment without its leading zeros: still the pinned build.
+    m2 = _matching_manifest("hopper")
+    pins = VERSIONS["targets"]["hopper"]
+    zeroed = dict(pins, deepgemm_commit="0123456" + pins["deepgemm_commit"][7:])
+    m2["packages"]["deep-gemm"] = "2.1.1+123456." + ap.deepgemm_build(pins).split(".", 1)[1]
+    assert ap.drift(m2, "hopper", zeroed) == []
     assert "doctor: FAIL, 7 problem(s)" in r.stderr
 
 

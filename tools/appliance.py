@@ -234,6 +234,11 @@ def deepgemm_build(pins: dict) -> str:
     return ".".join(c[:7] for c in [pins["deepgemm_commit"], *pins.get("deepgemm_patches", "").split()])
 
 
+def _local(label: str) -> str:
+    """A PEP 440 local label as installers normalise it: all-digit segments lose leading zeros."""
+    return ".".join(str(int(x)) if x.isdigit() else x.lower() for x in re.split(r"[._-]", label))
+
+
 def _canon(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
@@ -256,7 +261,7 @@ def drift(manifest: dict, target: str, pins: dict) -> list[str]:
     packages = manifest.get("packages") or {}
     if "deepgemm_commit" in pins:  # the installed distribution's version names its build
         dg, stamp = packages.get("deep-gemm"), deepgemm_build(pins)
-        if dg is None or str(dg).partition("+")[2] != stamp:
+        if dg is None or _local(str(dg).partition("+")[2]) != _local(stamp):
             out.append(f"deep-gemm: versions.yaml pins the build {stamp}, found {dg}")
     for req in pip_pins(pins):
         name, version = req.split("==")

@@ -88,7 +88,8 @@ def configure(mode: str = "auto", device: torch.device | str = "cuda", fp8: bool
                fp8=fp8, deepgemm=fp8 and triton_ok and sm90 and "deepgemm" not in off and _deepgemm(),
                adamw=triton_ok, wgrad=triton_ok and bf16 and not fsdp and hopper)
     use = {k: v and k not in off for k, v in use.items()}
-    use["wgrad"] = use["wgrad"] and (not fp8 or use["deepgemm"])
+    use["deepgemm"] = use["deepgemm"] and use["fp8"]  # (the bench's no-fp8)
+    use["wgrad"] = use["wgrad"] and (not use["fp8"] or use["deepgemm"])
     return use
 
 

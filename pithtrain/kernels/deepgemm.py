@@ -214,13 +214,16 @@ class FP8GroupedMM(fp8_linear.FP8GroupedMM):
             return q, qt, s.contiguous(), s.transpose(1, 2).contiguous()
         self.cache = fp8_linear.WeightCache(quant=quant)
         self.in_place = in_place
-        self._layout = None  # (offs, M, Layout) of the last call: the layer's second GEMM reuses it
+        self._layout = None  # (offs, its version, M, Layout) of the last call
 
     def layout(self, offs_G: torch.Tensor, M: int) -> Layout:
+        """The layout of this call's rows; the layer's second GEMM (the same offs tensor, unchanged
+        since: its version counter) reuses the first's."""
+        key = (offs_G, offs_G._version, M)
         last = self._layout
-        if last is None or last[0] is not offs_G or last[1] != M:
-            last = self._layout = (offs_G, M, layout(offs_G, M))
-        return last[2]
+        if last is None or last[0] is not offs_G or last[1:3] != key[1:]:
+            last = self._layout = (*key, layout(offs_G, M))
+        return last[3]
 
     def __call__(self, x_MK: torch.Tensor, w: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
         w_GKN = w.to_local() if hasattr(w, "to_local") else w
@@ -229,7 +232,8 @@ class FP8GroupedMM(fp8_linear.FP8GroupedMM):
         if (self.in_place and torch.is_grad_enabled() and type(w) is torch.nn.Parameter
                 and w_GKN.dtype == x_MK.dtype and all(n % 8 == 0 for n in w_GKN.shape[1:])):
             param = (w,)  # views made for this call: their nodes are never leaves
-            x_MK, w_GKN = x_MK.view_as(x_MK), w_GKN.view_as(w_GKN)
+            x_MK, w_GKN = x_MK.contiguous(), w_GKN.view_as(w_GKN)
+            x_MK = x_MK.view_as(x_MK)
         with torch.autocast(x_MK.device.type, enabled=False):
             offs_G = offs_G.to(torch.int32)
             return _DeepGEMMFP8.apply(self.ops, self.layout(offs_G, len(x_MK)), x_MK, w_GKN, offs_G, wq, wqt, ws, wst,
