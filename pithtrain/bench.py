@@ -19,7 +19,8 @@ A variant is '+'-joined words: `ref` (PyTorch reference operators, kernels=torch
 `fp8` (train.fp8: blockwise FP8 expert GEMMs, on DeepGEMM where installed (kernels/deepgemm.py), else
 Triton (kernels/fp8_linear.py); `--fp8` adds `<first variant>+fp8`, so bf16 and FP8 are timed in the
 same run); `no-NAME` turns one fused operator off (names: pithtrain.kernels.NAMES; `no-deepgemm`:
-FP8 on Triton).
+FP8 on Triton). `--doc-len N`: document masking on random documents of mean length N (PithTrain's
+sides only).
 Timing: CUDA events around each step after warm-up; the median of the timed steps.
 MFU = tokens/s x model FLOPs per token (pithtrain.metrics.flops_per_token) / the GPU's dense bf16
 peak (pithtrain.metrics.PEAK_TFLOPS: 989e12 on H100/H200).
@@ -98,6 +99,23 @@ def random_batch(cfg, device, seed=0):
     return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
 
 
+def random_documents(cfg, device, mean_len: int, seed=0):
+    """(B, S) document index per token (data.document_mask) for the bench's rows: each row cut into
+    documents of exponentially distributed lengths of mean `mean_len` tokens (at least 1; the last
+    cut at the row's end), as packed pretraining text is."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    B, S = cfg.train.micro_batch_size, cfg.train.seq_len
+    rows = []
+    for _ in range(B):
+        ids, n = [], 0
+        while len(ids) < S:
+            length = max(1, round(-mean_len * torch.log(1 - torch.rand((), generator=g)).item()))
+            ids += [n] * length
+            n += 1
+        rows.append(ids[:S])
+    return torch.tensor(rows, device=device)
+
+
 def free():
     gc.collect()
     torch.cuda.synchronize()
@@ -140,11 +158,12 @@ def refused_by_plan(cfg, gpu_gib: float, gpu: str = "") -> str | None:
     return f"train.py refuses it here: memory plan {p['peak_gib']:.1f} GiB of {p['usable_gib']:.1f} usable"
 
 
-def pithtrain_step(cfg, variant: dict, device):
+def pithtrain_step(cfg, variant: dict, device, doc_len: int = 0):
     """train.py's own step (train.train_step) on train.py's model path: kernels bound by
     use_kernels, checkpointing and compile by parallelize (one process), fp32 master weights and
     AdamW state, bf16 compute (parallelize.bf16_weights), the recipe's clip, the LR schedule and the balancing update.
-    Only `bf16` departs from it: parameters (and so AdamW state) in bf16, as the peers run."""
+    Only `bf16` departs from it: parameters (and so AdamW state) in bf16, as the peers run.
+    doc_len: document masking on documents of that mean length (random_documents), else none."""
     t = cfg.train
     t.kernels, t.compile, t.activation_checkpoint, t.fp8 = (variant["kernels"], variant["compile"],
                                                             variant["ac"], variant["fp8"])
@@ -168,7 +187,8 @@ def pithtrain_step(cfg, variant: dict, device):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     set_aux_loss_scale(model, 1.0 / t.grad_accum)
     x, y = random_batch(cfg, device)
-    micro_batches = [(x, y, None, None)] * t.grad_accum
+    docs = random_documents(cfg, device, doc_len) if doc_len else None
+    micro_batches = [(x, y, None, docs)] * t.grad_accum
     denom = y.numel() * t.grad_accum
     autocast = torch.autocast("cuda", dtype=torch.bfloat16)
 
@@ -407,6 +427,9 @@ def main(argv=None) -> int:
                    help="comma-separated micro-batches per optimizer step, each a setting of its own")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--doc-len", type=int, default=0,
+                   help="document masking (data.document_mask) on random documents of this mean length; "
+                        "0: none. PithTrain's sides only (pass --peers '')")
     p.add_argument("--json", default="bench.json", help="where to write all records")
     p.add_argument("--profile", default=None, help="append a torch.profiler top-kernel table per side")
     args = p.parse_args(argv)
@@ -422,6 +445,9 @@ def main(argv=None) -> int:
         assert accums and min(accums) >= 1
     except (ValueError, AssertionError):
         raise SystemExit(f"bench: --grad-accum takes positive integers, comma-separated, not {args.grad_accum!r}")
+    if args.doc_len < 0 or args.doc_len and peers:
+        raise SystemExit("bench: --doc-len takes a positive mean length and times PithTrain's sides only "
+                         "(the peers' steps here have no document masking): add --peers ''")
     if args.warmup < 1:
         raise SystemExit("bench: --warmup must be at least 1 (the first step compiles and is timed apart)")
     if not torch.cuda.is_available():
@@ -429,19 +455,19 @@ def main(argv=None) -> int:
         return 2
     device = torch.device("cuda")
     print(f"bench: {torch.cuda.get_device_name()} | torch {torch.__version__} | {args.layers} layers, "
-          f"{args.batch} x {args.seq}, {'/'.join(map(str, accums))} micro-batches per step, bf16, AdamW",
-          flush=True)
+          f"{args.batch} x {args.seq}, {'/'.join(map(str, accums))} micro-batches per step, bf16, AdamW"
+          + (f", documents of mean length {args.doc_len}" if args.doc_len else ""), flush=True)
     recs = []
     for name in [m for m in args.models.split(",") if m]:
         for accum in accums:
             cfg = bench_config(name, args.layers, args.batch, args.seq, accum)
             for v, spec in specs.items():
-                recs.append(measure(name, v, cfg, lambda: pithtrain_step(cfg, spec, device), args.warmup,
-                                    args.steps, args.profile))
+                recs.append(measure(name, v, cfg, lambda: pithtrain_step(cfg, spec, device, args.doc_len),
+                                    args.warmup, args.steps, args.profile))
             recs += peer_sides(name, cfg, device, peers, args.warmup, args.steps, args.profile)
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "layers": args.layers, "records": recs}, f, indent=1)
+                           "layers": args.layers, "doc_len": args.doc_len, "records": recs}, f, indent=1)
     print(table(recs), flush=True)
     return exit_status(recs, specs)
 

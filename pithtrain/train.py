@@ -146,7 +146,8 @@ class Step(NamedTuple):
 def forward_backward(model, micro_batches, denom: float, autocast) -> tuple[torch.Tensor, int]:
     """Forward (summed token loss) and backward of loss / denom for each micro-batch (input ids,
     labels, positions, document ids) on this rank; returns the summed loss, on the device (no
-    host synchronisation per micro-batch), and the token count."""
+    host synchronisation per micro-batch, but for flash-attn-4's document starts under document
+    masking: common.document_starts), and the token count."""
     loss_sum, n_tokens = 0.0, 0
     for x_BS, y_BS, pos_BS, docs_BS in micro_batches:
         with autocast:

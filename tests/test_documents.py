@@ -44,6 +44,41 @@ def test_document_ids_and_positions():
     assert document_positions(docs).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 0], [0, 0, 1, 2, 3, 4, 5, 6, 7]]
 
 
+def test_document_starts_and_what_the_rotary_prepares():
+    """flash-attn-4's varlen starts (common.document_starts) over the rows taken one after another,
+    a row's first token starting a document even when its id continues the row before; the
+    rotary makes them when flash-attn-4 is the attention, and FlexAttention's block masks only when
+    flash-attn-4 will not take the batch (no half-precision autocast)."""
+    from pithtrain.models.common import Rotary, document_starts
+
+    docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 3], [0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0, 0, 1],
+                         [1, 1, 1, 1, 1, 1, 1, 1, 1]])  # the last row's id continues the row before
+    cu = document_starts(docs)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 7, 8, 9, 10, 18, 26, 27, 36]
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    assert lengths == [3, 4, 1, 1, 1, 8, 8, 1, 9] and sum(lengths) == docs.numel()
+
+    class Masks:  # stands in for kernels.flex.FlexAttention (CUDA only)
+        def document_masks(self, docs_BS):
+            return {None: "block mask"}
+
+        def prepare(self, S, device):  # the causal masks of batches without documents
+            pass
+
+    rotary = Rotary(8, 10000.0)
+    rotary.reset_parameters()
+    pos = torch.arange(9).expand(4, 9)
+    rotary.flex = Masks()
+    assert rotary(pos, docs).docs == (docs, {None: "block mask"}, None)
+    rotary.fa4 = True
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        d = rotary(pos, docs).docs
+    assert d.block_masks is None and d.cu_seqlens.tolist() == cu.tolist()
+    d = rotary(pos, docs).docs  # float32: the attention will take FlexAttention, so both are made
+    assert d.block_masks == {None: "block mask"} and d.cu_seqlens.tolist() == cu.tolist()
+    assert rotary(pos).docs is None
+
+
 def test_separator_loss_mask_and_unsupported_layouts(tiny_overrides):
     from pithtrain.config import ConfigError, load_config
     from pithtrain.data import TokenBatches
@@ -138,3 +173,72 @@ def test_flex_document_mask_matches_the_eager_reference_on_gpu(family):
     assert runs["auto"][0] == pytest.approx(runs["torch"][0], rel=1e-4)
     for n, g in runs["auto"][1].items():
         torch.testing.assert_close(g, runs["torch"][1][n], rtol=1e-3, atol=1e-5, msg=n)
+
+
+# flash-attn-4's head dims: the families' shapes at widths its kernels take (64)
+FA4_CONFIGS = {
+    "qwen3_moe": dataclasses.replace(FAMILY_CONFIGS["qwen3_moe"], head_dim=64, hidden_size=64),
+    "deepseek_v2": dataclasses.replace(FAMILY_CONFIGS["deepseek_v2"], qk_nope_head_dim=32, qk_rope_head_dim=32,
+                                       v_head_dim=64, hidden_size=64),
+    "gpt_oss": dataclasses.replace(FAMILY_CONFIGS["gpt_oss"], head_dim=64, hidden_size=64, sliding_window=64),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", list(FA4_CONFIGS))
+def test_flash_attn_4_document_mask_matches_flex_attention_on_gpu(family, monkeypatch):
+    """CUDA, bf16 autocast as train.py runs: with flash-attn-4 the document mask runs on its varlen
+    interface (the rotary makes the documents' starts and no block masks), and the loss and every
+    gradient match FlexAttention's document masks within bf16 noise; eager, then compiled as
+    train.py runs it, over batches with different numbers of documents (the starts' length
+    changes: the compiled attention takes it without a graph per batch)."""
+    from pithtrain import kernels
+    from pithtrain.compile import apply_compile
+    from pithtrain.kernels import fa4
+    from pithtrain.models.common import use_kernels
+
+    if not fa4.HAVE_FA4:
+        pytest.skip("flash-attn-4 is not installed")
+    ops = []
+    real_fwd = fa4.fa4_fwd
+    monkeypatch.setattr(fa4, "fa4_fwd", lambda *a: ops.append(a[-2].shape) or real_fwd(*a))
+    torch.manual_seed(0)
+    model = build_model(FA4_CONFIGS[family], "cuda")
+    batches = []
+    for lengths in ([[100, 300, 112], [512]], [[40, 200, 72, 200], [256, 256]], [[512], [7, 505]]):
+        docs = torch.tensor([sum([[d] * n for d, n in enumerate(row)], []) for row in lengths], device="cuda")
+        batches.append((torch.randint(0, V, (2, 512), device="cuda"), docs))
+
+    def run(x, docs):
+        seen = []
+        hook = model.rotary.register_forward_hook(lambda m, args, out: seen.append(out.docs))
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, labels_BS=x, docs_BS=docs)
+        loss.backward()
+        hook.remove()
+        return seen[0], loss.item(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    use_kernels(model, kernels.configure("auto", "cuda", off=("fa4",)))
+    flex = [run(*b) for b in batches]
+    assert all(d.block_masks is not None and d.cu_seqlens is None for d, _, _ in flex) and not ops
+    use_kernels(model, kernels.configure("auto", "cuda"))
+    for compiled in (False, True):
+        if compiled:
+            torch._dynamo.reset()
+            apply_compile(model)
+            torch._dynamo.utils.counters.clear()
+        graphs = []
+        for (docs, loss, g), (x, ids) in zip(flex, batches, strict=True):
+            d4, loss4, g4 = run(x, ids)
+            assert d4.block_masks is None and d4.cu_seqlens is not None
+            if not compiled:  # each layer's attention ran on the package (eagerly the spy sees every call)
+                assert ops == [d4.cu_seqlens.shape] * model.cfg.num_layers, ops
+                ops.clear()
+            assert loss4 == pytest.approx(loss, rel=2e-2)
+            assert ((g4 - g).norm() / g.norm()).item() < 3e-2
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        if compiled:  # the first batch compiles, the second may recompile with the starts' length dynamic
+            assert graphs[0] > 0 and graphs[2] == graphs[1], graphs  # the third batch compiles nothing
+    torch._dynamo.reset()

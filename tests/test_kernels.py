@@ -212,6 +212,8 @@ def test_bench_variant_words_and_table():
         main(["--peers", "transformers,megatron"])
     with pytest.raises(SystemExit, match="--grad-accum takes positive integers"):
         main(["--grad-accum", "1,0"])
+    with pytest.raises(SystemExit, match="--doc-len .* times PithTrain's sides only"):
+        main(["--doc-len", "1024"])  # the peers would be timed without documents
 
     def rec(side, tps, mb=8, **kw):
         return {"model": "m", "side": side, "grad_accum": mb, "ok": True, "tokens_per_s": tps,
@@ -228,6 +230,21 @@ def test_bench_variant_words_and_table():
     assert "| m | 8 | torchtitan | failed: Unsupported: guard |" in out  # a failing peer is a row
     assert "| m | 8 | torchtitan eager | 1.6K | 16.0% | 1.0 | 6.2 | - | - | - | - |" in out
     assert "| m | 1 | fused | 4.0K | 40.0% | 1.0 | 2.5 | - | 2.00x | - | - |" in out  # settings kept apart
+
+
+def test_bench_documents():
+    """--doc-len's documents (bench.random_documents): each row cut into documents whose ids rise
+    by one at each start, of the asked mean length, the same for the same seed."""
+    from pithtrain.bench import bench_config, random_documents
+    from pithtrain.models.common import document_starts
+
+    cfg = bench_config("qwen3-30b-a3b", 4, 2, 4096)
+    docs = random_documents(cfg, "cpu", 512)
+    assert docs.shape == (2, 4096) and torch.equal(docs, random_documents(cfg, "cpu", 512))
+    step = docs[:, 1:] - docs[:, :-1]
+    assert ((step == 0) | (step == 1)).all() and (docs[:, 0] == 0).all()
+    lengths = (lambda cu: cu[1:] - cu[:-1])(document_starts(docs)).float()
+    assert 8 < len(lengths) < 40 and 256 < lengths.mean() < 1024, lengths  # 16 expected, mean 512 (rows cut)
 
 
 def test_bench_refuses_what_train_py_refuses_and_peers_do_not_fail_it():
@@ -463,3 +480,39 @@ def test_flash_attn_4_ops_trace_forward_and_backward_on_meta(sinks):
     assert [x.grad.shape for x in (q, k, v)] == [x.shape for x in (q, k, v)]
     if sinks:
         assert (s.grad.shape, s.grad.dtype) == ((H,), torch.bfloat16)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_flash_attn_4_documents_trace_through_the_varlen_ops_on_meta(window, monkeypatch):
+    """Documents with flash-attn-4 (common.attention given docs.cu_seqlens, fa4 on) take the
+    varlen ops on the meta device: the tokens flattened to (B * S, H, d), the output back as
+    (B, H, S, d_v), each gradient shaped as its input; without the starts (FlexAttention's block
+    masks only) the call never reaches the ops."""
+    from pithtrain.kernels import fa4
+    from pithtrain.models import common
+
+    B, S, H, K, d, e = 2, 64, 16, 4, 24, 16
+    q, k, v = (torch.empty(B, n, S, w, device="meta", dtype=torch.bfloat16, requires_grad=True)
+               for n, w in ((H, d), (K, d), (K, e)))
+    s = torch.empty(H, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    cu = torch.empty(5, device="meta", dtype=torch.int32)  # four documents
+    seen = []
+    for op in ("fa4_fwd", "fa4_bwd"):
+        real = getattr(fa4, op)
+
+        def spy(*args, real=real, op=op):
+            seen.append((op, [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args]))
+            return real(*args)
+
+        monkeypatch.setattr(fa4, op, spy)
+    docs = common.Documents(torch.empty(B, S, device="meta", dtype=torch.long), None, cu)
+    out = common.attention(q, k, v, scale=d ** -0.5, window=window, sinks_H=s, docs=docs, fa4=True)
+    ref = common.attention(q, k, v, scale=d ** -0.5, window=window, sinks_H=s,
+                           docs=docs._replace(cu_seqlens=None), fa4=True)  # the eager reference
+    assert (out.shape, out.dtype) == ((B, H, S, e), torch.bfloat16) and ref.shape == out.shape
+    out.sum().backward()
+    assert [x.grad.shape for x in (q, k, v, s)] == [x.shape for x in (q, k, v, s)]
+    T, w = B * S, window or 0
+    assert seen == [("fa4_fwd", [(T, H, d), (T, K, d), (T, K, e), d ** -0.5, w, (H,), (5,), S]),
+                    ("fa4_bwd", [(T, H, e), (T, H, d), (T, K, d), (T, K, e), (T, H, e), (H, T), d ** -0.5, w,
+                                 (H,), (5,), S])]

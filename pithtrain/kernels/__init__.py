@@ -8,7 +8,7 @@
 | LM head + cross-entropy | `linear_ce.py` (grads made in forward; `ce.py` Triton rows) | `common.cross_entropy_sum` checkpointed |
 | attention with sinks / sliding window / documents | `flex.py` (FlexAttention, block-sparse) | `common.eager_attention` |
 | plain causal attention | cuDNN-first SDPA (`common.attention`'s `sdpa_first`) | SDPA's own choice |
-| causal attention incl. window + sinks, not documents | `fa4.py` (flash-attn-4 where installed, Hopper+) | the two rows above |
+| causal attention incl. window + sinks and documents (varlen), in bf16 / fp16 | `fa4.py` (flash-attn-4 where installed, Hopper+) | the two rows above |
 | blockwise FP8 expert GEMMs (`train.fp8`) | `deepgemm.py` (DeepGEMM's FP8 grouped GEMMs, Hopper, where installed); else `fp8.py` (Triton quantisation + scaled grouped GEMMs) | `fp8_linear.py` (autograd, weight cache, dequantise + fp32 matmul); `deepgemm.REFERENCE` |
 | AdamW (the optimizer step) | `adamw.py` (one Triton pass per parameter) | `torch.optim.AdamW(fused=True)` |
 | weight gradients over micro-batches (experts, embedding, LM head) | `wgrad.py` (added in place: `wgrad_triton.py`'s k-grouped GEMM, the embedding's rows, the head's scaled dW) | autograd's gradient + `add_` |
@@ -27,9 +27,11 @@ dispatcher), so two models in one process each run their own kernels and nothing
   GroupedExperts.swiglu, .bias_add   the activation and the per-expert bias add
   Embedding.lookup        the token embedding: F.embedding, or wgrad.embedding (its gradient in place)
   LocalDispatcher.fused   the Triton permute / unpermute
-  <attention>.attention   functools.partial(common.attention, sdpa_first=, flex=) for every attention
+  <attention>.attention   functools.partial(common.attention, sdpa_first=, flex=, fa4=) for every attention
                           module (context parallel then replaces it); flex: one flex.FlexAttention
-                          per model, also held by `model.rotary` to build the batch's block masks eagerly
+                          per model, also held by `model.rotary` to build the batch's block masks eagerly;
+                          `model.rotary.fa4`: the rotary makes flash-attn-4's document starts (and no
+                          block masks under half-precision autocast, where flash-attn-4 takes them)
   model.cross_entropy     the chunked LM-head loss (common.cross_entropy_sum or linear_ce's; with
                           wgrad, linear_ce adds the head's gradient in place)
 

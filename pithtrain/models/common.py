@@ -102,8 +102,10 @@ def rope_inv_freq(dim: int, theta: float, scaling: dict | None = None) -> tuple[
 
 class Rotary(nn.Module):
     """cos/sin tables computed from positions on each call (cheap; nothing position-sized is cached).
-    It runs eagerly before the layers (the pipeline's stages too), so with FlexAttention (`flex`,
-    set by use_kernels) it also makes the batch's block masks there: compiled attention reads them."""
+    It runs eagerly before the layers (the pipeline's stages too), so it also prepares what the
+    attention kernels (set by use_kernels) read of a batch with documents: flash-attn-4's document
+    starts (`fa4`) and FlexAttention's block masks (`flex`; not made when flash-attn-4 takes the
+    batch, i.e. under half-precision autocast)."""
 
     def __init__(self, dim: int, theta: float, scaling: dict | None = None):
         super().__init__()
@@ -111,6 +113,7 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", torch.empty(dim // 2), persistent=False)
         self.mscale = 1.0
         self.flex = None  # the model's kernels.flex.FlexAttention, or None (reference attention)
+        self.fa4 = False  # flash-attn-4 is the model's attention (kernels/fa4.py)
 
     def reset_parameters(self):
         inv_freq, self.mscale = rope_inv_freq(self.dim, self.theta, self.scaling)
@@ -119,7 +122,11 @@ class Rotary(nn.Module):
 
     def forward(self, positions_BS: torch.Tensor, docs_BS: torch.Tensor | None = None) -> Rope:
         """docs_BS: the document index per token (document masking), or None."""
-        docs = None if docs_BS is None else Documents(docs_BS, self.flex and self.flex.document_masks(docs_BS))
+        docs = None
+        if docs_BS is not None:
+            fa4_runs = self.fa4 and autocast_dtype(docs_BS.device) in HALF
+            masks = self.flex.document_masks(docs_BS) if self.flex is not None and not fa4_runs else None
+            docs = Documents(docs_BS, masks, document_starts(docs_BS) if self.fa4 else None)
         if self.flex is not None and docs is None:
             self.flex.prepare(positions_BS.shape[1], positions_BS.device)
         freqs = positions_BS[..., None].float() * self.inv_freq  # (B, S, dim/2)
@@ -130,6 +137,7 @@ class Documents(NamedTuple):
     """Document masking (data.document_mask): attention stays inside each token's document."""
     ids_BS: torch.Tensor  # document index of each token, non-decreasing along S
     block_masks: dict | None = None  # with FlexAttention: window -> BlockMask of ids_BS (kernels/flex.py)
+    cu_seqlens: torch.Tensor | None = None  # with flash-attn-4: document_starts(ids_BS)
 
 
 class Rope(NamedTuple):
@@ -147,6 +155,26 @@ def document_positions(docs_BS: torch.Tensor) -> torch.Tensor:
     first_BS[:, 1:] = docs_BS[:, 1:] != docs_BS[:, :-1]
     start_BS = torch.where(first_BS, idx_BS, 0).cummax(dim=1).values
     return idx_BS - start_BS
+
+
+def document_starts(docs_BS: torch.Tensor) -> torch.Tensor:
+    """Where each document starts among the batch's B * S tokens taken row after row, then B * S:
+    (N + 1,) int32, flash-attn-4's `cu_seqlens` (a row's first token starts a document). N depends
+    on the data, so this waits for the GPU once per micro-batch (eager, in Rotary)."""
+    first_BS = torch.ones_like(docs_BS, dtype=torch.bool)
+    first_BS[:, 1:] = docs_BS[:, 1:] != docs_BS[:, :-1]
+    starts = first_BS.flatten().nonzero().flatten()
+    return torch.cat([starts, starts.new_tensor([docs_BS.numel()])]).to(torch.int32)
+
+
+HALF = (torch.bfloat16, torch.float16)  # flash-attn-4's dtypes
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast computes in on `device`, or None when it is off (always on meta, where
+    shapes are traced: autocast has no meta device)."""
+    dev = device.type
+    return torch.get_autocast_dtype(dev) if dev != "meta" and torch.is_autocast_enabled(dev) else None
 
 
 def apply_rope(x_BHSd, rope: Rope):
@@ -167,20 +195,20 @@ def attention(q_BHSd, k_BKSd, v_BKSe, *, scale: float, window: int | None = None
     """Causal attention with optional sliding window (keys within the last `window` positions,
     Hugging Face's convention), learned sinks (an extra logit per head that takes softmax mass) and
     document masking (keys of the query's own document only).
-    GQA: K may divide H. With `fa4`, everything but documents runs on flash-attn-4
-    (kernels/fa4.py). Otherwise the plain case uses SDPA, trying the backends `sdpa_first` first
+    GQA: K may divide H. With `fa4`, half-precision attention runs on flash-attn-4 (kernels/fa4.py;
+    documents through its varlen interface, `docs.cu_seqlens`). Otherwise the plain case uses SDPA, trying the backends `sdpa_first` first
     (cuDNN's fused kernel takes GQA as is, and d_qk != d_v as in DeepSeek's MLA, where SDPA's own
     order falls back to the slower memory-efficient kernel), else in SDPA's own order.
     Windows / sinks / documents go to `flex` (a kernels.flex.FlexAttention; document masks come
     built in `docs.block_masks`), else to the eager reference. use_kernels binds `sdpa_first`,
     `flex` and `fa4` per model (each attention module's `attention` is this function, bound)."""
-    if fa4 and docs is None:
-        dev = q_BHSd.device.type
-        half = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q_BHSd.dtype
-        if half in (torch.bfloat16, torch.float16):  # its kernels' dtypes; float32 runs take SDPA
+    if fa4 and (docs is None or docs.cu_seqlens is not None):
+        half = autocast_dtype(q_BHSd.device) or q_BHSd.dtype
+        if half in HALF:  # its kernels' dtypes; float32 runs take SDPA / FlexAttention
             from pithtrain.kernels.fa4 import attention as fa4_attention
             q, k, v = (t.transpose(1, 2).to(half) for t in (q_BHSd, k_BKSd, v_BKSe))  # as SDPA's autocast rule
-            return fa4_attention(q, k, v, scale=scale, window=window, sinks_H=sinks_H).transpose(1, 2)
+            return fa4_attention(q, k, v, scale=scale, window=window, sinks_H=sinks_H,
+                                 cu_seqlens=None if docs is None else docs.cu_seqlens).transpose(1, 2)
     if docs is not None:
         if docs.block_masks is not None:  # made by the model's rotary with its `flex`
             S = q_BHSd.shape[2]
@@ -585,7 +613,7 @@ def use_kernels(model: nn.Module, use: dict) -> nn.Module:
     if use["flex"]:
         from pithtrain.kernels.flex import FlexAttention
         flex = FlexAttention(model.cfg.attention_shapes(i)[0] for i in range(model.cfg.num_layers))
-    model.rotary.flex = flex
+    model.rotary.flex, model.rotary.fa4 = flex, use["fa4"]
     bound = functools.partial(attention, sdpa_first=SDPA_CUDNN_FIRST if use["cudnn_sdpa"] else None, flex=flex,
                               fa4=use["fa4"])
     model.cross_entropy = functools.partial(cross_entropy_sum, fused=use["linear_ce"], in_place=use["wgrad"])
