@@ -146,19 +146,38 @@ def test_cudnn_sdpa_path_matches_eager():
         assert rel(a, b.grad) < 2e-2
 
 
-@pytest.mark.parametrize("H, K, d, e, window, sinks", [
-    (32, 4, 128, 128, None, False),  # Qwen3-30B-A3B: GQA
-    (16, 16, 192, 128, None, False),  # DeepSeek-V2-Lite: MLA, d_qk != d_v
-    (64, 8, 64, 64, None, True),  # GPT-OSS-20B full-attention layers: sinks
-    (64, 8, 64, 64, 128, True)])  # GPT-OSS-20B sliding layers: window 128 and sinks
-def test_flash_attn_4_matches_eager(H, K, d, e, window, sinks):
-    """common.attention's flash-attn-4 path (kernels/fa4.py) at each family's head shape, forward
-    and every gradient (the sinks' included) against the float64 eager reference."""
-    from pithtrain.kernels.fa4 import HAVE_FA4
+THREE = [[100, 601, 323], [1024]]  # row 0: the first shorter than the window, the last no tile multiple
+MANY = [[1 + i % 5 for i in range(340)] + [4], [1024]]  # 341 documents: FA4's binary batch search (> 256)
+SHAPES = [(32, 4, 128, 128, None, False),  # Qwen3-30B-A3B: GQA
+          (16, 16, 192, 128, None, False),  # DeepSeek-V2-Lite: MLA, d_qk != d_v
+          (64, 8, 64, 64, None, True),  # GPT-OSS-20B full-attention layers: sinks
+          (64, 8, 64, 64, 128, True)]  # GPT-OSS-20B sliding layers: window 128 and sinks
 
-    if not HAVE_FA4:
+
+@pytest.mark.parametrize("H, K, d, e, window, sinks, lengths",
+                         [(*shape, None) for shape in SHAPES] + [(*shape, THREE) for shape in SHAPES]
+                         + [(*SHAPES[0], MANY), (*SHAPES[3], MANY)])
+def test_flash_attn_4_matches_eager(H, K, d, e, window, sinks, lengths, monkeypatch):
+    """common.attention's flash-attn-4 path (kernels/fa4.py) at each family's head shape, forward
+    and every gradient (the sinks' included) against the float64 eager reference; with documents
+    (`lengths`, per row) on the package's varlen interface, a few and many (past its 256-sequence
+    switch of scheduler), against the reference's document mask, and the package's ops did run."""
+    from pithtrain.kernels import fa4
+
+    if not fa4.HAVE_FA4:
         pytest.skip("flash-attn-4 is not installed")
     B, S = 2, 1024
+    docs = cu = None
+    if lengths is not None:
+        assert all(sum(row) == S for row in lengths)
+        docs = torch.tensor([sum([[i] * n for i, n in enumerate(row)], []) for row in lengths], device="cuda")
+        cu = common.document_starts(docs)
+        n = sum(len(row) for row in lengths)
+        assert cu.shape == (n + 1,) and cu[-1].item() == B * S and cu[len(lengths[0])].item() == S
+    calls = []
+    for op in ("fa4_fwd", "fa4_bwd"):
+        real = getattr(fa4, op)
+        monkeypatch.setattr(fa4, op, lambda *a, real=real, op=op: calls.append((op, a[-2] if a[-2] is None else a[-2].tolist())) or real(*a))
     q = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # as the models make them
     k = torch.randn(B, S, K, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     v = torch.randn(B, S, K, e, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
@@ -167,63 +186,14 @@ def test_flash_attn_4_matches_eager(H, K, d, e, window, sinks):
     scale = d ** -0.5
 
     def fused(q, k, v, s=None):
-        return common.attention(q, k, v, scale=scale, window=window, sinks_H=s, fa4=True)
+        return common.attention(q, k, v, scale=scale, window=window, sinks_H=s, fa4=True,
+                                docs=None if docs is None else common.Documents(docs, None, cu))
 
     out, grads, g = grads_of(fused, *args)
     assert out.shape == (B, H, S, e)
+    starts = None if cu is None else cu.tolist()
+    assert calls == [("fa4_fwd", starts), ("fa4_bwd", starts)]  # the starts (or None) reached both ops
     xr = [a.double().requires_grad_() for a in args]
-    outr = common.eager_attention(*xr[:3], scale=scale, window=window, sinks_H=xr[3] if sinks else None)
-    outr.backward(g.double())
-    assert rel(out, outr) < 2e-2
-    for a, b in zip(grads, xr, strict=True):
-        assert a is not None and rel(a, b.grad) < 2e-2
-
-
-THREE = [[100, 601, 323], [1024]]  # row 0: the first shorter than the window, the last no tile multiple
-MANY = [[1 + i % 5 for i in range(340)] + [4], [1024]]  # 341 documents: FA4's binary batch search (> 256)
-
-
-@pytest.mark.parametrize("H,K,d,e,window,sinks,lengths", [
-    (32, 4, 128, 128, None, False, THREE),  # Qwen3-30B-A3B: GQA
-    (16, 16, 192, 128, None, False, THREE),  # DeepSeek-V2-Lite: MLA, d_qk != d_v
-    (64, 8, 64, 64, None, True, THREE),  # GPT-OSS-20B full-attention layers: sinks
-    (64, 8, 64, 64, 128, True, THREE),  # GPT-OSS-20B sliding layers: window 128 and sinks
-    (32, 4, 128, 128, None, False, MANY),
-    (64, 8, 64, 64, 128, True, MANY)])
-def test_flash_attn_4_documents_match_eager(H, K, d, e, window, sinks, lengths, monkeypatch):
-    """Documents on flash-attn-4's varlen interface (common.attention with docs.cu_seqlens), each
-    family's head shape, a few documents and many (past the package's 256-sequence switch of
-    scheduler); forward and every gradient against the float64 eager reference with the same
-    document mask, and the package's ops did run (not a fallback)."""
-    from pithtrain.kernels import fa4
-
-    if not fa4.HAVE_FA4:
-        pytest.skip("flash-attn-4 is not installed")
-    B, S = 2, 1024
-    assert all(sum(row) == S for row in lengths)
-    docs = torch.tensor([sum([[i] * n for i, n in enumerate(row)], []) for row in lengths], device="cuda")
-    cu = common.document_starts(docs)
-    n = sum(len(row) for row in lengths)
-    assert cu.shape == (n + 1,) and cu[-1].item() == B * S and cu[len(lengths[0])].item() == S
-    calls = []
-    for op in ("fa4_fwd", "fa4_bwd"):
-        real = getattr(fa4, op)
-        monkeypatch.setattr(fa4, op, lambda *a, real=real, op=op: calls.append((op, a[-2].shape)) or real(*a))
-    q = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-    k = torch.randn(B, S, K, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-    v = torch.randn(B, S, K, e, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-    s = torch.randn(H, device="cuda", dtype=torch.bfloat16) if sinks else None
-    args = (q, k, v) + ((s,) if sinks else ())
-    scale = d ** -0.5
-
-    def fused(q, k, v, s=None):
-        return common.attention(q, k, v, scale=scale, window=window, sinks_H=s,
-                                docs=common.Documents(docs, None, cu), fa4=True)
-
-    out, grads, g = grads_of(fused, *args)
-    assert out.shape == (B, H, S, e)
-    xr = [a.double().requires_grad_() for a in args]
-    assert calls == [("fa4_fwd", (n + 1,)), ("fa4_bwd", (n + 1,))]
     outr = common.eager_attention(*xr[:3], scale=scale, window=window, sinks_H=xr[3] if sinks else None,
                                   docs_BS=docs)
     outr.backward(g.double())
