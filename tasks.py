@@ -516,7 +516,7 @@ def info(c, model="default", gpu="", runtime="", dry_run=False):
 
 @task(help={"path": "folder to count (default: the pithtrain package)"})
 def stats(c, path="pithtrain"):
-    """Code lines per folder (non-blank, non-comment), so growth is visible in review."""
+    """Code lines per folder (docstrings, comments and blanks excluded), so growth is visible in review."""
     counts = ap.count_lines(Path(__file__).parent / path)
     width = max(map(len, counts), default=10)
     for folder, n in counts.items():

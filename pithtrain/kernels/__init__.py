@@ -13,7 +13,7 @@
 | AdamW (the optimizer step) | `adamw.py` (one Triton pass per parameter) | `torch.optim.AdamW(fused=True)` |
 | weight gradients over micro-batches (experts, embedding, LM head) | `wgrad.py` (added in place: `wgrad_triton.py`'s k-grouped GEMM, the embedding's rows, the head's scaled dW) | autograd's gradient + `add_` |
 
-The policy is here, the choice lives in the model. `configure(mode, device, fp8, off, fsdp, bf16)` returns which
+The policy is here, the choice lives in the model. `configure(mode, device, fp8, off, fsdp, bf16, cp)` returns which
 operators a run uses (name -> on) from the recipe's `train.kernels` ("auto": every fused operator
 whose requirements are met; "torch": none) and what is installed; `describe(use)` is the line the
 trainer and the bench print at start-up. `models.common.use_kernels(model, use)` then resolves the
