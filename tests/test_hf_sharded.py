@@ -283,11 +283,11 @@ def test_export_streams_shard_by_shard_with_tokenizer(hubs, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fam", FAMS)
-@pytest.mark.xfail(strict=True, reason="H200, 2026-12-01, a0ad5e8: GPU peak 217 / 181 / 329 MB for 151 / 116 / "
-                   "149 MB models (Qwen3 / DeepSeek / GPT-OSS): pieces are converted on the GPU; not bounded yet")
 def test_import_onto_the_gpu_allocates_the_model_once(tmp_path, fam):
     """One GPU: the device holds the float32 model and nothing more than one read piece besides
-    (the old path built the model on the GPU and then copied each whole tensor there)."""
+    (the old path built the model on the GPU and then copied each whole tensor there). The peak
+    is counted from what was allocated before the import: the first GPU matmul of the process
+    keeps cuBLAS's workspace (32 MB on Hopper) allocated for good."""
     from pithtrain.checkpoint.hf import READ_BYTES, load_hf_into
     from pithtrain.models import read_config
     from pithtrain.models import build_model
@@ -297,10 +297,11 @@ def test_import_onto_the_gpu_allocates_the_model_once(tmp_path, fam):
         theirs = ref(PROBE).logits
     model = build_model(read_config(tmp_path / "hub")[1], init=False)
     torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     load_hf_into(model, tmp_path / "hub", "cuda")
     size = sum(p.numel() * 4 for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
-    peak = torch.cuda.max_memory_allocated()
-    print(f"{fam}: GPU peak {peak / 2 ** 20:.0f} MB for a {size / 2 ** 20:.0f} MB model")
+    peak = torch.cuda.max_memory_allocated() - before
+    print(f"{fam}: GPU peak {peak / 2 ** 20:.0f} MB for a {size / 2 ** 20:.0f} MB model ({before / 2 ** 20:.0f} MB before)")
     assert peak < size + 2 * READ_BYTES + (8 << 20)
     with torch.no_grad():
         assert rel(model.eval()(PROBE.cuda()).cpu(), theirs) < 1e-4
