@@ -148,12 +148,17 @@ class Rope(NamedTuple):
     docs: Documents | None = None
 
 
+def document_firsts(docs_BS: torch.Tensor) -> torch.Tensor:
+    """(B, S) bool: the token starts a document (each row's first token does)."""
+    first_BS = torch.ones_like(docs_BS, dtype=torch.bool)
+    first_BS[:, 1:] = docs_BS[:, 1:] != docs_BS[:, :-1]
+    return first_BS
+
+
 def document_positions(docs_BS: torch.Tensor) -> torch.Tensor:
     """Positions that restart at 0 on each document's first token: (B, S) int64."""
     idx_BS = torch.arange(docs_BS.shape[1], device=docs_BS.device).expand_as(docs_BS)
-    first_BS = torch.ones_like(docs_BS, dtype=torch.bool)
-    first_BS[:, 1:] = docs_BS[:, 1:] != docs_BS[:, :-1]
-    start_BS = torch.where(first_BS, idx_BS, 0).cummax(dim=1).values
+    start_BS = torch.where(document_firsts(docs_BS), idx_BS, 0).cummax(dim=1).values
     return idx_BS - start_BS
 
 
@@ -161,9 +166,7 @@ def document_starts(docs_BS: torch.Tensor) -> torch.Tensor:
     """Where each document starts among the batch's B * S tokens taken row after row, then B * S:
     (N + 1,) int32, flash-attn-4's `cu_seqlens` (a row's first token starts a document). N depends
     on the data, so this waits for the GPU once per micro-batch (eager, in Rotary)."""
-    first_BS = torch.ones_like(docs_BS, dtype=torch.bool)
-    first_BS[:, 1:] = docs_BS[:, 1:] != docs_BS[:, :-1]
-    starts = first_BS.flatten().nonzero().flatten()
+    starts = document_firsts(docs_BS).flatten().nonzero().flatten()
     return torch.cat([starts, starts.new_tensor([docs_BS.numel()])]).to(torch.int32)
 
 
