@@ -20,7 +20,8 @@ from pithtrain.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 def test_configure_turns_the_attention_kernels_off_under_context_parallel(monkeypatch):
     """On a (simulated) Hopper GPU with flash-attn-4 installed the attention kernels are chosen;
-    under context parallel, whose own attention replaces the model's, none of them is."""
+    under context parallel, whose own attention replaces the model's, none of them is; under
+    float32 compute flash-attn-4 (bf16 / fp16 kernels only) is not listed as running."""
     from pithtrain.kernels import fa4
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -30,6 +31,8 @@ def test_configure_turns_the_attention_kernels_off_under_context_parallel(monkey
     attn = ("flex", "cudnn_sdpa", "fa4")
     assert all(kernels.configure("auto", "cuda")[k] for k in attn)
     assert not any(kernels.configure("auto", "cuda", cp=True)[k] for k in attn)
+    use = kernels.configure("auto", "cuda", bf16=False)
+    assert use["flex"] and use["cudnn_sdpa"] and not use["fa4"]
 
 
 def test_configure_on_cpu_picks_references_and_says_so():

@@ -73,8 +73,9 @@ def configure(mode: str = "auto", device: torch.device | str = "cuda", fp8: bool
     kernel loads through TMA) and a gradient that outlives the micro-batch: not under FSDP (`fsdp`),
     which reduces and frees it after each one, nor with the Triton FP8 experts (their own weight
     gradient; the embedding's and LM head's in-place gradients, which ride on the same switch, are
-    then off too); DeepGEMM's FP8 experts take it. `fa4` needs flash-attn-4 installed and a Hopper
-    or later GPU. Under
+    then off too); DeepGEMM's FP8 experts take it. `fa4` needs flash-attn-4 installed, a Hopper
+    or later GPU and bf16 compute (its kernels' dtypes; float32 runs take SDPA / FlexAttention, and
+    the rotary then makes no document starts). Under
     context parallel (`cp`) its own attention replaces the model's, so the attention kernels (flex,
     cudnn_sdpa, fa4) are off there rather than listed as running."""
     from pithtrain.kernels.fa4 import HAVE_FA4
@@ -86,7 +87,7 @@ def configure(mode: str = "auto", device: torch.device | str = "cuda", fp8: bool
     attn = auto and cuda and not cp
     sm90 = cuda and torch.cuda.get_device_capability(device)[0] == 9
     use = dict(swiglu=triton_ok, permute=triton_ok, expert_bias=triton_ok, linear_ce=auto, flex=attn,
-               cudnn_sdpa=attn and torch.backends.cudnn.is_available(), fa4=attn and hopper and HAVE_FA4,
+               cudnn_sdpa=attn and torch.backends.cudnn.is_available(), fa4=attn and hopper and HAVE_FA4 and bf16,
                fp8=fp8, deepgemm=fp8 and triton_ok and sm90 and "deepgemm" not in off and _deepgemm(),
                adamw=triton_ok, wgrad=triton_ok and bf16 and not fsdp and hopper)
     use = {k: v and k not in off for k, v in use.items()}
