@@ -21,7 +21,7 @@ from tools import appliance as ap
 REPO = Path(__file__).resolve().parent.parent
 VERSIONS = ap.load_versions()
 TARGETS = sorted(VERSIONS["targets"])
-DOCKERFILES = sorted(REPO.glob("images/*/Dockerfile"))
+DOCKERFILE = REPO / "images" / "Dockerfile"  # one file; the targets differ only by their pins
 COMPOSE_FILES = sorted(REPO.glob("compose/*.yaml"))
 SKY_FILE = REPO / "sky" / "train.yaml"
 MULTINODE = {"MASTER_ADDR": "node0", "MASTER_PORT": "29500", "NNODES": "2", "NODE_RANK": "0"}
@@ -47,29 +47,30 @@ def _invoke(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 # Static checks: Dockerfiles, compose, SkyPilot, pins
 
 
-def test_both_targets_have_a_dockerfile():
-    assert [p.parent.name for p in DOCKERFILES] == TARGETS == ["blackwell", "hopper"]
+def test_one_dockerfile_serves_both_targets():
+    """No per-target copy of the Dockerfile exists: a target is its pins (build args) only."""
+    assert sorted(p.relative_to(REPO).as_posix() for p in REPO.glob("images/**/Dockerfile*")) == [
+        "images/Dockerfile", "images/Dockerfile.dockerignore"]
+    assert TARGETS == ["blackwell", "hopper"]
     assert set(ap.GPU_TARGET.values()) == set(TARGETS) and set(GPU_OVERRIDES) == set(ap.GPU_TARGET)
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
-def test_hadolint_passes(dockerfile):
-    r = subprocess.run([_tool("hadolint"), "--no-color", str(dockerfile)], capture_output=True,
+def test_hadolint_passes():
+    r = subprocess.run([_tool("hadolint"), "--no-color", str(DOCKERFILE)], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
-def test_dockerfile_args_are_exactly_the_build_args_without_defaults(dockerfile):
-    args = [line.split()[1] for line in dockerfile.read_text().splitlines()
+@pytest.mark.parametrize("target", sorted(VERSIONS["targets"]))
+def test_dockerfile_args_are_exactly_the_build_args_without_defaults(target):
+    args = [line.split()[1] for line in DOCKERFILE.read_text().splitlines()
             if line.startswith("ARG ")]
     assert not [a for a in args if "=" in a], "an ARG default would be a second home for a pin"
-    target = dockerfile.parent.name
     assert set(args) == set(ap.build_args(target, VERSIONS["targets"][target]))
 
 
 def test_dockerfiles_write_the_manifest_and_run_non_root():
-    for f in DOCKERFILES:
+    for f in [DOCKERFILE]:
         text = f.read_text()
         assert "appliance.py manifest --out /etc/pithtrain/manifest.json" in text
         assert text.rstrip().splitlines()[-3:][0] == "USER 1000:1000"
@@ -81,19 +82,19 @@ def test_dockerfiles_write_the_manifest_and_run_non_root():
                 and "--from=" not in line] == ["images/build_deepgemm.sh", "tools/appliance.py"]
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
-def test_dockerfiles_build_deepgemm_with_the_script_at_the_pins(dockerfile, tmp_path):
+@pytest.mark.parametrize("target", sorted(VERSIONS["targets"]))
+def test_dockerfiles_build_deepgemm_with_the_script_at_the_pins(target, tmp_path):
     """DeepGEMM is built only by images/build_deepgemm.sh, fed the three pins as build args, which
     build_args takes from versions.yaml; the tag's commit and submodules are checked when the source
     tarball is packed (scripts/pack_deepgemm_src.sh) and again by the script's git path."""
-    text = dockerfile.read_text()
-    pins = VERSIONS["targets"][dockerfile.parent.name]
+    text = DOCKERFILE.read_text()
+    pins = VERSIONS["targets"][target]
     run = [line for line in text.replace("\\\n", " ").splitlines() if "build_deepgemm.sh --" in line]
     assert len(run) == 1 and "DeepGEMM.git" not in text  # no second, inline build
     for arg, key in (("DEEPGEMM_COMMIT", "deepgemm_commit"), ("CUTLASS_COMMIT", "cutlass_commit"),
                      ("FMT_COMMIT", "fmt_commit"), ("DEEPGEMM_PATCHES", "deepgemm_patches")):
         assert f'{arg}="${{{arg}}}"' in run[0]
-        assert ap.build_args(dockerfile.parent.name, pins)[arg] == pins[key]
+        assert ap.build_args(target, pins)[arg] == pins[key]
     assert "TORCH_CUDA_ARCH_LIST=${CUDA_ARCH}" in text
     script = (REPO / "images/build_deepgemm.sh").read_text()
     for name in ("DEEPGEMM_COMMIT", "CUTLASS_COMMIT", "FMT_COMMIT", "TORCH_CUDA_ARCH_LIST"):
@@ -166,7 +167,7 @@ def test_skypilot_file_sets_up_and_launches():
 def test_no_version_literal_outside_versions_yaml():
     # Dockerfiles, compose and SkyPilot name no version at all (build args and the image name);
     # skills may mention a pinned version but never one that is not in versions.yaml.
-    strict = DOCKERFILES + COMPOSE_FILES + [SKY_FILE]
+    strict = [DOCKERFILE] + COMPOSE_FILES + [SKY_FILE]
     assert ap.find_unpinned_versions(strict, VERSIONS, allowed=set()) == []
     skills = [p for p in REPO.glob("skills/**/*") if p.is_file() and p.suffix in
               (".md", ".py", ".sh", ".yaml", ".yml", ".txt", "")]
@@ -278,7 +279,7 @@ def test_train_b200_gpt_oss_dry_run():
     build, run = r.stdout.strip().splitlines()
     image = _image("blackwell")
     assert build.startswith(f"docker image inspect {image} >/dev/null 2>&1 || docker build ")
-    assert f"-f images/blackwell/Dockerfile -t {image} " in build
+    assert f"-f images/Dockerfile -t {image} " in build
     pins = VERSIONS["targets"]["blackwell"]
     for k, v in ap.build_args("blackwell", pins).items():
         assert f"{k}={v}" in build
@@ -292,7 +293,7 @@ def test_train_h100_dry_run():
                 "--set=train.steps=10", "--dry-run")
     assert r.returncode == 0, r.stderr
     build, run = r.stdout.strip().splitlines()
-    assert "-f images/hopper/Dockerfile" in build and "flash-attn-4[cu13]==" in build
+    assert "-f images/Dockerfile" in build and "flash-attn-4[cu13]==" in build
     assert run == (f"PITHTRAIN_IMAGE={_image('hopper')} docker compose -f compose/train.yaml run "
                    "--rm train torchrun --nproc-per-node=8 --standalone -m pithtrain.train "
                    "qwen3-30b-a3b train.device=cuda train.dtype=bfloat16 train.steps=10")

@@ -1,5 +1,5 @@
-"""DeepGEMM's FP8 expert GEMMs on the GPU (lent H200: scripts/device22.sh runs
-`pytest -m gpu tests/test_deepgemm_gpu.py` after building DeepGEMM).
+"""DeepGEMM's FP8 expert GEMMs on the GPU (`pytest -m gpu tests/test_deepgemm_gpu.py` after building
+DeepGEMM with images/build_deepgemm.sh).
 
 At each bench family's expert shapes (all experts, ~64 rows each, every 7th empty), through
 deepgemm.FP8GroupedMM: forward, data grad and weight grad within 2^-4 = 6.25% relative of bf16

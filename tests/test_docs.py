@@ -2,6 +2,7 @@
 AGENTS.md's map names every module, and CI runs exactly the README's Quick start."""
 
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -33,6 +34,13 @@ def test_agents_md_maps_every_module_and_document():
     assert [f for f in files if f"`{f}`" not in text] == []
 
 
+def test_readme_is_a_front_page_that_points_at_every_doc():
+    """At most 250 lines (the manual is docs/, one file per concern), and every docs file is named."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    assert [f for f in repo_files("docs") if f.endswith(".md") and f"`{f}`" not in readme] == []
+
+
 def test_ci_runs_exactly_the_readme_quick_start():
     readme = (ROOT / "README.md").read_text()
     quick = re.search(r"^## Quick start\n\n```bash\n(.*?)^```", readme, re.S | re.M)[1].splitlines()
@@ -40,3 +48,95 @@ def test_ci_runs_exactly_the_readme_quick_start():
     ci = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines()
           if ln and not ln.startswith(("#", "set ", "cd "))]
     assert ci == [c for ln in quick for c in ln.split(" && ")]  # one a line: set -e skips && lists
+
+
+# ---------------------------------------------------------------------------------------------
+# Every path and command the documents name exists. docs/perf-notes.md is the lab notebook: each
+# entry names the commit it ran at, so what it cites may since have gone (deleted probes).
+
+DOCS = ["README.md", "AGENTS.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")
+                                          if p.name != "perf-notes.md")]
+# A path: a/b.ext or a known top folder with anything under it; a bare name only for code and
+# documents (meta.json, config.json, my.yaml are files a run writes or a user names).
+PATH_RE = re.compile(r"^(?:\.ci/|[\w.-]+/)+[\w.-]+\.(?:py|md|yaml|yml|sh|json|toml|txt)$|^[\w.-]+\.(?:py|md)$|"
+                     r"^(?:pithtrain|tests|scripts|docs|skills|images|compose|sky|tools|slurm)/[\w./-]*$")
+
+
+def code_spans(text: str) -> list[str]:
+    """Inline code and the lines of fenced blocks."""
+    blocks = re.findall(r"^```[^\n]*\n(.*?)^```", text, re.S | re.M)
+    rest = re.sub(r"^```[^\n]*\n.*?^```", "", text, flags=re.S | re.M)
+    return [ln for b in blocks for ln in b.splitlines()] + [" ".join(s.split()) for s in re.findall(r"`([^`]+)`", rest)]
+
+
+def test_every_path_the_docs_name_exists():
+    missing = []
+    for doc in DOCS:
+        for span in code_spans((ROOT / doc).read_text()):
+            for word in span.split():
+                word = word.strip("(),;:'\"").split("::")[0]
+                if "<" in word or "*" in word or word.startswith(("runs/", "/")) or not PATH_RE.match(word):
+                    continue
+                if not any((base / word).exists() for base in (ROOT, ROOT / "pithtrain")):
+                    missing.append(f"{doc}: {word}")
+    assert missing == [], "named in the docs but not in the tree:\n" + "\n".join(missing)
+
+
+def _task_options() -> dict[str, set[str]]:
+    """invoke task name -> its --options, read from tasks.py's @task functions."""
+    import ast
+
+    tree = ast.parse((ROOT / "tasks.py").read_text())
+    tasks = {}
+    for fn in tree.body:
+        if isinstance(fn, ast.FunctionDef) and any(
+                getattr(d, "id", getattr(getattr(d, "func", None), "id", None)) == "task" for d in fn.decorator_list):
+            args = [a.arg for a in fn.args.args[1:]]
+            tasks[fn.name.replace("_", "-")] = {"--" + a.replace("_", "-") for a in args} | {"--help"}
+            tasks[fn.name.replace("_", "-")] |= {"--no-" + a.replace("_", "-") for a in args}
+    return tasks
+
+
+def _module_file(module: str) -> Path | None:
+    path = ROOT / (module.replace(".", "/") + ".py")
+    return path if path.is_file() else ROOT / module.replace(".", "/") / "__main__.py"
+
+
+def test_every_command_the_docs_show_exists_with_its_options():
+    """`invoke TASK --opt`: the task and each option exist in tasks.py; `python -m pithtrain.X --opt`
+    and `python path.py --opt`: the module or script exists and names the option."""
+    tasks, bad = _task_options(), []
+    for doc in DOCS:
+        for span in code_spans((ROOT / doc).read_text()):
+            for cmd in re.split(r"&&|\|\||;|\|", span.split(" #")[0]):
+                try:
+                    words = shlex.split(cmd)
+                except ValueError:  # an unbalanced quote: a fragment, not a command
+                    continue
+                words = [w for w in words if not re.match(r"^[A-Z_]+=", w)]
+                words = words[1:] if words[:1] == ["$"] else words
+                if len(words) < 2:
+                    continue
+                opts = [w.split("=")[0] for w in words[2:] if w.startswith("--") and " " not in w]  # a quoted value is no option
+                if words[0] == "invoke" and not words[1].startswith("-"):
+                    known = tasks.get(words[1])
+                    if known is None:
+                        bad.append(f"{doc}: `{cmd.strip()}`: no invoke task {words[1]!r}")
+                    else:
+                        bad += [f"{doc}: `{cmd.strip()}`: invoke {words[1]} has no {o}" for o in opts if o not in known]
+                elif words[0] in ("python", "python3") and words[1] == "-m" and len(words) > 2:
+                    if not words[2].startswith(("pithtrain", "tools")):
+                        continue
+                    src = _module_file(words[2])
+                    if not src.is_file():
+                        bad.append(f"{doc}: `{cmd.strip()}`: no module {words[2]}")
+                        continue
+                    text = src.read_text()
+                    bad += [f"{doc}: `{cmd.strip()}`: {words[2]} has no {o}" for o in opts if o not in text]
+                elif words[0] in ("python", "python3") and words[1].endswith(".py"):
+                    src = ROOT / words[1]
+                    if not src.is_file():
+                        bad.append(f"{doc}: `{cmd.strip()}`: no script {words[1]}")
+                        continue
+                    bad += [f"{doc}: `{cmd.strip()}`: {words[1]} has no {o}" for o in opts if o not in src.read_text()]
+    assert bad == [], "\n".join(bad)

@@ -118,7 +118,7 @@ def base_ref(pins: dict) -> str:
 
 
 def build_args(target: str, pins: dict) -> dict[str, str]:
-    """Every ARG of images/<target>/Dockerfile (a test checks the two sets are equal)."""
+    """Every ARG of images/Dockerfile for this target (a test checks the two sets are equal)."""
     args = {"BASE_IMAGE": base_ref(pins), "PITHTRAIN_TARGET": target,
             "PYTHON_VERSION": pins["python"], "NSYS_VERSION": pins["nsys"],
             "CUDA_ARCH": pins["cuda_arch"], "DRIVER_MIN": pins["driver_min"],
@@ -130,7 +130,7 @@ def build_args(target: str, pins: dict) -> dict[str, str]:
 
 def build_command(target: str, pins: dict) -> list[str]:
     cmd = ["docker", "build", "--platform", pins["platform"],
-           "-f", f"images/{target}/Dockerfile", "-t", image_name(target, pins)]
+           "-f", "images/Dockerfile", "-t", image_name(target, pins)]
     for k, v in build_args(target, pins).items():
         cmd += ["--build-arg", f"{k}={v}"]
     return cmd + ["."]

@@ -2,7 +2,7 @@
 
 Used by kernels/wgrad.py on CUDA (the expert weight gradients of micro-batches 2 and later, added
 straight into the gradient they accumulate); the reference is torch's F.grouped_mm then add_
-(tests/test_kernels_gpu.py; scripts/wgrad_probe.py times tile configurations).
+(tests/test_kernels_gpu.py; docs/perf-notes.md records how the tile configurations were chosen).
 
 Loads go through TMA with one device-side tensor descriptor per expert: its rows [start, end) as a
 (rows, D) tensor, so the hardware zero-fills the rows past the expert's end and the loop has no
@@ -67,8 +67,8 @@ def _wgrad_accum_kernel(x_ptr, dy_ptr, c_ptr, offs_ptr, E, D, N, sx, sdy, PROGRA
 
 # (BM, BN, BK, warps, stages, gradient tile loaded first, programs per SM (0: one per tile)) by the
 # gradient's dtype, and "write" for a float32 gradient written without reading it (add=False): the
-# fastest summed over the three families' expert shapes on the H200 (scripts/wgrad_probe.py, its
-# --first for "write"; docs/perf-notes.md).
+# fastest summed over the three families' expert shapes on the H200 (a probe of tile configurations,
+# since deleted; its figures are in docs/perf-notes.md).
 CONFIGS = {torch.bfloat16: (128, 256, 64, 8, 3, True, 1), torch.float32: (128, 128, 64, 4, 3, False, 0),
            "write": (128, 128, 64, 4, 3, False, 1)}
 
