@@ -29,6 +29,7 @@ peak (pithtrain.metrics.PEAK_TFLOPS: 989e12 on H100/H200).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import importlib
@@ -66,10 +67,10 @@ TORCHTITAN = {"deepseek_v2": ("deepseek_v3", "deepseekv3_args", "16B", "DeepSeek
 # Setup
 
 
-def bench_config(name: str, layers: int, batch: int, seq: int, grad_accum: int = 1):
+def bench_config(name: str, layers: int, batch: int, seq: int, grad_accum: int = 1, extra: list = ()):
     one_gpu = [f"parallel.{k}=1" for k in ("pp", "dp", "fsdp", "cp", "ep")]
     cfg = load_config(name, [f"model.num_layers={layers}", f"train.micro_batch_size={batch}",
-                             f"train.seq_len={seq}", f"train.grad_accum={grad_accum}", *one_gpu])
+                             f"train.seq_len={seq}", f"train.grad_accum={grad_accum}", *one_gpu, *extra])
     if hasattr(cfg.model, "max_position_embeddings"):
         cfg.model.max_position_embeddings = max(cfg.model.max_position_embeddings, seq)
     return cfg
@@ -167,7 +168,7 @@ def pithtrain_step(cfg, variant: dict, device, doc_len: int = 0):
     t = cfg.train
     t.kernels, t.compile, t.activation_checkpoint, t.fp8 = (variant["kernels"], variant["compile"],
                                                             variant["ac"], variant["fp8"])
-    if not variant["bf16"]:  # what train.py checks before it builds anything (plan.check_launch)
+    if not variant["bf16"] and device.type == "cuda":  # what train.py checks before it builds anything
         why = refused_by_plan(cfg, torch.cuda.get_device_properties(device).total_memory / 2**30,
                               torch.cuda.get_device_name(device))
         if why:
@@ -185,15 +186,14 @@ def pithtrain_step(cfg, variant: dict, device, doc_len: int = 0):
     parallelize(model, dims, t, device)  # one process: checkpointing, then compile
     opt = build_optimizer(model, cfg, device, use)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    set_aux_loss_scale(model, 1.0 / t.grad_accum)
     x, y = random_batch(cfg, device)
     docs = random_documents(cfg, device, doc_len) if doc_len else None
-    micro_batches = [(x, y, None, docs)] * t.grad_accum
-    denom = y.numel() * t.grad_accum
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
-    def step():
-        return train_step(model, opt, sched, micro_batches, denom, cfg, dims, autocast).loss
+    def step(accum: int = t.grad_accum):  # scripts/calibrate.py times one model at several accums
+        set_aux_loss_scale(model, 1.0 / accum)
+        return train_step(model, opt, sched, [(x, y, None, docs)] * accum, y.numel() * accum, cfg, dims,
+                          autocast).loss
 
     return model, step
 

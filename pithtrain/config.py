@@ -148,18 +148,21 @@ class ParallelConfig:
     fsdp: int | None = None  # fully-sharded data parallel
     cp: int | None = None  # context parallel (sequence split)
     ep: int | None = None  # expert parallel (borrowed from a stage's fsdp x cp, or dp x fsdp x cp, ranks)
-    pp_schedule: Literal["1f1b", "dualpipev"] = "1f1b"
+    pp_schedule: Literal["1f1b", "dualpipev"] | None = None  # None: 1f1b, or auto's choice
     pp_layers: list | None = None  # layers per stage (virtual stage for dualpipev); None: balanced
     # DualPipeV's F&B pairs interleave one micro-batch's forward phases with another's backward,
     # each expert all-to-all (dispatch, combine) under a compute phase of the other (on CUDA on
-    # its own stream); false: F then B. Errors where there is nothing to overlap.
-    pp_overlap: bool = False
+    # its own stream); false: F then B. Errors where there is nothing to overlap. None: false, or
+    # auto's choice.
+    pp_overlap: bool | None = None
 
     def __post_init__(self):
         if not self.auto:
             for k in LAYOUT_KEYS:
                 if getattr(self, k) is None:
                     setattr(self, k, 1)
+            self.pp_schedule = self.pp_schedule or "1f1b"
+            self.pp_overlap = bool(self.pp_overlap)
 
     def validate(self, err):
         for k in LAYOUT_KEYS:

@@ -66,6 +66,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from pithtrain import perf
 from pithtrain.config import GPU_OVERRIDES
 from pithtrain.config import LAYOUT_KEYS, Config, ConfigError, load_config
 from pithtrain.distributed import pipeline
@@ -198,10 +199,12 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks) -> dict
     chunk_bytes = [sum(saved[i] for i in ch.layer_ids) + (ends if ch.last else 0) for ch in chunks]
     acts = in_flight(cfg, dims, chunk_bytes)
 
-    # Unsharded sizes: every dense parameter whole, experts as the ep split leaves them (E / ep).
+    # Unsharded sizes FSDP gathers: every dense parameter whole, experts as the ep split leaves
+    # them (E / ep), none when FSDP leaves them out (dims.experts_alone).
     def unsharded(mod):
         ex = {id(p) for b in moe_blocks(mod) for p in b.experts.parameters()}
-        return sum(p.numel() // (dims.ep if id(p) in ex else 1) for p in mod.parameters())
+        return sum(0 if id(p) in ex and dims.experts_alone else p.numel() // (dims.ep if id(p) in ex else 1)
+                   for p in mod.parameters())
     layer_full = max((unsharded(x) for x in layers.values()), default=0)
     root_full = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("layers."))
     comm = 0
@@ -216,7 +219,9 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks) -> dict
     grads = 4 * n
     held = grads + head_grad if t.grad_accum > 1 else head_grad
     logits = c * min(LOSS_CHUNK, T) * V if head else 0
-    copy = 2 * n if c == 2 and not fsdp else 0  # parallelize.bf16_weights: the bf16 weights (kept across steps)
+    # parallelize.bf16_weights: the bf16 weights (kept across steps); under FSDP the experts it leaves out
+    alone = sum(local_numel(p) for x in layers.values() for b in moe_blocks(x) for p in b.experts.parameters())
+    copy = (2 * n if not fsdp else 2 * alone if dims.experts_alone else 0) if c == 2 else 0
     static = 4 * n + 8 * n + copy + cache + WORKSPACE
     largest = max(whole.values(), default=0)
     fwd = static + acts + held + logits + comm
@@ -232,19 +237,20 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks) -> dict
 def fsdp_bytes(model: nn.Module, dims: ParallelDims, micro_batches: int, pbytes: int, rbytes: int) -> int:
     """Bytes one rank sends per optimizer step in FSDP collectives (ring: (n-1)/n of each
     collective's unsharded buffer): per micro-batch each layer is gathered twice (forward,
-    backward) and the root once, and every gradient is reduce-scattered once; HSDP (dp > 1) adds
-    an all-reduce of the shards over dp. Experts over efsdp ranks, the rest over fsdp * cp."""
+    backward) and the root once, and every gradient is reduce-scattered once; HSDP adds an
+    all-reduce of the shards over the replicas. Experts over efsdp ranks and replicated over edp
+    (nothing when FSDP leaves them out: efsdp = edp = 1), the rest over fsdp * cp and dp."""
     if not dims.fsdp_enabled:
         return 0
     experts = {id(p) for b in moe_blocks(model) for p in b.experts.parameters()}
     total = 0.0
     for name, p in {id(p): (n, p) for n, p in model.named_parameters()}.values():
         is_expert = id(p) in experts
-        k = dims.efsdp if is_expert else dims.fsdp * dims.cp
+        k, reps = (dims.efsdp, dims.edp) if is_expert else (dims.fsdp * dims.cp, dims.dp)
         full = p.numel() // (dims.ep if is_expert else 1)
         gathers = 2 if name.startswith("layers.") else 1
         total += micro_batches * full * (k - 1) / k * (gathers * pbytes + rbytes)
-        total += micro_batches * 2 * (dims.dp - 1) / dims.dp * full / k * rbytes
+        total += micro_batches * 2 * (reps - 1) / reps * full / k * rbytes
     return int(total)
 
 
@@ -269,55 +275,96 @@ def plan(cfg: Config, world_size: int, gpu_gib: float, gpu: str = "") -> dict:
 
 
 def candidates(cfg: Config, world_size: int) -> list[dict]:
-    """Layouts `parallel: auto` tries, in order: no pipeline first, then 2, 3, ... stages (only
-    when the plan needs them); the sizes the recipe gives are kept; fsdp (or dp, when fsdp is
-    given) takes the remaining ranks; ep is the largest that divides the experts and fsdp * cp and
-    leaves the expert widths divisible by the remaining FSDP shards (parallel_dims.validate)."""
-    p, m = cfg.parallel, cfg.model
+    """Every layout `parallel: auto` may choose: pp a divisor of the world the step's micro-batches
+    can fill (pp <= train.grad_accum and the layers), cp as given (else 1), every dp x fsdp split of
+    the rest and every ep dividing the experts; for a pipeline both schedules and DualPipeV's
+    overlap where ep > 1 and nothing is recomputed. Sizes (and pp_schedule, pp_overlap) the recipe
+    gives are kept; parallel_dims.validate then rejects what cannot run (DualPipeV with fewer than
+    2 pp micro-batches, ...)."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
     given = {k: getattr(p, k) for k in LAYOUT_KEYS if getattr(p, k) is not None}
+
+    def divisors(n):
+        return [d for d in range(1, n + 1) if n % d == 0]
     out = []
-    # A pipeline with fewer micro-batches than stages leaves most stages idle most of the step.
-    for pp in [given["pp"]] if "pp" in given else range(1, min(world_size, m.num_layers, cfg.train.grad_accum) + 1):
-        lay = {"pp": pp, "cp": given.get("cp", 1)}
-        rest = world_size // (pp * lay["cp"]) if world_size % (pp * lay["cp"]) == 0 else 0
-        lay["dp"] = given.get("dp", rest // given["fsdp"] if "fsdp" in given else 1)
-        lay["fsdp"] = given.get("fsdp", rest // lay["dp"] if lay["dp"] else 0)
-        if lay["fsdp"] < 1 or lay["dp"] < 1 or pp * lay["dp"] * lay["fsdp"] * lay["cp"] != world_size:
+    for pp in [given["pp"]] if "pp" in given else [d for d in divisors(world_size) if d <= min(m.num_layers, t.grad_accum)]:
+        cp = given.get("cp", 1)
+        if world_size % (pp * cp):
             continue
-        ranks = lay["fsdp"] * lay["cp"]
-        width = getattr(m, "moe_intermediate_size", getattr(m, "intermediate_size", 1))
-        eps = [e for e in range(ranks, 0, -1) if ranks % e == 0 and getattr(m, "num_experts", 1) % e == 0
-               and m.hidden_size % (ranks // e) == 0 and width % (ranks // e) == 0]
-        lay["ep"] = given.get("ep", eps[0] if getattr(m, "num_experts", None) else 1)
-        out.append(lay)
+        rest = world_size // (pp * cp)
+        for dp in [given["dp"]] if "dp" in given else divisors(rest):
+            fsdp = given.get("fsdp", rest // dp)
+            if dp * fsdp != rest:
+                continue
+            experts = getattr(m, "num_experts", None)
+            for ep in [given["ep"]] if "ep" in given else (
+                    [e for e in divisors(dp * fsdp * cp) if experts % e == 0] if experts else [1]):
+                schedules = [(s, o) for s in ([p.pp_schedule] if p.pp_schedule else ["1f1b", "dualpipev"])
+                             for o in ([p.pp_overlap] if p.pp_overlap is not None else [False, True])
+                             if not o or (s == "dualpipev" and ep > 1 and t.activation_checkpoint == "none")]
+                if pp == 1:  # no pipeline: the schedule fields say nothing
+                    schedules = [(p.pp_schedule or "1f1b", bool(p.pp_overlap))]
+                for s, o in schedules:
+                    out.append({"pp": pp, "dp": dp, "fsdp": fsdp, "cp": cp, "ep": ep, "pp_schedule": s,
+                                "pp_overlap": o})
     return out
 
 
-def auto_layout(cfg: Config, world_size: int, gpu_gib: float | None, gpu: str = "") -> dict | None:
-    """Fill cfg.parallel's unset sizes with the first candidate that is valid and, given the GPU's
-    memory, whose plan fits (else the valid one with the smallest peak); returns its plan (None
-    without gpu_gib: then nothing is planned)."""
-    tried, options = [], candidates(cfg, world_size)
-    for lay in options:
-        for k, v in lay.items():
-            setattr(cfg.parallel, k, v)
+def _set(cfg: Config, lay: dict):
+    for k, v in lay.items():
+        setattr(cfg.parallel, k, v)
+
+
+def ranked(cfg: Config, world_size: int, gpu: str, costs: dict | None = None) -> list[dict]:
+    """The valid candidates, each with its perf.predict (`costs`: the cost file's), fastest
+    (tokens/s per GPU) first."""
+    out, before = [], layout_of(vars(cfg.parallel))
+    for lay in candidates(cfg, world_size):
+        _set(cfg, lay)
         try:
             ParallelDims.from_config(cfg, world_size, 0)
-            if gpu_gib is None:
-                return None
-            result = plan(cfg, world_size, gpu_gib, gpu)
         except ConfigError:
             continue
-        if result["fits"]:
-            return result
-        tried.append(result)
-    if not tried:
+        out.append({**lay, "prediction": perf.predict(cfg, lay, gpu, costs)})
+    _set(cfg, before)  # the recipe's sizes again (unset ones None): the caller chooses
+    return sorted(out, key=lambda c: -c["prediction"]["tokens_per_s_per_gpu"])
+
+
+def auto_layout(cfg: Config, world_size: int, gpu_gib: float | None, gpu: str = "",
+                max_plans: int | None = None) -> dict | None:
+    """Fill cfg.parallel's unset sizes with the fastest valid candidate (perf.predict on `gpu`, or
+    on the cost file's GPU) whose memory plan fits `gpu_gib` GiB, planning in order of speed until
+    one fits (else the smallest peak); returns that plan with its "prediction" and the ranking as
+    "candidates" (the planned ones carry peak_gib and fits). Without gpu_gib nothing is planned:
+    the fastest valid candidate is taken and None returned. `max_plans`: plan at most that many."""
+    options = ranked(cfg, world_size, gpu_key(gpu) or perf.load_costs()["gpu"])
+    if not options:
         raise ConfigError(f"{cfg.source}: parallel: auto found no valid layout for {world_size} processes "
-                          f"(tried {options}); give the sizes explicitly")
-    best = min(tried, key=lambda x: x["peak_gib"])
-    for k, v in best["layout"].items():
-        setattr(cfg.parallel, k, v)
-    return best
+                          f"(tried {candidates(cfg, world_size)}); give the sizes explicitly")
+    if gpu_gib is None:
+        _set(cfg, layout_of(options[0]))
+        return None
+    best = None
+    for c in options[:max_plans]:
+        _set(cfg, layout_of(c))
+        result = plan(cfg, world_size, gpu_gib, gpu)
+        c["peak_gib"], c["fits"] = result["peak_gib"], result["fits"]
+        if best is None or result["fits"] or result["peak_gib"] < best[1]["peak_gib"]:
+            best = (c, result)
+        if result["fits"]:
+            break
+    _set(cfg, layout_of(best[0]))
+    return {**best[1], "prediction": best[0]["prediction"], "candidates": options}
+
+
+def layout_of(c: dict) -> dict:
+    return {k: c[k] for k in (*LAYOUT_KEYS, "pp_schedule", "pp_overlap")}
+
+
+def gpu_key(name: str) -> str | None:
+    """perf.GPUS's key for a GPU name (`--gpu h100`, or CUDA's "NVIDIA H100 80GB HBM3"), else None."""
+    words = name.lower().replace("-", " ").split()
+    return next((w for w in words if w in perf.GPUS), None)
 
 
 def describe(result: dict) -> str:
@@ -360,8 +407,15 @@ def check_launch(cfg: Config, device: torch.device, world_size: int, rank: int =
         raise ConfigError(refusal(cfg, result, world_size))
     if rank == 0:
         lay = " ".join(f"{k}={getattr(cfg.parallel, k)}" for k in LAYOUT_KEYS)
+        key = gpu_key(name)
+        said = ""
+        if key and cfg.model.family in perf.load_costs()["families"]:
+            pred = (result or {}).get("prediction") or perf.predict(cfg, layout_of(vars(cfg.parallel)), key)
+            said = f"; predicted {pred['tokens_per_s_per_gpu'] / 1e3:.1f}K tokens/s per GPU (pithtrain/perf.py)"
+            if result and "candidates" in result:
+                said += f", the fastest of {len(result['candidates'])} valid layouts whose plan fits"
         print(f"pithtrain: parallel {'auto' if cfg.parallel.auto else 'layout'}: {lay} " + (
-              f"(memory plan: peak {result['peak_gib']:.1f} GiB of {result['usable_gib']:.1f} usable)"
+              f"(memory plan: peak {result['peak_gib']:.1f} GiB of {result['usable_gib']:.1f} usable{said})"
               if result else "(no GPU memory to plan against)"), flush=True)
 
 
@@ -379,8 +433,40 @@ def table(result: dict) -> str:
     if traffic["float32"]:
         lines.append(f"FSDP traffic per step, rank 0: {traffic['float32'] / GIB:.2f} GiB with float32 "
                      f"gathers and reductions, {traffic['policy'] / GIB:.2f} GiB with the mixed-precision policy")
+    if result.get("prediction"):
+        pr = result["prediction"]
+        lines.append(f"predicted on {pr['gpu']}: {pr['tokens_per_s_per_gpu'] / 1e3:.1f}K tokens/s per GPU, step "
+                     f"{pr['step_s']:.2f} s (" + ", ".join(f"{k} {v:.2f}" for k, v in pr["parts_s"].items()) + " s)")
+    if result.get("candidates"):
+        lines.append("layouts, fastest first (predicted tokens/s per GPU; peak GiB where planned):")
+        for c in result["candidates"]:
+            lay = " ".join(f"{k}={c[k]}" for k in LAYOUT_KEYS) + (
+                f" {c['pp_schedule']}{' overlap' if c['pp_overlap'] else ''}" if c["pp"] > 1 else "")
+            mem = f"{c['peak_gib']:.1f} GiB, fits {'yes' if c['fits'] else 'no'}" if "peak_gib" in c else "not planned"
+            lines.append(f"  {lay:<44} {c['prediction']['tokens_per_s_per_gpu'] / 1e3:7.1f}K   {mem}")
     lines.append(f"fits: {'yes' if result['fits'] else 'no'}")
     return "\n".join(lines)
+
+
+def nearest_fit(recipe, overrides: list[str], gpu: str, world: int) -> str:
+    """What would fit when `recipe` on `world` x `gpu` does not: the first of parallel: auto, full
+    activation checkpointing, half the micro-batch, then twice, four, eight times the GPUs (each
+    by auto's two fastest layouts)."""
+    tries = [(["parallel.auto=true"], world), (["parallel.auto=true", "train.activation_checkpoint=full"], world)]
+    cfg = load_config(recipe, overrides)
+    if cfg.train.micro_batch_size > 1:
+        tries.append((["parallel.auto=true", f"train.micro_batch_size={cfg.train.micro_batch_size // 2}"], world))
+    tries += [(["parallel.auto=true"], world * k) for k in (2, 4, 8)]
+    for extra, n in tries:
+        try:
+            c = load_config(recipe, [*overrides, *extra])
+            r = auto_layout(c, n, GPU_GIB[gpu], gpu, max_plans=2)  # the two fastest of each
+        except ConfigError:
+            continue
+        if r["fits"]:
+            lay = " ".join(f"{k}={v}" for k, v in r["layout"].items() if v > 1) or "one process"
+            return f"{' '.join('--set ' + e for e in extra)} on {n} GPUs fits ({lay}: peak {r['peak_gib']:.1f} GiB)"
+    return "nothing tried fits (auto, full checkpointing, half the micro-batch, up to 8x the GPUs)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -401,10 +487,16 @@ def main(argv: list[str] | None = None) -> int:
             result = auto_layout(cfg, world, GPU_GIB[args.gpu], args.gpu)
         else:
             result = plan(cfg, world, GPU_GIB[args.gpu], args.gpu)
+            if cfg.model.family in perf.load_costs()["families"]:
+                result["prediction"] = perf.predict(cfg, layout_of(vars(cfg.parallel)), args.gpu)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=1) if args.json else table(result))
+    if not result["fits"]:  # a plan that does not fit is a failed plan: say what would
+        print(f"error: {refusal(cfg, result, world)}; nearest that fits: "
+              f"{nearest_fit(args.model, [*GPU_OVERRIDES[args.gpu], *args.set], args.gpu, world)}", file=sys.stderr)
+        return 1
     return 0
 
 

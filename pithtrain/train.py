@@ -214,7 +214,7 @@ def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.
     model = build_model(cfg.model, init=False)  # meta: filled after parallelize (below), on any layout
     model.train()
     use = kernels.configure(t.kernels, device, fp8=t.fp8, fsdp=dims.fsdp_enabled, bf16=dtype == torch.bfloat16,
-                            cp=dims.cp_enabled)
+                            cp=dims.cp_enabled, experts_alone=dims.experts_alone)
     if dims.rank == 0:
         print(kernels.describe(use), flush=True)
     use_kernels(model, use)  # the model's own operators (models/common.py), before parallelize

@@ -14,7 +14,9 @@ Runs (torchrun, NVLink multicast off in every process):
 Each run's last-step pipeline timeline must show what its label says: overlapped all-to-all
 phases on every rank for the overlap runs, none for the others (else FAIL).
 Global batch = micro-batch x grad_accum x batch ranks (fsdp = 2): 4 x 128 x 2 = 1024 sequences.
-Writes OUT/log.txt (every command and its output), OUT/paper.json, and prints a table last.
+Writes OUT/log.txt (every command and its output), OUT/paper.json, and prints a table last, each
+timed run beside the performance model's prediction for its layout (pithtrain/perf.py, on the GPU
+the run found: predicted / measured).
 Published reference: torchtitan's DeepSeek "16B" (the same shape), ~11.6K tokens/s/GPU on 8 x H100.
 """
 
@@ -80,6 +82,22 @@ def summary(name: str, recs: list[dict]) -> dict:
             "finite": all(math.isfinite(r["loss"]) for r in recs)}
 
 
+def prediction(overrides: list[str], smoke: bool) -> float | None:
+    """The performance model's tokens/s per GPU for a run's layout on this machine's GPU (None on
+    CPU or an unknown GPU: nothing to predict)."""
+    import torch
+
+    from pithtrain import perf
+    from pithtrain.config import load_config
+    from pithtrain.plan import auto_layout, gpu_key, layout_of
+    key = gpu_key(torch.cuda.get_device_name()) if torch.cuda.is_available() and not smoke else None
+    if key is None:
+        return None
+    cfg = load_config("deepseek-v2-lite", [*LAYOUT, *overrides])
+    auto_layout(cfg, 8, None, key)  # the sizes LAYOUT leaves to `parallel: auto` (dp, cp), as train.py does
+    return perf.predict(cfg, layout_of(vars(cfg.parallel)), key)["tokens_per_s_per_gpu"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -102,7 +120,7 @@ def main() -> int:
             rows.append({"run": name, "failed": True})
             ok = False
             continue
-        rows.append(summary(name, recs))
+        rows.append({**summary(name, recs), "predicted_per_gpu": prediction(overrides, args.smoke)})
         # what the label says ran: the expert all-to-alls ran under the other micro-batch's
         # compute (DualPipeV with overlap) on every rank, or nowhere (the others)
         n = overlapped_all_to_all(Path(args.out) / "runs" / name)
@@ -116,16 +134,18 @@ def main() -> int:
     if loss_run:  # the loss must fall and stay finite
         ok &= loss_run["finite"] and loss_run["loss_last"] < loss_run["loss_first"]
     (Path(args.out) / "paper.json").write_text(json.dumps({"smoke": args.smoke, "runs": rows}, indent=1))
-    print("| run | steps | tokens/s | tokens/s/GPU | MFU | peak GB per rank | loss first -> last |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| run | steps | tokens/s | tokens/s/GPU | predicted/GPU (ratio) | MFU | peak GB per rank | loss first -> last |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if r.get("failed"):
-            print(f"| {r['run']} | FAILED (log.txt) | | | | | |")
+            print(f"| {r['run']} | FAILED (log.txt) | | | | | | |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         mem = ", ".join(f"{m:.1f}" for m in r["peak_mem_gb_per_rank"] or [])
-        print(f"| {r['run']} | {r['steps']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {mfu} | "
-              f"{mem} | {r['loss_first']:.3f} -> {r['loss_last']:.3f}{'' if r['finite'] else ' (non-finite)'} |")
+        pred = (f"{r['predicted_per_gpu']:.0f} ({r['predicted_per_gpu'] / r['tokens_per_s_per_gpu']:.2f})"
+                if r["predicted_per_gpu"] else "n/a")
+        print(f"| {r['run']} | {r['steps']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {pred} | "
+              f"{mfu} | {mem} | {r['loss_first']:.3f} -> {r['loss_last']:.3f}{'' if r['finite'] else ' (non-finite)'} |")
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

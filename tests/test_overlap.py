@@ -2,8 +2,7 @@
 autograd cut between them (distributed/overlap.py) equal the model's own forward and backward, for
 every family: full backward, input-only + weight backward (B + W), and the interleaved
 forward-backward pair, on CPU; on a GPU (marked) the two-stream overlapped step equals the
-sequential one at full width for the three families (and writes the per-phase costs the pipeline
-cost model reads)."""
+sequential one at full width for the three families."""
 
 import dataclasses
 
@@ -136,7 +135,7 @@ def test_in_place_weight_gradients_match_autograd(family, monkeypatch):
     use_kernels(model, use)  # the reference: the same ops, gradients through autograd
     mbs = [batch(0, model.cfg.vocab_size), batch(1, model.cfg.vocab_size)]
     _, ref = reference(model, mbs)
-    use_kernels(model, {**use, "wgrad": True})
+    use_kernels(model, {**use, "wgrad": True, "wgrad_ends": True})
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     assert all(m.mm.func is wgrad.grouped_mm for m in experts) and model.embed_tokens.lookup is wgrad.embedding
     calls, add = [], wgrad.accumulate
@@ -239,108 +238,20 @@ def test_two_stream_overlapped_step_equals_sequential_on_gpu(family):
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-phase costs at full width (the cost model's input: pithtrain/distributed/schedule.py)
+# Full width on the GPU
 
 FULL = {"deepseek_v2": "deepseek-v2-lite", "qwen3_moe": "qwen3-30b-a3b", "gpt_oss": "gpt-oss-20b"}
 
 
-def phase_costs(model, full_cfg, B, S, reps=3, autocast=None):
-    """Seconds per phase kind ("moe" / "dense": attn, route, ... {"F", "BW"}), each phase timed
-    alone (synchronised before and after) over `reps` runs after one warm-up, median; averaged
-    over the layers of one kind. Plus what the cost model needs of the full model."""
-    import contextlib
-    import statistics
-    import time
-
-    dev = model.lm_head.weight.device
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    x, y = batch(0, model.cfg.vocab_size, dev, B=B, S=S)
-    times = {}
-    for rep in range(reps + 1):
-        with autocast or contextlib.nullcontext():
-            run = overlap.start(overlap.chunk_phases(model, whole_chunk(model), positions(x), y), x)
-            for k in range(len(run.phases)):
-                sync()
-                t0 = time.perf_counter()
-                overlap.forward_phase(run, k)
-                sync()
-                times.setdefault((k, "F"), []).append(time.perf_counter() - t0)
-        run.grads["out"] = torch.ones_like(run.output)
-        for k in reversed(range(len(run.phases))):
-            sync()
-            t0 = time.perf_counter()
-            overlap.backward_phase(run, k)
-            sync()
-            times.setdefault((k, "BW"), []).append(time.perf_counter() - t0)
-    model.zero_grad(set_to_none=True)
-    out = {}
-    for k, ph in enumerate(run.phases):
-        name = ph.name.rstrip("0123456789")
-        if ph.unit is None or name in ("embed", "head"):
-            continue
-        kind = "moe" if hasattr(ph.unit.mlp, "dispatcher") else "dense"
-        for p in ("F", "BW"):
-            out.setdefault(kind, {}).setdefault(name, {}).setdefault(p, []).append(
-                statistics.median(times[(k, p)][1:]))
-    phases = {kind: {n: {p: statistics.mean(v) for p, v in d.items()} for n, d in ph.items()}
-              for kind, ph in out.items()}
-    is_moe = [hasattr(layer.mlp, "dispatcher") for layer in model.layers]
-    moe_layer = model.layers[is_moe.index(True)]
-    dense = sum(p.numel() for n, p in moe_layer.named_parameters() if ".experts." not in f".{n}")
-    full_dense = sum(1 for i in range(full_cfg.num_layers) if not full_cfg.is_moe_layer(i)) \
-        if hasattr(full_cfg, "is_moe_layer") else 0
-    return {"tokens": B * S, "seq_len": S, "phases": phases,
-            "model": {"num_layers": full_cfg.num_layers, "dense_layers": full_dense,
-                      "num_experts": full_cfg.num_experts, "top_k": full_cfg.top_k,
-                      "hidden_size": full_cfg.hidden_size, "dense_params_per_layer": dense}}
-
-
-def test_phase_costs_feed_the_cost_model(tmp_path):
-    """CPU dry run of the GPU measurement on tiny models: the file it writes is what
-    `python -m pithtrain.distributed.schedule simulate` reads, and it predicts a finite step."""
-    import json
-    import subprocess
-    import sys
-
-    data = {"date": "test", "commit": "test", "device": "cpu", "families": {}}
-    for family in sorted(TINY):
-        model = build(family)
-        data["families"][family] = phase_costs(model, model.cfg, B=1, S=8, reps=1)
-        assert {"attn", "route", "dispatch", "experts", "combine", "residual"} == set(
-            data["families"][family]["phases"]["moe"])
-    path = tmp_path / "costs.json"
-    path.write_text(json.dumps(data))
-    for family in sorted(TINY):
-        p = subprocess.run([sys.executable, "-m", "pithtrain.distributed.schedule", "simulate", "--costs",
-                            str(path), "--family", family, "--json"], capture_output=True, text=True, timeout=120)
-        assert p.returncode == 0, p.stderr
-        res = json.loads(p.stdout)
-        assert 0 < res["overlap_on"]["step_s"] <= res["overlap_off"]["step_s"]
-
-
 @pytest.mark.gpu
-def test_full_width_phases_on_two_streams_match_and_write_phase_costs():
+def test_full_width_phases_on_two_streams_match():
     """One GPU, the three families at full width (2 layers: DeepSeek-V2-Lite's dense first layer
     and a MoE layer; two MoE layers for Qwen3-30B-A3B and GPT-OSS-20B, GPT-OSS's sliding and full
     attention): the two-stream F&B step equals the one-stream one (float32, TF32 off; relative
-    error per gradient tensor < 1e-4: the combine's index_add uses atomics on CUDA). Then per-phase
-    times in bf16 (micro-batch 2 x 2048) are written to $PITHTRAIN_PHASE_COSTS (default
-    docs/phase_costs_h200.json) with date, commit and device, for the cost model:
-        python -m pithtrain.distributed.schedule simulate --costs docs/phase_costs_h200.json"""
-    import datetime
-    import json
-    import os
-    import subprocess
-    from pathlib import Path
-
+    error per gradient tensor < 1e-4: the combine's index_add uses atomics on CUDA). The costs the
+    performance model reads are measured on train.py's own path instead: scripts/calibrate.py."""
     from pithtrain.config import load_config
 
-    root = Path(__file__).resolve().parents[1]
-    dest = Path(os.environ.get("PITHTRAIN_PHASE_COSTS", root / "docs" / "phase_costs_h200.json"))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=root).stdout.strip()
-    data = {"date": datetime.date.today().isoformat(), "commit": commit, "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "dtype": "bfloat16", "families": {}}
     dev = torch.device("cuda")
     for family, recipe in FULL.items():
         full = load_config(recipe, []).model
@@ -358,10 +269,5 @@ def test_full_width_phases_on_two_streams_match_and_write_phase_costs():
             err = ((two[n] - seq[n]).norm() / seq[n].norm().clamp_min(1e-30)).item()
             assert err < 1e-4, (family, n, err)
         torch.backends.cuda.matmul.allow_tf32 = True
-        data["families"][family] = phase_costs(model, full, B=2, S=2048,
-                                               autocast=torch.autocast("cuda", dtype=torch.bfloat16))
         del model
         torch.cuda.empty_cache()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"wrote {dest}")

@@ -10,6 +10,7 @@ peak with torch.cuda.max_memory_allocated (within 10%): `python -m pytest -m gpu
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,17 +95,23 @@ def test_fsdp_traffic_before_and_after_policy():
 @pytest.mark.parametrize("recipe,gpu", [("qwen3-30b-a3b", "h100"), ("deepseek-v2-lite", "h100"),
                                         ("gpt-oss-20b", "b200")])
 def test_plan_cli_fits_on_eight_not_on_one(recipe, gpu, capsys):
-    """The shipped recipes (`parallel: auto`) fit on 8 GPUs; the full models do not fit on one."""
+    """The shipped recipes (`parallel: auto`) fit on 8 GPUs; the full models do not fit on one, and
+    then the plan exits 1 naming the nearest setting that fits."""
     for gpus, fits in (("8", True), ("1", False)):
-        assert planner.main(["--model", recipe, "--gpu", gpu, "--gpus", gpus, "--json"]) == 0
-        out = json.loads(capsys.readouterr().out)
+        assert planner.main(["--model", recipe, "--gpu", gpu, "--gpus", gpus, "--json"]) == (0 if fits else 1)
+        cap = capsys.readouterr()
+        out = json.loads(cap.out)
         assert set(out["layout"]) == {"pp", "dp", "fsdp", "cp", "ep"}
         assert out["fits"] is fits and out["gpu_gib"] == planner.GPU_GIB[gpu]
         assert (out["peak_gib"] <= planner.FIT_FRACTION * out["gpu_gib"]) is fits
+        ranked = [c["prediction"]["tokens_per_s_per_gpu"] for c in out["candidates"]]
+        assert ranked == sorted(ranked, reverse=True)
         if fits:
-            assert out["layout"]["fsdp"] * out["layout"]["pp"] == 8 and out["layout"]["ep"] > 1
+            assert out["layout"]["fsdp"] * out["layout"]["pp"] * out["layout"]["dp"] == 8
+            assert out["prediction"]["tokens_per_s_per_gpu"] > 0 and cap.err == ""
         else:
             assert out["peak_gib"] > 100  # params + grads + AdamW alone: 16 B x >= 15.7B parameters
+            assert "does not fit" in cap.err and re.search(r"nearest that fits: --set parallel.auto=true on [248] GPUs fits", cap.err)
 
 
 def test_invoke_plan_prints_the_table():
@@ -122,14 +129,16 @@ def test_invoke_plan_prints_the_table():
 def test_auto_fills_unset_sizes_and_keeps_given_ones():
     cfg = load_config("qwen3-30b-a3b")
     assert cfg.parallel.auto and cfg.parallel.fsdp is None
-    assert planner.auto_layout(cfg, 8, None) is None  # no GPU memory: nothing planned
-    assert [getattr(cfg.parallel, k) for k in ("pp", "dp", "fsdp", "cp", "ep")] == [1, 1, 8, 1, 8]
+    fastest = planner.ranked(cfg, 8, "h200")[0]
+    assert cfg.parallel.fsdp is None  # ranking leaves the recipe's sizes as they were
+    assert planner.auto_layout(cfg, 8, None) is None  # no GPU memory: nothing planned, the fastest taken
+    assert planner.layout_of(vars(cfg.parallel)) == planner.layout_of(fastest)
     cfg = load_config("qwen3-30b-a3b", ["parallel.ep=2", "parallel.cp=2", "train.compile=false"])
     planner.auto_layout(cfg, 8, None)
-    assert [getattr(cfg.parallel, k) for k in ("pp", "dp", "fsdp", "cp", "ep")] == [1, 1, 4, 2, 2]
+    assert [getattr(cfg.parallel, k) for k in ("pp", "dp", "fsdp", "cp", "ep")][3:] == [2, 2]
     cfg = load_config("deepseek-v2-lite", ["parallel.fsdp=4"])  # fsdp given: dp takes the rest
     planner.auto_layout(cfg, 8, None)
-    assert [getattr(cfg.parallel, k) for k in ("pp", "dp", "fsdp", "cp", "ep")] == [1, 2, 4, 1, 4]
+    assert [getattr(cfg.parallel, k) for k in ("pp", "dp", "fsdp")] == [1, 2, 4]
     cfg = load_config("gpt-oss-20b", ["parallel.ep=3"])  # a given size that cannot work
     with pytest.raises(ConfigError, match="parallel: auto found no valid layout"):
         planner.auto_layout(cfg, 8, None)
@@ -147,30 +156,6 @@ def test_auto_yaml_forms(tmp_path):
     assert load_config(None).parallel.fsdp == 1  # without auto an unset size is 1
 
 
-def test_auto_tries_pipeline_stages_only_when_the_plan_needs_them():
-    """DeepSeek-V2-Lite, 4 micro-batches, no checkpointing: FSDP over 8 fits 80 GiB, so no pipeline
-    is planned. On 40 GiB nothing fits: auto plans pp = 1, 2, 4 (3 does not divide 8) and returns
-    the smallest peak with fits false (1F1B's first stage holds pp micro-batches of L/pp layers, as
-    many activations as no pipeline), which train.py then refuses."""
-    seen, real = [], planner.plan
-
-    def spy(cfg, *a, **k):
-        seen.append(cfg.parallel.pp)
-        return real(cfg, *a, **k)
-
-    overrides = ["train.grad_accum=4", "train.activation_checkpoint=none"]
-    try:
-        planner.plan = spy
-        assert planner.auto_layout(load_config("deepseek-v2-lite", overrides), 8, 80.0)["fits"]
-        assert seen == [1]
-        seen.clear()
-        result = planner.auto_layout(load_config("deepseek-v2-lite", overrides), 8, 40.0)
-    finally:
-        planner.plan = real
-    assert seen == [1, 2, 4] and not result["fits"]
-    assert result["layout"]["fsdp"] * result["layout"]["pp"] == 8
-
-
 def test_cuda_launch_refuses_a_plan_that_does_not_fit(monkeypatch, capsys):
     """train.py's check on a (faked) 80 GiB GPU: one process cannot hold Qwen3-30B-A3B; the error is
     one line with the overshoot and what to change; `parallel: auto` on 8 prints its layout."""
@@ -186,7 +171,10 @@ def test_cuda_launch_refuses_a_plan_that_does_not_fit(monkeypatch, capsys):
     assert "parallel: auto" in msg
     cfg = load_config("qwen3-30b-a3b")
     planner.check_launch(cfg, cuda, 8)
-    assert "pithtrain: parallel auto: pp=1 dp=1 fsdp=8 cp=1 ep=8 (memory plan: peak" in capsys.readouterr().out
+    lay = " ".join(f"{k}={getattr(cfg.parallel, k)}" for k in ("pp", "dp", "fsdp", "cp", "ep"))
+    out = capsys.readouterr().out
+    assert f"pithtrain: parallel auto: {lay} (memory plan: peak" in out
+    assert "tokens/s per GPU (pithtrain/perf.py), the fastest of" in out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,14 +195,26 @@ def test_fsdp_modules_carry_the_mixed_precision_policy():
     assert mp_policy(t, torch.device("cuda")).reduce_dtype == torch.float32
     t.reduce_dtype = "bfloat16"
     assert mp_policy(t, torch.device("cuda")).reduce_dtype == torch.bfloat16
-    dims = ParallelDims.from_config(cfg, 2, 0)
-    with planner.fake_world(2, 0):
-        dims.build_meshes("cpu")
-        model = parallelize(build_model(cfg.model, init=False), dims, t, torch.device("cuda"))
-        states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
-        assert len(states) == 1 + 2 * cfg.model.num_layers  # root, each layer, each layer's experts
-        for s in states:
-            assert s._mp_policy.param_dtype == torch.bfloat16 and s._mp_policy.reduce_dtype == torch.bfloat16
+    # fsdp=2 ep=2: each rank's experts are its own (efsdp = edp = 1), so FSDP leaves them out;
+    # fsdp=4 ep=2 shards them over 2 ranks (efsdp = 2): each layer's experts are an FSDP module
+    from pithtrain.models.common import GroupedExperts
+    for world, experts_sharded in ((2, False), (4, True)):
+        cfg = load_config(None, [f"parallel.fsdp={world}", "parallel.ep=2", "train.reduce_dtype=bfloat16"])
+        dims = ParallelDims.from_config(cfg, world, 0)
+        assert dims.experts_alone is not experts_sharded
+        with planner.fake_world(world, 0):
+            dims.build_meshes("cpu")
+            model = parallelize(build_model(cfg.model, init=False), dims, cfg.train, torch.device("cuda"))
+            states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
+            assert len(states) == 1 + (2 if experts_sharded else 1) * cfg.model.num_layers  # root, layers, experts
+            for s in states:
+                assert s._mp_policy.param_dtype == torch.bfloat16 and s._mp_policy.reduce_dtype == torch.bfloat16
+            managed = {id(fp.sharded_param) for s in states if s._fsdp_param_group
+                       for fp in s._fsdp_param_group.fsdp_params}
+            experts = [p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()]
+            assert all((id(p) in managed) is experts_sharded for p in experts)
+            assert all(getattr(m, "outside_fsdp", False) is not experts_sharded
+                       for m in model.modules() if isinstance(m, GroupedExperts))
 
 
 def test_reduce_dtype_without_fsdp_is_an_error():

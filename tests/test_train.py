@@ -150,7 +150,7 @@ def test_bf16_step_weights_are_fsdps_numbers_without_fsdp(tiny_overrides, in_pla
 
         use = {**dict.fromkeys(NAMES, False), "linear_ce": True}
         use_kernels(twin, use)
-        use_kernels(model, {**use, "wgrad": True})
+        use_kernels(model, {**use, "wgrad": True, "wgrad_ends": True})
     g = torch.Generator().manual_seed(1)
     mbs = [(x, x.roll(-1, 1), None, None) for x in torch.randint(0, 250, (3, 4, 64), generator=g)]
     # in place, the LM head's dW / denom is float32 where the twin's autograd rounds it to bf16: a

@@ -171,6 +171,14 @@ class ParallelDims:
     def edp(self) -> int:
         return self.dp * self.fsdp * self.cp // (self.efsdp * self.ep)
 
+    @property
+    def experts_alone(self) -> bool:
+        """Under FSDP, each rank's routed experts are its own: no FSDP shard of them (efsdp = 1)
+        and no replica (edp = 1), e.g. fsdp=8 ep=8. FSDP then leaves them out (parallelize.py):
+        nothing to gather or reduce, and they keep the one-GPU path's bf16 copy and in-place
+        weight gradients."""
+        return self.fsdp_enabled and self.efsdp == 1 and self.edp == 1
+
     # --- coordinates (pure arithmetic; valid before the meshes exist)
 
     @property

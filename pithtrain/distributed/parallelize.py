@@ -15,15 +15,20 @@ Order (each step relies on the previous ones):
                        by their input width, because dim 0 is already split by ep and E/ep need
                        not divide by efsdp; then each decoder layer, then the root (embedding,
                        final norm, LM head), on the dense mesh (dp, fsdp*cp). HSDP: replicated
-                       over dp, sharded over fsdp*cp.
+                       over dp, sharded over fsdp*cp. When each rank's experts are its own
+                       (dims.experts_alone: efsdp = edp = 1, e.g. fsdp=8 ep=8) FSDP leaves them
+                       out (ignored_params): it would gather and reduce-scatter them over one
+                       rank, a cast and two copies per micro-batch; they take the path of one
+                       GPU instead (`bf16_weights`, in-place weight gradients).
 
 Mixed precision (FSDP2 MixedPrecisionPolicy, `mp_policy`): with a bf16 compute dtype (CUDA's
 default) parameters are all-gathered in bf16 and gradients reduce-scattered in `train.reduce_dtype`
 (float32 by default); the sharded parameters FSDP keeps, and so AdamW's master weights and
 moments, stay float32. Half the all-gather bytes of a float32 gather, and no autocast copies of
 the gathered weights held for backward. float32 compute (CPU, parity tests) gathers float32.
-Without FSDP the same numbers come from `bf16_weights` (one bf16 copy per optimizer step, float32
-gradient accumulation), which the train step enters around its micro-batches.
+Without FSDP (and for experts FSDP leaves out) the same numbers come from `bf16_weights` (one bf16
+copy per optimizer step, float32 gradient accumulation), which the train step enters around its
+micro-batches.
 
 Gradient reduction is a SUM (divide factor 1): the trainer divides the loss by the global target
 count, so summing every rank's gradient gives the single-process gradient. Experts need this:
@@ -48,7 +53,7 @@ from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
 from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.models import to_empty
 from pithtrain.models.balance import Balance
-from pithtrain.models.common import GroupedExperts, Rotary, decoder_layers
+from pithtrain.models.common import GroupedExperts, Rotary, _local, decoder_layers
 from pithtrain.models.init import init_block_seeded, model_blocks
 
 
@@ -95,10 +100,11 @@ def mp_policy(train_cfg, device: torch.device) -> MixedPrecisionPolicy:
 
 
 def uses_bf16_weights(dims: ParallelDims, autocast) -> bool:
-    """bf16 autocast without FSDP (one GPU, or pipeline stages alone: ep and cp imply FSDP): the
-    step's weights come from `bf16_weights`; under FSDP its MixedPrecisionPolicy gathers them in
-    bf16 itself."""
-    return isinstance(autocast, torch.autocast) and autocast.fast_dtype == torch.bfloat16 and not dims.fsdp_enabled
+    """bf16 autocast without FSDP (one GPU, or pipeline stages alone: ep and cp imply FSDP), or with
+    experts FSDP leaves out (dims.experts_alone): those weights come from `bf16_weights`; FSDP's
+    MixedPrecisionPolicy gathers the rest in bf16 itself."""
+    return (isinstance(autocast, torch.autocast) and autocast.fast_dtype == torch.bfloat16
+            and (not dims.fsdp_enabled or dims.experts_alone))
 
 
 @contextlib.contextmanager
@@ -122,19 +128,20 @@ def bf16_weights(model: nn.Module, on: bool = True):
     if not on:
         yield
         return
+    fsdp = isinstance(model, FSDPModule)  # then only the experts FSDP left out (apply_fsdp)
     slots = [(mod, name, p) for mod in model.modules() for name, p in mod._parameters.items()
-             if p is not None and p.dtype == torch.float32]
+             if p is not None and p.dtype == torch.float32 and (not fsdp or getattr(mod, "outside_fsdp", False))]
     for _, _, p in slots:  # tied parameters share one copy
-        b = getattr(p, "bf16", None)
-        if (b is None or b.shape != p.shape or b.device != p.device or b.requires_grad != p.requires_grad
+        b, local = getattr(p, "bf16", None), _local(p)  # a DTensor master (experts): its local block
+        if (b is None or b.shape != local.shape or b.device != p.device or b.requires_grad != p.requires_grad
                 or b.master() is not p):
-            b = p.bf16 = nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
+            b = p.bf16 = nn.Parameter(local.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
             b.master = weakref.ref(p)  # where _into_master, and kernels/wgrad.py directly, add its gradients
             if p.requires_grad:
                 b.register_post_accumulate_grad_hook(_into_master)
         elif getattr(p, "bf16_written", None) != (p._version, p.data_ptr()):
             with torch.no_grad():
-                b.copy_(p)
+                b.copy_(local)
         p.bf16_written = (p._version, p.data_ptr())  # current: a tied parameter's second slot casts nothing
     for mod, name, p in slots:
         mod._parameters[name] = p.bf16
@@ -150,9 +157,12 @@ def _into_master(b: torch.Tensor) -> None:
         return
     master = b.master()
     if master.grad is None:
-        master.grad = b.grad.to(master.dtype)
+        g = b.grad.to(master.dtype)
+        master.grad = (DTensor.from_local(g, master.device_mesh, master.placements, run_check=False,
+                                          shape=master.shape, stride=master.stride())
+                       if isinstance(master, DTensor) else g)
     else:
-        master.grad.add_(b.grad)
+        _local(master.grad).add_(b.grad)
     b.grad = None
 
 
@@ -168,11 +178,16 @@ def shard_experts(experts: GroupedExperts, dims: ParallelDims):
 def apply_fsdp(model: nn.Module, dims: ParallelDims, mp: MixedPrecisionPolicy):
     dense_mesh = dims.dense_mesh  # (dp, fsdp_cp): HSDP, a size-1 dp replicates nothing
     expert_mesh = dims.expert_mesh["edp", "efsdp"]
+    alone = set()  # experts FSDP leaves out (dims.experts_alone): their own rank's, whole
     for layer in decoder_layers(model):
         for m in moe_blocks(layer):
-            fully_shard(m.experts, mesh=expert_mesh, shard_placement_fn=lambda p: Shard(1), mp_policy=mp)
-        fully_shard(layer, mesh=dense_mesh, mp_policy=mp)
-    fully_shard(model, mesh=dense_mesh, mp_policy=mp)
+            if dims.experts_alone:
+                m.experts.outside_fsdp = True  # bf16_weights gives them their bf16 copy
+                alone |= set(m.experts.parameters())
+            else:
+                fully_shard(m.experts, mesh=expert_mesh, shard_placement_fn=lambda p: Shard(1), mp_policy=mp)
+        fully_shard(layer, mesh=dense_mesh, mp_policy=mp, ignored_params=alone & set(layer.parameters()))
+    fully_shard(model, mesh=dense_mesh, mp_policy=mp, ignored_params=alone)
     gloo = dist.get_backend() == "gloo"
     for m in model.modules():
         if isinstance(m, FSDPModule):

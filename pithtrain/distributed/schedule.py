@@ -2,7 +2,6 @@
 the overlap cost model (the executor that runs the lists is pipeline.py).
 
     python -m pithtrain.distributed.schedule dualpipev 4 8            # print a schedule and its bubble
-    python -m pithtrain.distributed.schedule simulate --costs docs/phase_costs_h200.json   # predict
 
 1. Partitioning. The layer stack is cut into V virtual stages. 1F1B: V = pp, rank r holds stage r.
    DualPipeV: V = 2 pp in a V shape, rank r holds chunk 0 = stage r and chunk 1 = stage 2pp-1-r, so
@@ -50,19 +49,12 @@ the overlap cost model (the executor that runs the lists is pipeline.py).
    the executor drives each layer's gathers and defers its reduce-scatter to W (overlap.py), so
    the B/W split and the overlap hold in pp x fsdp x ep and pp x dp x ep too.
 
-3. The cost model (`predict`, the `simulate` command): per-phase costs of one full-width layer
-   (measured on a GPU: tests/test_overlap.py's GPU test writes them) and link bandwidths give the
-   F, B, W and F&B costs of a chunk, with the expert all-to-all and FSDP's gathers as transfer
-   time; `simulate` replays the schedule with them and gives step time and tokens/s with the
-   overlap on (an F&B pair costs the larger of its compute and its communication) and off (their
-   sum). See `predict` for what it leaves out.
+The performance model (pithtrain/perf.py) runs `simulate` with measured chunk costs: the F, B, W
+and F&B of a layout's chunks, communication included, give its pipeline step and bubble.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import sys
 from dataclasses import dataclass
 
@@ -320,14 +312,23 @@ def format_schedule(sched: list[list[Op]], comm: bool = False) -> str:
 
 def simulate(sched: list[list[Op]], schedule: str, F=1.0, B=1.0, W=1.0, FB=None):
     """Replay the compute ops with costs F, B, W per chunk (BW = B + W; FB = F + B + W unless
-    given). Returns (makespan, per-rank busy time, per-rank op timeline [(op, start, end)]).
-    Raises if the lists deadlock (an op waits on one that can never run)."""
+    given). Each cost is one number, or a list indexed by virtual stage (FB then a function of
+    the forward's and the backward's stages). Returns (makespan, per-rank busy time, per-rank op
+    timeline [(op, start, end)]). Raises if the lists deadlock (an op waits on one that can never run)."""
     pp = len(sched)
-    FB = F + B + W if FB is None else FB
-    cost = {"F": F, "B": B, "W": W, "BW": B + W, "FB": FB}
     V = num_virtual_stages(pp, schedule)
+    F, B, W = ([x] * V if not isinstance(x, list) else x for x in (F, B, W))
+    pair = FB if callable(FB) else None
+
+    def cost(op, st):
+        v = st[op.chunk]
+        if op.kind != "FB":
+            return {"F": F[v], "B": B[v], "W": W[v], "BW": B[v] + W[v]}[op.kind]
+        vb = st[op.b_chunk]
+        return pair(v, vb) if pair else F[v] + B[vb] + W[vb] if FB is None else FB  # None: nothing overlaps
+    kinds = ("F", "B", "W", "BW", "FB")
     f_done, b_done = {}, {}  # (virtual stage, mb) -> end time
-    ops = [[o for o in s if o.kind in cost] for s in sched]
+    ops = [[o for o in s if o.kind in kinds] for s in sched]
     pos, clock, busy = [0] * pp, [0.0] * pp, [0.0] * pp
     timeline = [[] for _ in range(pp)]
 
@@ -352,15 +353,15 @@ def simulate(sched: list[list[Op]], schedule: str, F=1.0, B=1.0, W=1.0, FB=None)
                 if t is None:
                     break
                 start = max(clock[r], t)
-                end = start + cost[op.kind]
                 st = rank_stages(r, pp, schedule)
+                end = start + cost(op, st)
                 if op.kind in ("F", "FB"):
                     f_done[(st[op.chunk], op.mb)] = end
                 if op.kind in ("B", "BW"):
                     b_done[(st[op.chunk], op.mb)] = end
                 if op.kind == "FB":
                     b_done[(st[op.b_chunk], op.b_mb)] = end
-                clock[r], busy[r] = end, busy[r] + cost[op.kind]
+                clock[r], busy[r] = end, busy[r] + end - start
                 timeline[r].append((op, start, end))
                 pos[r] += 1
                 progress = True
@@ -379,151 +380,7 @@ def bubble_formula(schedule: str, pp: int, F=1.0, B=1.0, W=1.0, FB=None) -> floa
     return (pp - 1) * (FB + (B + W) - 3 * W)
 
 
-# ---------------------------------------------------------------------------------------------
-# Cost model: measured per-phase costs + link bandwidths -> step time and tokens/s
-
-
-@dataclass
-class Layout:
-    """What the cost model needs to know about a run (defaults: the paper configuration,
-    DeepSeek-V2-Lite on 8 GPUs, pp=4 x fsdp=2 x ep=2, sequence 2048, global batch 1024)."""
-    family: str = "deepseek_v2"
-    pp: int = 4
-    dp: int = 1
-    fsdp: int = 2
-    ep: int = 2
-    seq_len: int = 2048
-    micro_batch: int = 4
-    global_batch: int = 1024
-    gpus_per_node: int = 8
-    nvlink_gbs: float = 450.0  # GB/s one way per GPU (H200 NVLink 4: 900 GB/s both ways)
-    ib_gbs: float = 50.0  # GB/s per GPU (one 400 Gb/s NDR HCA per GPU)
-    efficiency: float = 0.7  # fraction of link bandwidth a collective of this size reaches
-    latency_us: float = 20.0  # per collective
-    schedule: str = "dualpipev"
-
-    @property
-    def world(self) -> int:
-        return self.pp * self.dp * self.fsdp
-
-    @property
-    def grad_accum(self) -> int:
-        return self.global_batch // (self.micro_batch * self.dp * self.fsdp)
-
-
-def _link(layout: Layout, span: int) -> float:
-    """Bytes/s of a collective over `span` consecutive ranks (row-major layout: within a node
-    when it fits in one)."""
-    gbs = layout.nvlink_gbs if span <= layout.gpus_per_node else layout.ib_gbs
-    return gbs * 1e9 * layout.efficiency
-
-
-def remote_rows_per_token(E: int, k: int, ep: int) -> float:
-    """Deduplicated rows a token sends to other ep ranks, routing uniform over E experts: each
-    other rank receives one row when it holds at least one of the token's k experts."""
-    if ep == 1:
-        return 0.0
-    miss = math.comb(E - E // ep, k) / math.comb(E, k)
-    return (ep - 1) * (1 - miss)
-
-
-def chunk_costs(costs: dict, layout: Layout, ep_span: int | None = None) -> dict:
-    """F, B, W of one chunk (a rank's half: num_layers / (2 pp) layers) and the compute and
-    communication parts of its F and of its full backward, in seconds. `costs` is one family's
-    entry of the phase-cost file: per phase kind ("moe": attn/route/dispatch/experts/combine/
-    residual; "dense": attn/mlp) {"F": s, "BW": s} measured at `tokens`, scaled linearly to this
-    micro-batch's tokens; the all-to-all is added as transfer time (dispatch rows: D + top_k
-    values in float32, as the dispatcher sends them; combine rows: D in bf16), the input-gradient
-    part of a backward is taken as half of it (the weight-gradient W the other half)."""
-    T = layout.micro_batch * layout.seq_len
-    scale = T / costs["tokens"]
-    m = costs["model"]
-    n_layers, n_dense = m["num_layers"], m["dense_layers"]
-    per_chunk = n_layers / (2 * layout.pp if layout.schedule == "dualpipev" else layout.pp)
-    dense_frac = n_dense / n_layers
-    span = ep_span if ep_span is not None else layout.ep
-    rows = T * remote_rows_per_token(m["num_experts"], m["top_k"], layout.ep)
-    a2a = (rows * (m["hidden_size"] + m["top_k"]) * 4 + rows * m["hidden_size"] * 2) / _link(layout, span) \
-        + 2 * layout.latency_us * 1e-6
-    # FSDP: each layer's dense share is gathered before its forward and its backward and
-    # reduce-scattered after W (fp32), over the stage's fsdp ranks; prefetched under compute.
-    fsdp_bytes = 4 * m["dense_params_per_layer"] * (layout.fsdp - 1) / layout.fsdp
-    fsdp = 3 * fsdp_bytes / _link(layout, layout.dp * layout.fsdp)
-
-    def kind_costs(kind):
-        ph = costs["phases"][kind]
-        comp_f = sum(v["F"] for name, v in ph.items() if name not in ("dispatch", "combine")) * scale
-        local_f = sum(v["F"] for name, v in ph.items() if name in ("dispatch", "combine")) * scale
-        comp_bw = sum(v["BW"] for name, v in ph.items()) * scale
-        return comp_f + local_f, comp_bw, a2a if kind == "moe" else 0.0
-
-    moe = kind_costs("moe")
-    dense = kind_costs("dense") if n_dense else (0.0, 0.0, 0.0)
-    mix = [(1 - dense_frac) * a + dense_frac * b for a, b in zip(moe, dense)]
-    comp_f, comp_bw, comm = (per_chunk * v for v in mix)
-    comm_f = comm  # the all-to-alls of the forward; the backward runs the same two in reverse
-    exposed = max(0.0, per_chunk * fsdp - (comp_f + comp_bw))  # what prefetch cannot hide
-    return {"F": comp_f + comm_f, "B": comp_bw / 2 + comm_f, "W": comp_bw / 2 + exposed,
-            "compute_F": comp_f, "compute_BW": comp_bw, "comm_F": comm_f, "comm_BW": comm_f,
-            "fsdp_exposed": exposed}
-
-
-def predict(costs: dict, layout: Layout, ep_span: int | None = None) -> dict:
-    """Step time and tokens/s with the overlap on and off. Left out (why the prediction is an
-    estimate, README "Pipeline"): the optimizer step, the pipeline's point-to-point transfers
-    (activations of one micro-batch: ~T x D x 4 bytes per hop, small next to a chunk), kernel
-    contention between the two streams (on: communication is taken as fully hidden under the
-    other micro-batch's compute when it is shorter), routing imbalance (uniform routing assumed),
-    and the first-layer/last-layer chunks' embedding and head."""
-    c = chunk_costs(costs, layout, ep_span)
-    sched = build_schedule(layout.schedule, layout.pp, layout.grad_accum)
-    out = {"layout": layout.__dict__, "chunk": c}
-    for name, overlap in (("overlap_on", True), ("overlap_off", False)):
-        comp = c["compute_F"] + c["compute_BW"]
-        comm = c["comm_F"] + c["comm_BW"]
-        # an F&B pair: its communication under its compute (two streams), or after it
-        fb = (max(comp, comm) if overlap else comp + comm) + c["fsdp_exposed"]
-        makespan, _, _ = simulate(sched, layout.schedule, c["F"], c["B"], c["W"], fb)
-        tokens = layout.global_batch * layout.seq_len
-        out[name] = {"step_s": makespan, "tokens_per_s": tokens / makespan,
-                     "tokens_per_s_per_gpu": tokens / makespan / layout.world}
-    return out
-
-
-def _simulate_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pithtrain.distributed.schedule simulate",
-                                 description="Predict step time and tokens/s from measured per-phase costs.")
-    ap.add_argument("--costs", required=True, help="per-phase cost JSON (tests/test_overlap.py's GPU test)")
-    for f in Layout.__dataclass_fields__.values():
-        ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
-    ap.add_argument("--ep-span", type=int, default=None,
-                    help="ranks the all-to-all spans (default ep); > gpus-per-node puts it on IB")
-    ap.add_argument("--json", action="store_true", help="print the whole prediction as JSON")
-    args = vars(ap.parse_args(argv))
-    data = json.loads(open(args.pop("costs")).read())
-    ep_span, as_json = args.pop("ep_span"), args.pop("json")
-    layout = Layout(**args)
-    if layout.family not in data["families"]:
-        print(f"error: {layout.family!r} not in the cost file (has {sorted(data['families'])})", file=sys.stderr)
-        return 2
-    res = predict(data["families"][layout.family], layout, ep_span)
-    if as_json:
-        print(json.dumps(res, indent=1))
-        return 0
-    print(f"{layout.family}: pp={layout.pp} x dp={layout.dp} x fsdp={layout.fsdp} x ep={layout.ep} on "
-          f"{layout.world} GPUs, seq {layout.seq_len}, global batch {layout.global_batch} "
-          f"({layout.grad_accum} micro-batches of {layout.micro_batch}); costs from {data.get('device')} "
-          f"at {data.get('commit')} ({data.get('date')})")
-    for name in ("overlap_on", "overlap_off"):
-        r = res[name]
-        print(f"  {name:<12} step {r['step_s']:.2f} s   {r['tokens_per_s']:,.0f} tokens/s   "
-              f"{r['tokens_per_s_per_gpu']:,.0f} per GPU")
-    return 0
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["simulate"]:
-        sys.exit(_simulate_main(sys.argv[2:]))
     name, pp_, m_ = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     s_ = build_schedule(name, pp_, m_)
     print(format_schedule(s_, comm="--comm" in sys.argv))

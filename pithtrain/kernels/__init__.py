@@ -11,9 +11,9 @@
 | causal attention incl. window + sinks and documents (varlen), in bf16 / fp16 | `fa4.py` (flash-attn-4 where installed, Hopper+) | the two rows above |
 | blockwise FP8 expert GEMMs (`train.fp8`) | `deepgemm.py` (DeepGEMM's FP8 grouped GEMMs, Hopper, where installed); else `fp8.py` (Triton quantisation + scaled grouped GEMMs) | `fp8_linear.py` (autograd, weight cache, dequantise + fp32 matmul); `deepgemm.REFERENCE` |
 | AdamW (the optimizer step) | `adamw.py` (one Triton pass per parameter) | `torch.optim.AdamW(fused=True)` |
-| weight gradients over micro-batches (experts, embedding, LM head) | `wgrad.py` (added in place: `wgrad_triton.py`'s k-grouped GEMM, the embedding's rows, the head's scaled dW) | autograd's gradient + `add_` |
+| weight gradients over micro-batches (experts: `wgrad`; embedding, LM head: `wgrad_ends`) | `wgrad.py` (added in place: `wgrad_triton.py`'s k-grouped GEMM, the embedding's rows, the head's scaled dW) | autograd's gradient + `add_` |
 
-The policy is here, the choice lives in the model. `configure(mode, device, fp8, off, fsdp, bf16, cp)` returns which
+The policy is here, the choice lives in the model. `configure(mode, device, fp8, off, fsdp, bf16, cp, experts_alone)` returns which
 operators a run uses (name -> on) from the recipe's `train.kernels` ("auto": every fused operator
 whose requirements are met; "torch": none) and what is installed; `describe(use)` is the line the
 trainer and the bench print at start-up. `models.common.use_kernels(model, use)` then resolves the
@@ -59,21 +59,23 @@ FP8_MAX = 448.0
 BLOCK = 128  # scale block: 1 x BLOCK for activations, BLOCK x BLOCK for weights
 
 NAMES = ("swiglu", "permute", "expert_bias", "linear_ce", "flex", "cudnn_sdpa", "fa4", "fp8", "deepgemm", "adamw",
-         "wgrad")
+         "wgrad", "wgrad_ends")
 
 
 def configure(mode: str = "auto", device: torch.device | str = "cuda", fp8: bool = False,
-              off: tuple = (), fsdp: bool = False, bf16: bool = True, cp: bool = False) -> dict:
+              off: tuple = (), fsdp: bool = False, bf16: bool = True, cp: bool = False,
+              experts_alone: bool = False) -> dict:
     """The operators a run uses (name -> on): mode "auto" (fastest available) or "torch"
     (references); `off` names operators to keep on their reference (the bench's `no-NAME`).
     `fp8` (train.fp8) routes the routed experts' GEMMs through FP8; the trainer has already refused
     it where it cannot run (train.check_runnable). They run on DeepGEMM (`deepgemm`: deep_gemm
     loadable, a Hopper GPU; Blackwell's path is coded but untested, so off there) or else on
-    fp8_linear's Triton kernels. `wgrad` needs bf16 compute (`bf16`), a Hopper or later GPU (its
-    kernel loads through TMA) and a gradient that outlives the micro-batch: not under FSDP (`fsdp`),
-    which reduces and frees it after each one, nor with the Triton FP8 experts (their own weight
-    gradient; the embedding's and LM head's in-place gradients, which ride on the same switch, are
-    then off too); DeepGEMM's FP8 experts take it. `fa4` needs flash-attn-4 installed, a Hopper
+    fp8_linear's Triton kernels. `wgrad` (the experts' in-place weight gradient) needs bf16 compute
+    (`bf16`), a Hopper or later GPU (its kernel loads through TMA) and a gradient that outlives the
+    micro-batch: not under FSDP (`fsdp`), which reduces and frees it after each one, unless FSDP
+    leaves the experts out (`experts_alone`: parallel_dims.experts_alone), nor with the Triton FP8
+    experts (their own weight gradient); DeepGEMM's FP8 experts take it. `wgrad_ends` (the
+    embedding's and LM head's) rides on it, and never under FSDP, which owns their gradients. `fa4` needs flash-attn-4 installed, a Hopper
     or later GPU and bf16 compute (its kernels' dtypes; float32 runs take SDPA / FlexAttention, and
     the rotary then makes no document starts). Under
     context parallel (`cp`) its own attention replaces the model's, so the attention kernels (flex,
@@ -89,10 +91,12 @@ def configure(mode: str = "auto", device: torch.device | str = "cuda", fp8: bool
     use = dict(swiglu=triton_ok, permute=triton_ok, expert_bias=triton_ok, linear_ce=auto, flex=attn,
                cudnn_sdpa=attn and torch.backends.cudnn.is_available(), fa4=attn and hopper and HAVE_FA4 and bf16,
                fp8=fp8, deepgemm=fp8 and triton_ok and sm90 and "deepgemm" not in off and _deepgemm(),
-               adamw=triton_ok, wgrad=triton_ok and bf16 and not fsdp and hopper)
+               adamw=triton_ok, wgrad=triton_ok and bf16 and (not fsdp or experts_alone) and hopper,
+               wgrad_ends=not fsdp)
     use = {k: v and k not in off for k, v in use.items()}
     use["deepgemm"] = use["deepgemm"] and use["fp8"]  # (the bench's no-fp8)
     use["wgrad"] = use["wgrad"] and (not use["fp8"] or use["deepgemm"])
+    use["wgrad_ends"] = use["wgrad_ends"] and use["wgrad"]
     return use
 
 

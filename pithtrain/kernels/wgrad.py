@@ -29,7 +29,8 @@ in a .backward() that will accumulate the weight's gradient: the pipeline's inpu
 (DualPipeV's B: autograd.grad w.r.t. the phase's inputs, which may be leaves) computes no weight
 gradient and leaves .grad alone, its weight pass (.backward(inputs=params)) computes no input
 gradient, and autograd.grad w.r.t. the weight returns it as usual. Under FSDP (sharded DTensor
-gradients) nothing applies: kernels.configure turns `wgrad` off there. References:
+gradients) only the experts FSDP leaves out take it (their master is a DTensor over the ep mesh:
+the op writes its local block; kernels.configure keeps the embedding's and head's off there). References:
 models.common.grouped_mm (autograd of F.grouped_mm), F.embedding, linear_ce's own backward;
 tests/test_kernels_gpu.py, tests/test_overlap.py.
 """
@@ -39,6 +40,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.autograd.graph import get_gradient_edge
+from torch.distributed.tensor import DTensor
 
 try:
     from pithtrain.kernels.wgrad_triton import add_kgrouped
@@ -91,12 +93,19 @@ def target(w: torch.Tensor, acc_node) -> tuple[torch.Tensor | None, bool]:
     except RuntimeError:  # autograd.grad(): the gradient is returned, .grad stays untouched
         return None, False
     p = owner(w)
+    dtensor = isinstance(p, DTensor)  # experts FSDP leaves out: the master's local block is w's
     g = p.grad
     if g is None:
-        if p is w or type(p) is not torch.nn.Parameter or p.device != w.device:
+        if p is w or (type(p) is not torch.nn.Parameter and not dtensor) or p.device != w.device:
             return None, False
+        if dtensor:
+            local = torch.empty_like(p.to_local(), memory_format=torch.contiguous_format)
+            p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                        stride=p.stride())
+            return local, True
         p.grad = torch.empty_like(p, memory_format=torch.contiguous_format)
         return p.grad, True
+    g = g.to_local() if dtensor and isinstance(g, DTensor) else g
     ok = (type(g) is torch.Tensor and g.device == w.device and g.is_contiguous() and g.shape == w.shape
           and g.dtype in (torch.float32, torch.bfloat16))
     return (g, False) if ok else (None, False)

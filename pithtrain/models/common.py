@@ -619,11 +619,11 @@ def use_kernels(model: nn.Module, use: dict) -> nn.Module:
     model.rotary.flex, model.rotary.fa4 = flex, use["fa4"]
     bound = functools.partial(attention, sdpa_first=SDPA_CUDNN_FIRST if use["cudnn_sdpa"] else None, flex=flex,
                               fa4=use["fa4"])
-    model.cross_entropy = functools.partial(cross_entropy_sum, fused=use["linear_ce"], in_place=use["wgrad"])
+    model.cross_entropy = functools.partial(cross_entropy_sum, fused=use["linear_ce"], in_place=use["wgrad_ends"])
     for m in model.modules():
         if isinstance(m, Embedding):
             from pithtrain.kernels import wgrad
-            m.lookup = wgrad.embedding if use["wgrad"] else F.embedding
+            m.lookup = wgrad.embedding if use["wgrad_ends"] else F.embedding
         call = getattr(m, "attention", None)
         if attention in (call, getattr(call, "func", None)):  # not context parallel's
             m.attention = bound

@@ -1,0 +1,303 @@
+"""The performance model: a layout's step time and tokens/s per GPU, from costs one GPU measured.
+
+    invoke plan --model qwen3-30b-a3b --gpu h100 --gpus 8      # the layouts that fit, fastest first
+    python scripts/calibrate.py --models qwen3-30b-a3b           # measure its costs again (one H200 call)
+
+Measured (the cost file, written by scripts/calibrate.py on the path `invoke train` runs: fused
+kernels, compiled graphs, float32 masters), per family and path, at the recipe's tokens per
+micro-batch:
+    paths          "train": no FSDP (one GPU, pipeline stages alone): the bf16 copy of the weights
+                   and in-place weight gradients; "fsdp": FSDP2 on a one-rank mesh with the
+                   expert-parallel dispatcher (its casts, gathers and reduce-scatters as copies),
+                   the experts left out of FSDP as when each rank's are its own (efsdp = edp = 1);
+                   "fsdp_sharded": the same with the experts inside FSDP (layouts that shard or
+                   replicate them); "bench": bf16 parameters, the bench's comparison
+    layers[kind]   seconds of one decoder layer's forward and backward, for the first micro-batch
+                   of a step and for later ones, and the forward's share by phase (kinds "dense",
+                   "moe"; GPT-OSS "moe_window" and "moe_full"); layer_flops, head_flops: the
+                   calibrated model's forward FLOPs per token (another width scales by them)
+    embed, head    forward and backward seconds (head: final norm, LM head and loss)
+    tail_per_param the step after the last backward (norm, clip, AdamW, balancing) per parameter
+    experts        the experts phase alone with E/ep experts and tokens x top_k rows, ep = 1, 2, 4,
+                   8: forward and backward seconds, bf16 and FP8 (experts_fp8)
+    balance        the calibration's routing: max / mean load of an ep group's experts, and the
+                   deduplicated rows a token sends to other ranks
+
+Modelled on top of it (`predict`):
+    compute        each layer at its tokens per micro-batch (T = micro-batch x seq / cp), linear in
+                   T; the experts phase moved along the measured ep curve and slowed by the group
+                   imbalance (the slowest rank sets the pace); activation checkpointing adds the
+                   layer's forward (full) or its MLP part (selective) to its backward. Another GPU
+                   than the calibration's: the part of a phase its FLOPs at GEMM_EFFICIENCY of the
+                   peak explain scales with the peak, the rest with memory bandwidth.
+    collectives    the bytes the code sends, over GPUS' links at LINK_EFFICIENCY plus ALPHA per
+                   call: FSDP2's all-gathers (bf16, before forward and again before backward) and
+                   reduce-scatters (train.reduce_dtype) of every layer and micro-batch, hidden
+                   under the layer's compute (FSDP prefetches the next layer) but for what exceeds
+                   it; HSDP's all-reduce over dp; the deduplicated all-to-all (a row of D + top_k
+                   bf16 values and its ids, D values back; the same again in backward), exposed,
+                   or under the other micro-batch's compute in DualPipeV's overlapped F&B pairs;
+                   pipeline sends (T x D bf16 per hop); context parallel's K/V gathers
+    pipeline       schedule.simulate over the op lists with these chunk costs (so the bubble), the
+                   backward split into B and W by the weight-gradient share of its FLOPs
+Left out: the pipeline executor's own per-phase autograd cost, two streams contending for SMs,
+NCCL kernels' SMs, stragglers, data loading, checkpoint saves. docs/parallelism.md says where the
+model was checked against a measurement and how far off it was.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from pithtrain.distributed.schedule import build_schedule, num_virtual_stages, rank_stages, simulate, split_layers
+
+COSTS = Path(__file__).resolve().parent / "costs_h200.json"  # scripts/calibrate.py writes it
+# Per GPU: dense bf16 peak (TFLOP/s), HBM bandwidth (TB/s), NVLink and network line rate per GPU
+# and direction (GB/s), GPUs per node. Datasheets: H100 SXM 989 / 3.35 / NVLink 4 450; H200 989 /
+# 4.8 / 450; B200 2250 / 8.0 / NVLink 5 900 (B300: the same dense bf16); one 400 Gb/s HCA per GPU.
+GPUS = {"h100": (989.0, 3.35, 450.0, 50.0, 8), "h200": (989.0, 4.8, 450.0, 50.0, 8),
+        "b200": (2250.0, 8.0, 900.0, 50.0, 8), "b300": (2250.0, 8.0, 900.0, 50.0, 8)}
+# NCCL reaches ~370 of NVLink 4's 450 GB/s in all-gather, reduce-scatter and all-to-all (NCCL's
+# maintainers in NVIDIA/nccl-tests#212) and 46-48 of an NDR HCA's 50 GB/s (NVIDIA/nccl-tests#290).
+LINK_EFFICIENCY = {"nvlink": 0.82, "ib": 0.92}
+ALPHA = {"nvlink": 15e-6, "ib": 30e-6}  # seconds per collective (NCCL's small-message latency)
+GEMM_EFFICIENCY = 0.744  # the bf16 8192^3 GEMM on the H200: 736 of 989 TFLOP/s (docs/bench.md)
+
+
+def load_costs(path: str | Path = COSTS) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# The model's shape, layer by layer
+
+
+def layer_kind(m, i: int) -> str:
+    """The cost file's layer kind of layer i: "dense", "moe", or GPT-OSS's "moe_window" / "moe_full"."""
+    if hasattr(m, "is_moe_layer") and not m.is_moe_layer(i):
+        return "dense"
+    if m.family == "gpt_oss":
+        return "moe_window" if m.attention_shapes(i)[0] else "moe_full"
+    return "moe"
+
+
+def expert_params(m, i: int) -> int:
+    """Routed-expert matmul parameters of layer i (0 for a dense layer): E x 3 x D x F."""
+    if layer_kind(m, i) == "dense":
+        return 0
+    return m.num_experts * 3 * m.hidden_size * getattr(m, m.expert_width_field)
+
+
+def layer_flops(m, i: int, seq: int) -> tuple[float, float]:
+    """(forward FLOPs per token of layer i, W / (B + W) of its backward): a linear's backward is
+    two GEMMs of its forward's size, one the weight gradient; attention scores have no weights and
+    cost about 2.5x their forward."""
+    _, active = m.layer_params(i)
+    window, d_qk, d_v, heads = m.attention_shapes(i)
+    keys = min(window, seq) if window else seq / 2
+    scores = 2 * keys * (d_qk + d_v) * heads
+    return 2 * active + scores, 2 * active / (4 * active + 2.5 * scores)
+
+
+def local_params(cfg, lay: dict) -> float:
+    """Parameters one rank holds (its optimizer's share): dense ones over fsdp x cp, routed experts
+    over ep x efsdp, a pipeline stage's share of the layers."""
+    m = cfg.model
+    shard = lay["fsdp"] * lay["cp"]
+    efsdp = shard // lay["ep"] if shard % lay["ep"] == 0 else 1
+    dense, experts = 2 * m.vocab_size * m.hidden_size, 0
+    for i in range(m.num_layers):
+        ex = expert_params(m, i)
+        dense, experts = dense + m.layer_params(i)[0] - ex, experts + ex
+    return (dense / shard + experts / (lay["ep"] * efsdp)) / lay["pp"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives and another GPU
+
+
+def link(gpu: str, span: int) -> tuple[float, float]:
+    """(bytes/s, seconds per call) of a collective over `span` consecutive ranks: NVLink inside a
+    node, the network once it spans nodes."""
+    _, _, nvlink, ib, per_node = GPUS[gpu]
+    kind = "nvlink" if span <= per_node else "ib"
+    return (nvlink if kind == "nvlink" else ib) * 1e9 * LINK_EFFICIENCY[kind], ALPHA[kind]
+
+
+def ring_time(gpu: str, nbytes: float, ranks: int, span: int) -> float:
+    """An all-gather or reduce-scatter of an `nbytes` unsharded buffer over `ranks` ranks spread
+    over `span` consecutive ones: each rank sends (ranks - 1) / ranks of it."""
+    if ranks <= 1:
+        return 0.0
+    bw, alpha = link(gpu, span)
+    return alpha + nbytes * (ranks - 1) / ranks / bw
+
+
+def remote_rows_per_token(E: int, k: int, ep: int) -> float:
+    """Deduplicated rows a token sends to other ep ranks under uniform routing: each other rank
+    receives one row when it holds at least one of the token's k experts."""
+    if ep == 1:
+        return 0.0
+    return (ep - 1) * (1 - math.comb(E - E // ep, k) / math.comb(E, k))
+
+
+def on_gpu(secs: float, flops: float, measured_on: str, gpu: str) -> float:
+    """Seconds on `gpu` of work measured on `measured_on`: the part its FLOPs at GEMM_EFFICIENCY of
+    the peak explain scales with the peak, the rest with memory bandwidth."""
+    peak0, bw0 = GPUS[measured_on][:2]
+    peak, bw = GPUS[gpu][:2]
+    bound = min(secs, flops / (GEMM_EFFICIENCY * peak0 * 1e12))
+    return bound * peak0 / peak + (secs - bound) * bw0 / bw
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank's compute per micro-batch
+
+
+def measured_at(table: dict, ep: int):
+    """The entry measured at this ep, else at the largest measured ep below it (the experts' curve
+    is flat by then: each rank's rows per expert grow, its experts' count shrinks)."""
+    return table[str(max(int(k) for k in table if int(k) <= ep))]
+
+
+def layer_costs(cfg, fam: dict, path: str, gpu: str, ep: int, T: float, which: str, fp8: bool) -> dict:
+    """{layer: (F, BW)} seconds of one micro-batch of T tokens per rank ("first" or "later"
+    micro-batch of the step)."""
+    m, t = cfg.model, cfg.train
+    out = {}
+    for i in range(m.num_layers):
+        kind = layer_kind(m, i)
+        lay = fam["paths"][path]["layers"][kind]
+        flops = layer_flops(m, i, t.seq_len)[0]
+        scale = T / fam["tokens"] * flops / fam["layer_flops"][kind]  # another width: by its FLOPs
+        F, BW = lay[which]["F"] * scale, lay[which]["BW"] * scale
+        if kind != "dense":  # the experts phase at this layout's rows per expert (and in FP8)
+            e1, ek = fam["experts"]["1"], measured_at(fam["experts"], ep)
+            e8 = measured_at(fam["experts_fp8"], ep) if fp8 else ek
+            imb = measured_at(fam["balance"]["group_max_mean"], ep)
+            f1 = lay["phases_F"]["experts"] * F
+            b1 = f1 * e1["BW"] / e1["F"]
+            F += f1 * (e8["F"] / e1["F"] * imb - 1)
+            BW += b1 * (e8["BW"] / e1["BW"] * imb - 1)
+        if t.activation_checkpoint == "full":
+            BW += F
+        elif t.activation_checkpoint == "selective" and kind != "dense":
+            BW += F * (1 - lay["phases_F"]["attn"])
+        out[i] = (on_gpu(F, T * flops, fam["gpu"], gpu), on_gpu(BW, 2 * T * flops, fam["gpu"], gpu))
+    return out
+
+
+def end_costs(cfg, fam: dict, path: str, gpu: str, T: float) -> dict:
+    """{"embed" | "head": (F, BW)} seconds for one micro-batch of T tokens."""
+    p, head = fam["paths"][path], 2 * cfg.model.vocab_size * cfg.model.hidden_size
+    scale = {"embed": T / fam["tokens"], "head": T / fam["tokens"] * head / fam["head_flops"]}
+    flops = {"embed": 0.0, "head": T * head}
+    return {k: (on_gpu(p[k]["F"] * scale[k], flops[k], fam["gpu"], gpu),
+                on_gpu(p[k]["BW"] * scale[k], 2 * flops[k], fam["gpu"], gpu)) for k in flops}
+
+
+# ---------------------------------------------------------------------------------------------
+# The step of a layout
+
+
+def comm_costs(cfg, lay: dict, gpu: str, fam: dict, T: float) -> dict:
+    """{layer: {"fsdp", "a2a", "cp"}} seconds of communication per layer and micro-batch."""
+    m, t = cfg.model, cfg.train
+    pp, dp, fsdp, cp, ep = (lay[k] for k in ("pp", "dp", "fsdp", "cp", "ep"))
+    D, A, E = m.hidden_size, getattr(m, "top_k", 0), getattr(m, "num_experts", 1)
+    shard, stage = fsdp * cp, dp * fsdp * cp
+    efsdp = shard // ep if shard % ep == 0 else 1
+    rbytes = 4 if t.reduce_dtype == "float32" else 2
+    rows = T * (fam["balance"]["remote_rows_per_token"].get(str(ep)) or remote_rows_per_token(E, A, ep)) if A else 0
+    out = {}
+    for i in range(m.num_layers):
+        ex = expert_params(m, i)
+        dense = m.layer_params(i)[0] - ex
+        fs = 0.0
+        if stage > 1:  # bf16 gathers before forward and backward, the reduce-scatter after it
+            fs = (2 * (ring_time(gpu, dense * 2, shard, stage) + ring_time(gpu, ex / ep * 2, efsdp, shard))
+                  + ring_time(gpu, dense * rbytes, shard, stage) + ring_time(gpu, ex / ep * rbytes, efsdp, shard))
+        if dp > 1:  # HSDP: the shards' gradients all-reduced over the replicas
+            fs += 2 * ring_time(gpu, dense / shard * rbytes, dp, pp * stage)
+        a2a = 0.0
+        if ep > 1 and ex:
+            bw, alpha = link(gpu, ep)
+            sent = rows * ((D + A) * 2 + A * 8) + rows * D * 2  # dispatch: rows, weights, ids; combine
+            a2a = 2 * (sent / bw + 4 * alpha)  # forward, and the same bytes back in backward
+        kv = 0.0
+        if cp > 1:
+            _, d_qk, d_v, heads = m.attention_shapes(i)
+            kv = 2 * ring_time(gpu, T * cp * getattr(m, "num_kv_heads", heads) * (d_qk + d_v) * 2, cp, cp)
+        out[i] = {"fsdp": fs, "a2a": a2a, "cp": kv}
+    return out
+
+
+def predict(cfg, lay: dict, gpu: str, costs: dict | None = None, path: str | None = None) -> dict:
+    """Step seconds, tokens/s (all GPUs and per GPU) and the step's parts for cfg's model and
+    train settings on layout `lay` ({pp, dp, fsdp, cp, ep}, optionally pp_schedule, pp_overlap;
+    else cfg.parallel's) over GPUs of type `gpu`. `path`: the cost file's path to use (default:
+    "fsdp" when the layout shards parameters, else "train"; "bench" for the bench's bf16 step)."""
+    costs = costs or load_costs()
+    m, t = cfg.model, cfg.train
+    if m.family not in costs["families"]:
+        raise KeyError(f"the cost file has no {m.family!r} (has {sorted(costs['families'])})")
+    fam = {**costs["families"][m.family], "gpu": costs["gpu"]}
+    pp, dp, fsdp, cp = (lay[k] for k in ("pp", "dp", "fsdp", "cp"))
+    schedule = lay.get("pp_schedule", cfg.parallel.pp_schedule)
+    overlap = bool(lay.get("pp_overlap", cfg.parallel.pp_overlap)) and pp > 1 and lay["ep"] > 1
+    world, M = pp * dp * fsdp * cp, t.grad_accum
+    shard = fsdp * cp
+    alone = (shard // lay["ep"] if shard % lay["ep"] == 0 else 1) == 1 and dp * shard == lay["ep"]
+    path = path or ("train" if dp * shard == 1 else "fsdp" if alone else "fsdp_sharded")
+    if path == "fsdp" and path not in fam["paths"]:  # measured before FSDP left such experts out: its
+        path = "fsdp_sharded"  # costs are those of the experts inside FSDP (the prediction says which)
+    T = t.micro_batch_size * t.seq_len / cp
+    costs_mb = {w: layer_costs(cfg, fam, path, gpu, lay["ep"], T, w, t.fp8) for w in ("first", "later")}
+    ends = end_costs(cfg, fam, path, gpu, T)
+    comm = comm_costs(cfg, lay, gpu, fam, T)
+    tail = on_gpu(fam["paths"][path]["tail_per_param"] * local_params(cfg, lay), 0.0, fam["gpu"], gpu)
+
+    def chunk(layers, first_end, last_end, which):
+        """(compute F, compute BW, exposed FSDP + CP, all-to-all, W share of BW) of one micro-batch
+        through `layers` (+ the embedding / head it holds)."""
+        lc = costs_mb[which]
+        f = sum(lc[i][0] for i in layers) + (ends["embed"][0] if first_end else 0) + (ends["head"][0] if last_end else 0)
+        b = sum(lc[i][1] for i in layers) + (ends["embed"][1] if first_end else 0) + (ends["head"][1] if last_end else 0)
+        exposed = sum(max(0.0, comm[i]["fsdp"] - lc[i][0] - lc[i][1]) + comm[i]["cp"] for i in layers)
+        if layers and dp * fsdp * cp > 1:  # the first gather of a micro-batch has nothing to hide under
+            exposed += min(comm[layers[0]]["fsdp"] / 3, lc[layers[0]][0])
+        w = sum(lc[i][1] * layer_flops(m, i, t.seq_len)[1] for i in layers)
+        return f, b, exposed, sum(comm[i]["a2a"] for i in layers), w
+
+    tokens = t.micro_batch_size * t.seq_len * M * dp * fsdp
+    if pp == 1:
+        everything = list(range(m.num_layers))
+        f1, b1, x1, a1, _ = chunk(everything, True, True, "first")
+        f2, b2, x2, a2, _ = chunk(everything, True, True, "later")
+        step = f1 + b1 + x1 + a1 + (M - 1) * (f2 + b2 + x2 + a2) + tail
+        parts = {"compute": f1 + b1 + (M - 1) * (f2 + b2), "fsdp_cp_exposed": x1 + (M - 1) * x2,
+                 "all_to_all": a1 + (M - 1) * a2, "optimizer": tail, "bubble": 0.0}
+    else:  # each virtual stage's chunk: its layers (and the embedding / head it holds), sends both ways
+        V = num_virtual_stages(pp, schedule)
+        stages = split_layers(m.num_layers, V, cfg.parallel.pp_layers, v_shape=schedule == "dualpipev")
+        hop = ring_time(gpu, T * m.hidden_size * 2 * 2, 2, 2)  # one send: (ranks - 1) / ranks = 1/2
+        ch = [chunk(ids, v == 0, v == V - 1, "later") for v, ids in enumerate(stages)]
+        F = [f + x / 3 + a / 2 + hop for f, b, x, a, w in ch]
+        W = [w for f, b, x, a, w in ch]
+        B = [b - w + x * 2 / 3 + a / 2 + hop for f, b, x, a, w in ch]
+
+        def pair(vf, vb):  # an F&B pair: the all-to-all under the other micro-batch's compute
+            (f1, _, x1, a1, _), (_, b2, x2, a2, _) = ch[vf], ch[vb]
+            return max(f1 + b2, (a1 + a2) / 2) + (x1 + x2) / 2 + 2 * hop
+        makespan, busy, _ = simulate(build_schedule(schedule, pp, M), schedule, F, B, W, pair if overlap else None)
+        step = makespan + tail
+        r = max(range(pp), key=lambda r: busy[r])  # the busiest rank's step
+        vs = rank_stages(r, pp, schedule)
+        comp, exposed = M * sum(ch[v][0] + ch[v][1] for v in vs), M * sum(ch[v][2] + 2 * hop for v in vs)
+        parts = {"compute": comp, "fsdp_cp_exposed": exposed, "all_to_all": busy[r] - comp - exposed,
+                 "optimizer": tail, "bubble": makespan - busy[r]}
+    return {"layout": {k: lay[k] for k in ("pp", "dp", "fsdp", "cp", "ep")}, "gpu": gpu, "path": path,
+            "step_s": step, "tokens_per_s": tokens / step, "tokens_per_s_per_gpu": tokens / step / world,
+            "parts_s": parts}
