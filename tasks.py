@@ -12,6 +12,10 @@ With `--gpu`, commands run in that pinned image through the compose files (`--ru
 without it, or when already inside the image, they run here (`--runtime=native`). `--dry-run`
 prints the exact commands instead of running them. The command lines themselves are built by
 tools/appliance.py; this file only chooses and runs them.
+
+Any directory inside the checkout works: invoke finds this file upwards, paths given to a task are
+read from where you are, and docker lines (whose compose/ and images/ paths are the checkout's) run
+from its root, which `--dry-run` shows.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from invoke.exceptions import Exit
 
 from tools import appliance as ap
 
+ROOT = Path(__file__).resolve().parent
+# The Pythons started here import pithtrain and tools (python -m tools.appliance) from any directory.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 PY = shlex.quote(sys.executable)
 H_GPU = "h100 | h200 | b200 | b300 | auto: run in that GPU's pinned image with its recipe overrides"
 H_RUNTIME = "docker | native (default: docker with --gpu, native without it or inside the image)"
@@ -111,7 +118,7 @@ def _recipe(recipe: str, model: str) -> str:
 
 def _emit(c, lines: list[str], dry_run: bool):
     """Print (dry run) or run each shell line in order; a failing line stops the task."""
-    for line in lines:
+    for line in map(_from_root, lines):
         if dry_run:
             print(line)
             continue
@@ -121,6 +128,11 @@ def _emit(c, lines: list[str], dry_run: bool):
                 raise Exit(f"error: {why}; start it or use --runtime=native", 2)
         print(f"+ {line}", file=sys.stderr)
         c.run(line, pty=False)
+
+
+def _from_root(line: str) -> str:
+    """A docker line, run from the checkout's root when invoke was started elsewhere inside it."""
+    return line if "docker " not in line or Path.cwd() == ROOT else f"cd {shlex.quote(str(ROOT))} && {line}"
 
 
 def _in_image(gpu: str, cmd: list[str], file: str = "train.yaml", service: str = "train",
@@ -450,7 +462,7 @@ def shell(c, gpu="", gpus=False, network=False, dry_run=False):
     if gpu_ is None or os.environ.get("PITHTRAIN_TARGET"):
         raise Exit("error: shell opens the sandbox container: give --gpu, outside the image", 2)
     service = "agent" + ("-gpu" if gpus else "") + ("-net" if network else "")
-    lines = _in_image(gpu_, [], file="sandbox.yaml", service=service)
+    lines = [_from_root(line) for line in _in_image(gpu_, [], file="sandbox.yaml", service=service)]
     if dry_run:
         print("\n".join(lines))
         return
@@ -465,21 +477,35 @@ def shell(c, gpu="", gpus=False, network=False, dry_run=False):
 # Data, checkpoints, information
 
 
-@task(help={"inputs": "comma-separated .txt / .jsonl / .parquet / .arrow files, `datasets` directories "
-                      "(save_to_disk) or a hub dataset id",
+@task(help={"inputs": "comma-separated .txt / .jsonl / .json / .csv (also .gz .bz2 .xz .zst) / .parquet / .arrow "
+                      "files, directories or globs of them, `datasets` directories (save_to_disk) or a hub dataset id",
             "tokenizer": "directory holding tokenizer.json, the file, or a hub id",
             "out": "output directory for the shards, meta.json and tokenizer.json",
             "text_key": "the text field of the records", "split": "dataset split (directories, hub ids)",
             "num_proc": "tokenizer processes (default: every core)",
+            "eos": "the token that ends each document (default: </s>, <|endoftext|>, <eos> or <|end_of_text|>)",
+            "weights": "comma-separated, one per input: times its documents are written (2: twice, 0.5: half)",
             "gpu": H_GPU, "runtime": H_RUNTIME, "dry_run": H_DRY})
-def prepare_data(c, inputs, tokenizer, out, text_key="text", split="train", num_proc=0, gpu="", runtime="",
-                 dry_run=False):
+def prepare_data(c, inputs, tokenizer, out, text_key="text", split="train", num_proc=0, eos="", weights="",
+                 gpu="", runtime="", dry_run=False):
     """Tokenize documents into memory-mapped shards (data.source: shards, data.path: OUT)."""
     gpu_ = _gpu(gpu)
     _emit(c, _python(_runtime(runtime, gpu_, dry_run), gpu_,
                      ["-m", "pithtrain.data", "--inputs", inputs, "--tokenizer", tokenizer, "--out", out,
                       "--text-key", text_key, "--split", split]
-                     + (["--num-proc", str(num_proc)] if num_proc else [])), dry_run)
+                     + (["--num-proc", str(num_proc)] if num_proc else []) + (["--eos", eos] if eos else [])
+                     + (["--weights", weights] if weights else [])), dry_run)
+
+
+@task(help={"recipe": H_RECIPE, "model": H_MODEL, "set": H_SET, "gpu": H_GPU + " (its recipe overrides)",
+            "keys": "list every key of the recipe's sections with its type, default and the recipe's value"},
+      iterable=["set"])
+def config(c, recipe="", model="", set=None, gpu="", keys=False):
+    """Print the resolved recipe (every key, after --set and the GPU's overrides), as training reads it."""
+    args = ap.train_args(_recipe(recipe, model), _gpu(gpu), set or [])
+    result = _py(c, shlex.join(["-m", "pithtrain.config", *args, *(["--keys"] if keys else [])]), warn=True)
+    if result.exited:
+        sys.exit(result.exited)
 
 
 @task(help={"run_dir": "a run directory (log.run_dir)", "out": "PNG to write (default: RUN_DIR/metrics.png)"})
@@ -489,11 +515,11 @@ def plot(c, run_dir, out=""):
 
 
 @task(help={"ckpt": "run dir, checkpoints dir or step_N dir", "prompt": "text to continue",
-            "tokens": "new tokens to draw", "temperature": "0: greedy (deterministic)"})
-def sample(c, ckpt, prompt="", tokens=200, temperature=0.8):
+            "tokens": "new tokens to draw", "temperature": "0: greedy (deterministic)", "dry_run": H_DRY})
+def sample(c, ckpt, prompt="", tokens=200, temperature=0.8, dry_run=False):
     """Sample text from a checkpoint with the run's tokenizer."""
-    _py(c, shlex.join(["-m", "pithtrain.sample", "--ckpt", ckpt, "--prompt", prompt, "--tokens", str(tokens),
-                       "--temperature", str(temperature)]))
+    _emit(c, [f"{PY} " + shlex.join(["-m", "pithtrain.sample", "--ckpt", ckpt, "--prompt", prompt, "--tokens",
+                                     str(tokens), "--temperature", str(temperature)])], dry_run)
 
 
 @task(help={"ckpt": "checkpoint directory written by training",

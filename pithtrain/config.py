@@ -7,6 +7,9 @@ Unknown keys, wrong types and impossible values raise `ConfigError` with one lin
     recipes/x.yaml: train.lr: expected a number, got 'fast'
 
 Command-line overrides `section.key=value` are parsed as YAML scalars and applied on top of the file.
+
+    python -m pithtrain.config RECIPE train.lr=1e-3      # the resolved recipe (invoke config RECIPE --set ...)
+    python -m pithtrain.config RECIPE --keys             # every key: type, default, the recipe's value
 """
 
 from __future__ import annotations
@@ -67,8 +70,13 @@ class TrainConfig:
     seq_len: int = 128
     grad_accum: int = 1  # micro-batches per optimizer step (per data-parallel rank)
     lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 20
+    warmup_steps: int = 20  # linear warmup to lr, then the schedule (train.lr_lambda)
+    # cosine / linear: from the end of warmup to the last step; wsd (warmup-stable-decay): lr held
+    # until the last decay_ratio of train.steps, then decay_type; constant: lr. All end at lr * min_lr_ratio.
+    lr_schedule: Literal["cosine", "wsd", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1
+    decay_ratio: float = 0.2  # wsd: the share of train.steps that decays (a longer run: a longer stable phase)
+    decay_type: Literal["linear", "cosine", "sqrt"] = "linear"  # wsd's decay; sqrt: 1 - sqrt(progress)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -96,6 +104,11 @@ class TrainConfig:
                 err(k, f"must be a finite number > 0, got {getattr(self, k)}")
         if not 0 <= self.min_lr_ratio <= 1:
             err("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 <= self.decay_ratio <= 1:
+            err("decay_ratio", f"must be in [0, 1], got {self.decay_ratio}")
+        if self.lr_schedule != "wsd" and (self.decay_ratio, self.decay_type) != (0.2, "linear"):
+            err("decay_ratio" if self.decay_ratio != 0.2 else "decay_type",
+                f"applies to train.lr_schedule=wsd only (it is {self.lr_schedule!r})")
         if self.eval_every < 0:
             err("eval_every", f"must be >= 0 (0: no evaluation), got {self.eval_every}")
         if self.warmup_steps < 0:
@@ -119,8 +132,13 @@ class DataConfig:
     val_path: str | None = None  # shards for validation (train.eval_every); None: hold out 1% of path's
     document_mask: bool = False  # attention stays inside each document; positions restart per document
     mask_separator_loss: bool = False  # no loss on predicting a document's first token from its separator
+    # resume onto shards of another tokenizer than the checkpoint's (refused otherwise: the ids change meaning)
+    allow_tokenizer_change: bool = False
 
     def validate(self, err):
+        if self.source == "stdlib" and self.path is not None:
+            err("path", f"{self.path!r} is given but data.source is 'stdlib' (the interpreter's own bytes); "
+                        "set data.source=shards to train on it")
         if self.val_path is not None and not (Path(self.val_path) / "meta.json").is_file():
             err("val_path", f"{self.val_path!r} is not a token-shard directory (no meta.json); "
                             "create one with `invoke prepare-data`")
@@ -226,6 +244,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     source: str = "<dict>"  # where it came from, for messages
+    notes: list = field(default_factory=list)  # what loading resolved (model.vocab_size: auto), said at start-up
 
     def to_dict(self) -> dict:
         d = {"model": {"family": self.model.family, **dataclasses.asdict(self.model)}}
@@ -272,10 +291,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     try:
         return config_from_dict(raw, source=str(path))
     except ConfigError as e:  # a value that came from the command line: name the override
-        o = by_key.get(getattr(e, "key", None))
-        if o is None:
+        key = getattr(e, "key", None)
+        o = key and next((o for k, o in by_key.items() if k == key or k.startswith(key + ".")), None)
+        if o is not None:
+            raise ConfigError(f"command-line override {o!r}: {e.key}: {e.detail}") from None
+        if key is None or not by_key:
             raise
-        raise ConfigError(f"command-line override {o!r}: {e.key}: {e.detail}") from None
+        # the file's value, or a default, refused together with overrides (its section's, else all)
+        near = [o for k, o in by_key.items() if k.split(".")[0] == key.split(".")[0]] or list(by_key.values())
+        raise ConfigError(f"{path} with command-line override{'s' * (len(near) > 1)} "
+                          f"{', '.join(map(repr, near))}: {e.key}: {e.detail}") from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -343,9 +368,15 @@ def config_from_dict(raw: dict, source: str = "<dict>", cross_checks: bool = Tru
         fail("model.family", f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
     model_cls = FAMILIES[family].config
     all_classes = {"model": model_cls, **SECTIONS}
-    built = {"model": _build(model_cls, model_raw, "model", fail, all_classes)}
-    for name, cls in SECTIONS.items():
-        built[name] = _build(cls, section(name), name, fail, all_classes)
+    built = {name: _build(cls, section(name), name, fail, all_classes) for name, cls in SECTIONS.items()}
+    notes = []
+    if model_raw.get("vocab_size") == "auto" and built["train"].init_from:
+        del model_raw["vocab_size"]  # the checkpoint's config.json has it
+    elif model_raw.get("vocab_size") == "auto":  # the data's vocabulary, padded for the kernels
+        model_raw["vocab_size"], what = _auto_vocab(built["data"], fail)
+        notes.append(f"model.vocab_size: auto -> {model_raw['vocab_size']} ({what}, padded to a multiple "
+                     f"of {VOCAB_MULTIPLE})")
+    built["model"] = _build(model_cls, model_raw, "model", fail, all_classes)
     if built["train"].init_from:  # the checkpoint's config.json defines the model trained; the
         try:  # recipe keeps its RECIPE_MODEL_FIELDS
             hub = read_config(Path(built["train"].init_from))[1]
@@ -358,10 +389,25 @@ def config_from_dict(raw: dict, source: str = "<dict>", cross_checks: bool = Tru
             elif k in model_raw:  # the recipe's family has the option, the checkpoint's has not
                 fail(f"model.{k}", f"{type(hub).__name__} (train.init_from's family) has no such field")
         built["model"] = hub
-    cfg = Config(**built, source=source)
+    cfg = Config(**built, source=source, notes=notes)
     if cross_checks:
         _cross_checks(cfg, fail)
     return cfg
+
+
+VOCAB_MULTIPLE = 64  # model.vocab_size: auto rounds up to it: whole tensor-core tiles for the head's matmul
+
+
+def _auto_vocab(data: DataConfig, fail) -> tuple[int, str]:
+    from pithtrain.data import DATA_VOCAB_SIZE, read_meta
+
+    n, what = DATA_VOCAB_SIZE, "the stdlib bytes' vocabulary"
+    if data.source == "shards":
+        try:
+            n, what = read_meta(data.path)["vocab_size"], f"{Path(data.path) / 'meta.json'} vocab_size"
+        except ConfigError as e:
+            fail("data.path", str(e))
+    return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, f"{what} {n}"
 
 
 def _parallel_shorthand(raw: dict) -> dict:
@@ -486,3 +532,59 @@ def _cross_checks(cfg: Config, fail):
     if cfg.train.seq_len > model.max_position_embeddings:
         fail("train.seq_len", f"{cfg.train.seq_len} exceeds {field('max_position_embeddings')} "
                               f"({model.max_position_embeddings})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point (`invoke config`)
+
+
+def _type_name(tp) -> str:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(map(repr, args))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def keys_table(cfg: Config) -> str:
+    """Every key of the recipe's sections (the model's: its family's): type, default, and the
+    recipe's value where it is not the default."""
+    rows = []
+    for name in ("model", *SECTIONS):
+        obj = getattr(cfg, name)
+        hints = typing.get_type_hints(type(obj))
+        for f in dataclasses.fields(obj):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            tp = _type_name(hints[f.name]) + (" | 'auto'" if (name, f.name) == ("model", "vocab_size") else "")
+            value = getattr(obj, f.name)
+            rows.append((f"{name}.{f.name}", tp, repr(default), "" if value == default else f"recipe: {value!r}"))
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(f"{k:<{width[0]}}  {t:<{width[1]}}  {d:<{width[2]}}  {v}".rstrip() for k, t, d, v in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+    p = argparse.ArgumentParser(prog="python -m pithtrain.config", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", nargs="?", default=None, help="recipe YAML file or embedded recipe name")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.add_argument("--keys", action="store_true", help="every key with its type and default")
+    args = p.parse_intermixed_args(argv)
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe:  # only overrides were given
+        recipe, overrides = None, [recipe, *overrides]
+    try:
+        cfg = load_config(recipe, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    notes = "".join(f"# {n}\n" for n in cfg.notes)
+    header = f"# {cfg.source} {' '.join(overrides)}".rstrip()
+    print(keys_table(cfg) if args.keys else f"{header}\n{notes}{cfg.to_yaml().rstrip()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

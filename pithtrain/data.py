@@ -8,9 +8,12 @@ the step number (the data-loader position saved in checkpoints).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
+import math
 import os
+import shutil
 import sys
 import sysconfig
 import time
@@ -231,35 +234,82 @@ def build_batches(data_cfg, seq_len: int, global_batch: int, seed: int, hold_out
     if data_cfg.source == "stdlib":
         tokens, source = stdlib_tokens(data_cfg.max_bytes), f"data.max_bytes {data_cfg.max_bytes} (stdlib source)"
         eos = EOS
+        about = (f"stdlib bytes of {sysconfig.get_paths()['stdlib']} ({len(tokens) / 1e6:.2f}M tokens, "
+                 f"{int((tokens == EOS).sum())} documents; bytes 0-255 + BOS {BOS} + EOS {EOS})")
     else:
         tokens, source = shard_tokens(data_cfg.path), f"data.path {data_cfg.path!r}"
-        eos = read_meta(data_cfg.path).get("eos_id")
+        meta = read_meta(data_cfg.path)
+        eos = meta.get("eos_id")
+        about = (f"shards {data_cfg.path} ({len(tokens) / 1e6:.2f}M tokens, {meta.get('documents', '?')} documents; "
+                 f"tokenizer {meta.get('tokenizer')} sha256 {str(meta.get('tokenizer_sha256'))[:12]}, "
+                 f"vocabulary {meta['vocab_size']}, EOS id {eos})")
     val = shard_tokens(data_cfg.val_path) if hold_out and data_cfg.val_path else None
-    return TokenBatches(tokens, seq_len, global_batch, seed, source, hold_out=hold_out, val_tokens=val,
-                        eos=eos, mask_separator=data_cfg.mask_separator_loss)
+    batches = TokenBatches(tokens, seq_len, global_batch, seed, source, hold_out=hold_out, val_tokens=val,
+                           eos=eos, mask_separator=data_cfg.mask_separator_loss)
+    held = f"data.val_path {data_cfg.val_path}" if val is not None else "the last 1% held out" if hold_out else "none"
+    batches.about = f"{about}; validation: {held}"  # the start-up line: what the run trains on
+    return batches
+
+
+def tokenizer_of(data_cfg) -> dict:
+    """What the run's token ids mean (checkpoints record it; resume compares it): the shards'
+    tokenizer fingerprint, EOS and vocabulary, or the stdlib bytes."""
+    if data_cfg.source == "stdlib":
+        return {"tokenizer": "stdlib bytes", "tokenizer_sha256": "stdlib-bytes", "eos_id": EOS,
+                "vocab_size": DATA_VOCAB_SIZE}
+    meta = read_meta(data_cfg.path)
+    return {k: meta.get(k) for k in ("tokenizer", "tokenizer_sha256", "eos_id", "eos", "vocab_size")}
 
 
 # ---------------------------------------------------------------------------------------------
-# prepare-data: documents -> uint16/uint32 shards + meta.json (+ the tokenizer.json used)
+# prepare-data: documents -> uint16/uint32 shards + meta.json (+ the tokenizer files used)
 #
-# Documents come from .txt (one per file), .jsonl (one per line), .parquet / .arrow files and
-# directories written by `datasets`' save_to_disk (through the `datasets` library), or a hub
-# dataset id (streamed). Batches of documents are tokenized in a process pool; results come back
-# in input order, so the shards are the same for any --num-proc.
+# Documents come from .txt files (one per file), records of .jsonl / .json (JSON lines or an array)
+# / .csv files (those four also compressed: .gz .bz2 .xz .zst), .parquet / .arrow files, a directory
+# or glob of such files, a directory written by `datasets`' save_to_disk, or a hub dataset id
+# (streamed). All but plain .txt and .jsonl go through the `datasets` loaders. Batches of documents
+# are tokenized in a process pool; results come back in input order, so the shards are the same for
+# any --num-proc.
 
-DATASET_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow"}
+LOADERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet",
+           ".arrow": "arrow"}  # suffix -> `datasets` loader
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst")  # of the first four
+EOS_NAMES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>")
+# A tokenizer directory's files (tokenizer.json first): shards, checkpoints and exports carry those there are.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+
+
+def _looks_local(name: str) -> bool:
+    """A path, not a hub id (ORG/NAME): it starts with . / ~, has a backslash or more than one /,
+    ends in .json, or its first part exists here."""
+    parts = Path(name).parts
+    return (name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or name.endswith(".json")
+            or (len(parts) > 1 and Path(parts[0]).exists()))
+
+
+def _not_found(name: str) -> str:
+    p = q = Path(name).expanduser()
+    while not q.exists() and q != q.parent:
+        q = q.parent  # the nearest part of the path that exists
+    return f"{name}: not found ({q / p.relative_to(q).parts[0]} does not exist)"
 
 
 def load_tokenizer(name: str):
-    """A `tokenizers.Tokenizer` from a directory holding tokenizer.json, the file, or a hub id."""
+    """A `tokenizers.Tokenizer` from a directory holding tokenizer.json, the file, or a hub id
+    (a name that looks like a path never goes to the hub)."""
     from tokenizers import Tokenizer  # the data extra: pip install 'pithtrain[data]'
 
-    p = Path(name)
+    p = Path(name).expanduser()
     if p.is_dir():
         p = p / "tokenizer.json"
         if not p.is_file():
             raise FileNotFoundError(f"{p}: no tokenizer.json in the tokenizer directory")
-    return Tokenizer.from_file(str(p)) if p.is_file() else Tokenizer.from_pretrained(name)
+    if p.is_file():
+        return Tokenizer.from_file(str(p))
+    if _looks_local(name):
+        raise FileNotFoundError(_not_found(name))
+    return Tokenizer.from_pretrained(name)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -272,21 +322,37 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def _iter_source(src: str, text_key: str, split: str):
     """(number of documents or None, iterator of document texts) of one input."""
-    p = Path(src)
+    p = Path(src).expanduser()
+    if any(c in src for c in "*?[") and not p.exists():
+        files = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
+        if not files:
+            raise FileNotFoundError(f"{src}: no file matches")
+        return _iter_files(files, text_key, split)
+    if p.is_dir() and not any((p / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        files = sorted(f for f in p.rglob("*") if f.is_file() and not any(
+            part.startswith(".") for part in f.relative_to(p).parts))  # no hidden files (.DS_Store, .git)
+        if not files:
+            raise FileNotFoundError(f"{p}: an empty directory")
+        return _iter_files(files, text_key, split)
+    suffix = Path(p.stem).suffix if p.suffix in COMPRESSED else p.suffix
+    if p.is_file() and (suffix not in LOADERS or p.suffix in COMPRESSED and suffix in (".parquet", ".arrow")):
+        raise ValueError(f"{p}: unknown input suffix {''.join(p.suffixes[-2:])!r}; prepare-data reads "
+                         f"{' '.join(LOADERS)} files (the first four also {' '.join(COMPRESSED)}), directories "
+                         "and globs of them, `datasets` save_to_disk directories and hub dataset ids")
     if p.is_file() and p.suffix == ".jsonl":
         with p.open("rb") as f:
             n = sum(1 for line in f if line.strip())
         return n, _iter_jsonl(p, text_key)
-    if p.is_file() and p.suffix not in DATASET_SUFFIXES:
+    if p.is_file() and p.suffix == ".txt":
         return 1, iter([p.read_bytes().decode("utf-8", errors="replace")])
-    hub = not p.exists() and not p.suffix and src.count("/") == 1  # an id such as HuggingFaceFW/fineweb
-    if not p.exists() and not hub:
-        raise FileNotFoundError(f"{p}: input file does not exist")
+    if not p.exists() and (_looks_local(src) or src.count("/") != 1):  # a hub id is ORG/NAME
+        raise FileNotFoundError(_not_found(src))
     import datasets  # the data extra: pip install 'pithtrain[data]'
 
     datasets.disable_progress_bars()  # ours counts documents
-    if p.is_file():
-        ds = datasets.load_dataset(DATASET_SUFFIXES[p.suffix], data_files=str(p), split="train")
+    if p.is_file():  # a compressed .txt is one document, as a plain one
+        ds = datasets.load_dataset(LOADERS[suffix], data_files=str(p), split="train",
+                                   **({"sample_by": "document"} if suffix == ".txt" else {}))
     elif p.is_dir():
         ds = datasets.load_from_disk(str(p))
         if isinstance(ds, datasets.DatasetDict):
@@ -295,11 +361,24 @@ def _iter_source(src: str, text_key: str, split: str):
             ds = ds[split]
     else:
         ds = datasets.load_dataset(src, split=split, streaming=True)
+    key = "text" if suffix == ".txt" else text_key
     cols = ds.column_names
-    if cols is not None and text_key not in cols:
-        raise ValueError(f"{src}: no {text_key!r} column (columns: {', '.join(cols)}; use --text-key)")
+    if cols is not None and key not in cols:
+        raise ValueError(f"{src}: no {key!r} column (columns: {', '.join(cols)}; use --text-key)")
     n = len(ds) if isinstance(ds, datasets.Dataset) else None
-    return n, (rec[text_key] for rec in ds)
+    return n, (_text(rec[key], f"{src}: record {i + 1}", key) for i, rec in enumerate(ds))
+
+
+def _iter_files(files: list[Path], text_key: str, split: str):
+    opened = [_iter_source(str(f), text_key, split) for f in files]  # every file checked first
+    counts = [n for n, _ in opened]
+    return (None if None in counts else sum(counts)), (text for _, it in opened for text in it)
+
+
+def _text(v, where: str, key: str) -> str:
+    if not isinstance(v, str):  # a record without the field reads as None through `datasets`
+        raise ValueError(f"{where}: {key!r} is {type(v).__name__}, not text (use --text-key)")
+    return v
 
 
 def _iter_jsonl(p: Path, text_key: str):
@@ -313,7 +392,17 @@ def _iter_jsonl(p: Path, text_key: str):
                 raise ValueError(f"{p}:{n}: not valid JSON ({e.msg})") from None
             if text_key not in rec:
                 raise ValueError(f"{p}:{n}: no {text_key!r} field (use --text-key)")
-            yield rec[text_key]
+            yield _text(rec[text_key], f"{p}:{n}", text_key)
+
+
+def _weighted(first, reopen, w: float):
+    """An input's documents written w times: document j floor(w(j+1)) - floor(wj) times (2.5:
+    2, 3, 2, 3, ...; 0.5: every other one), one copy per pass over the input, so that copies of a
+    document never sit side by side."""
+    for k in range(math.ceil(w)):
+        for j, text in enumerate(first if k == 0 else reopen()[1]):
+            if math.floor(w * (j + 1)) - math.floor(w * j) > k:
+                yield text
 
 
 _WORKER_TOKENIZER = None
@@ -341,24 +430,45 @@ def _batched(it, n: int):
         yield batch
 
 
+def find_eos(tokenizer, name: str | None, where: str) -> int:
+    """The id of the document separator: `name` (--eos), else the first of EOS_NAMES the tokenizer has."""
+    for n in [name] if name else EOS_NAMES:
+        if (i := tokenizer.token_to_id(n)) is not None:
+            return i
+    special = ", ".join(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
+    why = f"--eos {name!r} is not one of its tokens" if name else f"no end-of-text token among {', '.join(EOS_NAMES)}"
+    raise ValueError(f"{where}: {why}; pass the one that ends a document with --eos (its special tokens: "
+                     f"{special or 'none'})")
+
+
 def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: str = "text",
                  shard_tokens_max: int = 100_000_000, progress=True, num_proc: int = 1,
-                 split: str = "train", batch_docs: int = 256) -> dict:
+                 split: str = "train", batch_docs: int = 256, eos: str | None = None,
+                 weights: list[float] | None = None) -> dict:
     """Tokenize documents (see above) with a Hugging Face tokenizer (a directory with
-    tokenizer.json, the file, or a hub id), each followed by the tokenizer's EOS token, into shards
-    of about shard_tokens_max tokens. The tokenizer is saved beside them and meta.json records its
-    fingerprint, so training can check it against the model's (train.init_from)."""
+    tokenizer.json, the file, or a hub id), each followed by the EOS token (`eos`, else the first
+    of EOS_NAMES it has; none is an error), into shards of about shard_tokens_max tokens.
+    weights: how many times each input's documents are written (_weighted); meta.json's "inputs"
+    records each one's documents and tokens. The tokenizer files are saved beside the shards and
+    meta.json records its fingerprint, so training can check it (train.init_from, resume)."""
     from tqdm import tqdm
 
     tokenizer = load_tokenizer(tokenizer_dir)
     vocab = tokenizer.get_vocab_size()
     dtype = np.uint16 if vocab <= 65535 else np.uint32
-    eos = _special_id(tokenizer, ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>"), fallback=None)
+    eos_id = find_eos(tokenizer, eos, tokenizer_dir)
+    weights = [1.0] * len(inputs) if weights is None else weights
+    if len(weights) != len(inputs) or not all(0 < w < math.inf for w in weights):
+        raise ValueError(f"--weights: {len(inputs)} numbers > 0 for the {len(inputs)} inputs, got {weights}")
     sources = [_iter_source(src, text_key, split) for src in inputs]  # every input checked before work
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out / "tokenizer.json"))
-    files, buf, buf_tokens, n_docs = [], [], 0, 0  # buf_tokens: len of buf's arrays together
+    tok_dir = Path(tokenizer_dir).expanduser()
+    for f in TOKENIZER_FILES[1:] if tok_dir.is_dir() else ():
+        if (tok_dir / f).is_file():
+            shutil.copyfile(tok_dir / f, out / f)
+    files, buf, buf_tokens = [], [], 0  # buf_tokens: len of buf's arrays together
 
     def flush():
         nonlocal buf_tokens
@@ -373,26 +483,28 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
         buf.clear()
         buf_tokens = 0
 
-    counts = [n for n, _ in sources]
-    docs = (text for _, it in sources for text in it)
+    counts = [None if n is None else math.floor(w * n) for (n, _), w in zip(sources, weights)]
     bar = tqdm(total=None if None in counts else sum(counts), unit="doc", desc="prepare-data",
                disable=not progress, file=sys.stderr)
-    pool = None
+    pool, per_input = None, []
     if num_proc > 1:
         import multiprocessing
         pool = multiprocessing.get_context().Pool(num_proc, _init_worker, (tokenizer.to_str(),))
-        encoded = pool.imap(_encode, _batched(docs, batch_docs))  # in input order
-    else:
-        encoded = (_encode(b, tokenizer) for b in _batched(docs, batch_docs))
     try:
-        for batch in encoded:
-            for ids in batch:
-                buf.append(np.asarray(ids + ([eos] if eos is not None else []), dtype=np.int64))
-                buf_tokens += len(buf[-1])
-                if buf_tokens >= shard_tokens_max:
-                    flush()
-            n_docs += len(batch)
-            bar.update(len(batch))
+        for src, w, (_, it) in zip(inputs, weights, sources):
+            docs = _batched(_weighted(it, lambda src=src: _iter_source(src, text_key, split), w), batch_docs)
+            encoded = pool.imap(_encode, docs) if pool else (_encode(b, tokenizer) for b in docs)  # in input order
+            n_docs = n_tokens = 0
+            for batch in encoded:
+                for ids in batch:
+                    buf.append(np.asarray(ids + [eos_id], dtype=np.int64))
+                    buf_tokens += len(buf[-1])
+                    n_tokens += len(buf[-1])
+                    if buf_tokens >= shard_tokens_max:
+                        flush()
+                n_docs += len(batch)
+                bar.update(len(batch))
+            per_input.append({"input": src, "weight": w, "documents": n_docs, "tokens": n_tokens})
     finally:
         bar.close()
         if pool is not None:
@@ -401,18 +513,23 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
     if not files:
         raise ValueError("no documents found in the inputs")
     meta = {"dtype": np.dtype(dtype).name, "vocab_size": vocab, "tokenizer": str(tokenizer_dir),
-            "tokenizer_sha256": tokenizer_fingerprint(tokenizer), "eos_id": eos,
-            "documents": n_docs, "files": files}
+            "tokenizer_sha256": tokenizer_fingerprint(tokenizer), "eos_id": eos_id,
+            "eos": tokenizer.id_to_token(eos_id), "documents": sum(i["documents"] for i in per_input),
+            "inputs": per_input, "files": files}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     return meta
 
 
-def _special_id(tokenizer, names, fallback):
-    for n in names:
-        i = tokenizer.token_to_id(n)
-        if i is not None:
-            return i
-    return fallback
+def summary(meta: dict, out: str) -> str:
+    """prepare-data's last lines: documents, tokens, shards, vocabulary, EOS (and each input's share)."""
+    tokens = sum(f["tokens"] for f in meta["files"])
+    lines = [f"prepare-data: {meta['documents']:,} documents, {tokens:,} tokens in {len(meta['files'])} "
+             f"shard(s) ({meta['dtype']}) -> {out}; vocabulary {meta['vocab_size']:,}, EOS {meta['eos']!r} "
+             f"(id {meta['eos_id']}); tokenizer {meta['tokenizer']} (sha256 {meta['tokenizer_sha256'][:12]})"]
+    if len(meta["inputs"]) > 1:
+        lines += [f"  {i['input']}: {i['documents']:,} documents (x{i['weight']:g}), {i['tokens']:,} tokens "
+                  f"({100 * i['tokens'] / tokens:.1f}%)" for i in meta["inputs"]]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,23 +541,30 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     p = argparse.ArgumentParser(prog="python -m pithtrain.data", description="Tokenize text files into "
                                 "token shards (data.source: shards, data.path: OUT).")
-    p.add_argument("--inputs", required=True, help="comma-separated .txt / .jsonl / .parquet / .arrow files, "
-                   "`datasets` save_to_disk directories, or a hub dataset id (streamed)")
+    p.add_argument("--inputs", required=True, help="comma-separated .txt / .jsonl / .json / .csv (also .gz, .bz2, "
+                   ".xz, .zst) / .parquet / .arrow files, directories or globs of them, `datasets` save_to_disk "
+                   "directories, or a hub dataset id (streamed)")
     p.add_argument("--tokenizer", required=True, help="directory holding tokenizer.json, the file, or a hub id")
     p.add_argument("--out", required=True, help="output directory for the shards and meta.json")
     p.add_argument("--text-key", default="text", help="the text field of the records")
     p.add_argument("--split", default="train", help="the split of a dataset directory or hub dataset")
     p.add_argument("--num-proc", type=int, default=os.cpu_count() or 1, help="tokenizer processes")
+    p.add_argument("--eos", help=f"the token that ends each document (default: the first of {', '.join(EOS_NAMES)})")
+    p.add_argument("--weights", help="comma-separated, one per input: times its documents are written (2: twice, "
+                   "0.5: every other one)")
     args = p.parse_args(argv)
     try:
-        prepare_data(args.inputs.split(","), tokenizer_dir=args.tokenizer, out_dir=args.out,
-                     text_key=args.text_key, num_proc=args.num_proc, split=args.split)
+        weights = [float(w) for w in args.weights.split(",")] if args.weights else None
+        meta = prepare_data(args.inputs.split(","), tokenizer_dir=args.tokenizer, out_dir=args.out,
+                            text_key=args.text_key, num_proc=args.num_proc, split=args.split, eos=args.eos,
+                            weights=weights)
     except ImportError as e:
         print(f"error: {e}; install the data extra: pip install -e '.[data]'", file=sys.stderr)
         return 2
     except (OSError, ValueError) as e:  # a missing file, a record without the text field
         print(f"\nerror: {e}", file=sys.stderr)
         return 2
+    print(summary(meta, args.out), flush=True)
     return 0
 
 

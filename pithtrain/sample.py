@@ -6,7 +6,7 @@
 
 --ckpt takes a run directory, its checkpoints/ directory or a step_N directory (as export does).
 The tokenizer is the one the run trained with: bytes for the stdlib data (a document starts with
-BOS), else the tokenizer.json that `invoke prepare-data` saved beside the shards (data.path).
+BOS), else the tokenizer.json the checkpoint carries (the shards', from any working directory).
 No KV cache: each new token runs the model over the last train.seq_len tokens, which is fine
 for the few hundred tokens of a sanity check.
 """
@@ -14,16 +14,17 @@ for the few hundred tokens of a sanity check.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import torch
 import yaml
 
-from pithtrain.checkpoint.dcp import RECIPE, CheckpointError, resolve
-from pithtrain.checkpoint.export import load_checkpoint_model
+from pithtrain.checkpoint.dcp import RECIPE, TRAINER, CheckpointError, resolve
+from pithtrain.checkpoint.export import checkpoint_tokenizer, load_checkpoint_model
 from pithtrain.config import ConfigError
-from pithtrain.data import BOS, EOS, read_meta
+from pithtrain.data import BOS, EOS
 
 
 class ByteTokenizer:
@@ -38,15 +39,11 @@ class ByteTokenizer:
 
 
 class FileTokenizer:
-    """The tokenizer.json saved with the run's shards (meta.json names its EOS token)."""
+    """The tokenizer.json a checkpoint carries (trainer.json names its EOS token)."""
 
-    def __init__(self, data_path: str):
+    def __init__(self, tok_file: Path, eos: int | None):
         from pithtrain.data import load_tokenizer
-        tok_file = Path(data_path) / "tokenizer.json"
-        if not tok_file.is_file():
-            raise ConfigError(f"{tok_file}: the run's data directory has no tokenizer.json "
-                              "(re-create it with `invoke prepare-data`)")
-        self.tok, self.eos = load_tokenizer(str(tok_file)), read_meta(data_path).get("eos_id")
+        self.tok, self.eos = load_tokenizer(str(tok_file)), eos
 
     def encode(self, text: str) -> list[int]:  # a new document follows a separator, as in training
         return ([self.eos] if self.eos is not None else []) + self.tok.encode(text).ids
@@ -57,10 +54,12 @@ class FileTokenizer:
 
 def load_run(ckpt):
     """(model in eval mode on CPU, tokenizer, context length) of a checkpoint and its recipe."""
-    saved = yaml.safe_load((resolve(ckpt) / RECIPE).read_text())
-    data = saved.get("data") or {}
-    tok = ByteTokenizer() if data.get("source", "stdlib") == "stdlib" else FileTokenizer(data["path"])
-    return load_checkpoint_model(ckpt), tok, int((saved.get("train") or {}).get("seq_len", 256))
+    path = resolve(ckpt)
+    saved = yaml.safe_load((path / RECIPE).read_text())
+    tok_file = checkpoint_tokenizer(path, saved)
+    eos = (json.loads((path / TRAINER).read_text()).get("data") or {}).get("eos_id")
+    tok = ByteTokenizer() if tok_file is None else FileTokenizer(tok_file, eos)
+    return load_checkpoint_model(path), tok, int((saved.get("train") or {}).get("seq_len", 256))
 
 
 @torch.no_grad()

@@ -17,13 +17,14 @@ import contextlib
 import math
 import os
 import sys
+import time
 from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError
 
 from pithtrain import kernels
-from pithtrain.checkpoint.dcp import CheckpointError, Checkpointer, disk_estimate
+from pithtrain.checkpoint.dcp import CheckpointError, Checkpointer, checkpoints_dir, disk_estimate, step_dirs
 from pithtrain.checkpoint.hf import load_hf_into
 from pithtrain.config import Config, ConfigError, load_config
 from pithtrain.data import build_batches, rows
@@ -96,17 +97,74 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device, u
 
 
 def lr_lambda(cfg: Config):
-    """Linear warmup to train.lr, then cosine decay to train.lr * min_lr_ratio at the last step."""
+    """The LR factor of each step: linear warmup to train.lr over warmup_steps, then held until the
+    decay starts (at once for cosine and linear; for wsd at train.steps minus its decay_ratio share;
+    never for constant), then falling to min_lr_ratio at train.steps along the decay's shape. A
+    function of the recipe alone: a resumed run recomputes it (checkpoint/dcp.py), so a longer
+    train.steps moves a wsd decay later (a longer stable phase) and stretches a cosine one."""
     t = cfg.train
+    shape = {"cosine": "cosine", "linear": "linear"}.get(t.lr_schedule, t.decay_type)
+    start = {"cosine": t.warmup_steps, "linear": t.warmup_steps, "constant": t.steps}.get(
+        t.lr_schedule, max(t.warmup_steps, t.steps - round(t.decay_ratio * t.steps)))
 
     def f(step: int) -> float:
         if step < t.warmup_steps:
             return (step + 1) / t.warmup_steps
-        span = max(t.steps - t.warmup_steps, 1)
-        progress = min((step - t.warmup_steps) / span, 1.0)
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        if step < start:
+            return 1.0
+        p = min((step - start) / max(t.steps - start, 1), 1.0)
+        left = {"linear": 1 - p, "cosine": 0.5 * (1 + math.cos(math.pi * p)), "sqrt": 1 - math.sqrt(p)}[shape]
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * left
 
     return f
+
+
+def startup_lines(cfg: Config, batches) -> list[str]:
+    """What the run trains on, what loading resolved, and a warning for a setting that trains on
+    the wrong thing or leaves the experts' load to collapse (rank 0 prints them)."""
+    m = cfg.model
+    lines = [f"pithtrain: data: {batches.about}"] + [f"pithtrain: {n}" for n in cfg.notes]
+    if cfg.data.source == "stdlib" and m.vocab_size > 1024:
+        lines.append(f"pithtrain: WARNING: data.source is 'stdlib' (byte ids 0-257) but the model has "
+                     f"{m.vocab_size} tokens: this run trains on bytes; set data.source=shards")
+    knob = {"switch": "aux_loss_coeff", "sequence": "aux_loss_coeff", "bias": "bias_update_rate"}.get(m.balance)
+    if m.num_experts > m.top_k and (knob is None or getattr(m, knob) == 0):
+        lines.append(f"pithtrain: WARNING: {f'model.{knob} is 0' if knob else 'model.balance is none'}: nothing "
+                     "balances the experts' load, so the router may send every token to the same experts "
+                     "(`invoke config --keys` lists model.balance and its coefficients)")
+    return lines
+
+
+def collapse_watch(m, n: int = 3):
+    """check(routing) -> a warning line, once, when a MoE layer's load max / mean has stayed at its
+    maximum (num_experts / top_k: every token on the same top_k experts) for n logged steps."""
+    worst, streak, said = m.num_experts / m.top_k, {}, []
+
+    def check(routing: dict) -> str | None:
+        for layer, v in routing.get("load_max_mean", {}).items():
+            streak[layer] = streak.get(layer, 0) + 1 if worst > 1 and v >= 0.99 * worst else 0
+        hit = [k for k, c in streak.items() if c >= n]
+        if hit and not said:
+            said.append(hit)
+            return (f"pithtrain: WARNING: expert load collapsed in layer(s) {', '.join(hit)}: max/mean {worst:g} "
+                    f"(every token on the same {m.top_k} of {m.num_experts} experts) for {n} logged steps; "
+                    "raise model.aux_loss_coeff or set model.balance=bias")
+        return None
+
+    return check
+
+
+def summary_line(cfg: Config, history: list[dict], batches, global_batch: int, wall_s: float) -> str:
+    """The run's last line: steps, tokens seen, epochs of the data, final loss and validation loss,
+    wall time, and the checkpoint to resume (or export) from."""
+    t = cfg.train
+    seen = t.steps * global_batch * t.seq_len
+    loss = f"{history[-1]['loss']:.4f}" if history else "-"
+    val = next((f"{r['val_loss']:.4f}" for r in reversed(history) if "val_loss" in r), "-")
+    kept = step_dirs(checkpoints_dir(cfg.log.run_dir))
+    return (f"pithtrain: done: {t.steps} steps ({len(history)} in this process), {seen / 1e6:.2f}M tokens seen "
+            f"({seen / batches.n_train:.2f} epochs of {batches.n_train / 1e6:.2f}M), loss {loss}, val_loss {val}, "
+            f"{wall_s:.0f} s; checkpoint {kept[0] if kept else 'none (checkpoint.final is false)'}")
 
 
 @torch.no_grad()
@@ -196,6 +254,7 @@ def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.
     resume: True continues from the newest valid checkpoint in log.run_dir, False starts fresh,
     a path continues from that checkpoint (pithtrain/checkpoint/dcp.py)."""
     t = cfg.train  # with train.init_from, cfg.model is already the checkpoint's (load_config)
+    t_start = time.monotonic()
     device = pick_device(cfg)
     # parallel: auto -> a layout; on CUDA the memory plan must fit (pithtrain/plan.py): one-line errors
     check_launch(cfg, device, int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)))
@@ -244,9 +303,7 @@ def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.
         print(f"pithtrain: {cfg.model.family} {total / 1e6:.2f}M params ({active / 1e6:.2f}M active) | "
               f"device {device} {str(dtype).removeprefix('torch.')} | recipe {cfg.source} | "
               f"run dir {cfg.log.run_dir} | {dims.describe()}", flush=True)
-        if cfg.data.source == "stdlib" and cfg.model.vocab_size > 1024:
-            print(f"pithtrain: WARNING: data.source is 'stdlib' (byte ids 0-257) but the model has "
-                  f"{cfg.model.vocab_size} tokens: this run trains on bytes; set data.source=shards", flush=True)
+        print("\n".join(startup_lines(cfg, batches)), flush=True)
     if dims.rank == 0 and (disk := disk_estimate(cfg, total)):
         print(disk, flush=True)
     log = StepLog(cfg.log.run_dir, start, enabled=dims.rank == 0, total_steps=t.steps, cfg=cfg)
@@ -255,7 +312,7 @@ def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.
     runner = pipeline.make_runner(model, chunks, cfg, dims, device, autocast) if chunks else None
 
     set_aux_loss_scale(model, 1.0 / (t.grad_accum * dp_size))  # mean over the global batch's micro-batches
-    history, tokens_since = [], 0
+    history, tokens_since, collapsed = [], 0, collapse_watch(cfg.model)
     log.tick()
     first = phase("first step" + (" (compiling the layers: can take minutes)" if t.compile else ""), say,
                   announce=True)
@@ -295,6 +352,8 @@ def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.
                 log.write({**rec, "tokens_per_s": tps,  # all ranks together; MFU is per GPU
                            "mfu": tps * fpt / (peak * 1e12 * dims.world_size) if peak else None,
                            "mem_gb": mem, **done.routing, **extra})
+                if dims.rank == 0 and (warning := collapsed(done.routing)):
+                    print(warning, flush=True)
             ckpt.after_step(step + 1)  # saves when due (checkpoint.every, final)
     except BaseException:  # one process: a save of an earlier step still in flight is committed
         ckpt.abort()
@@ -305,6 +364,8 @@ def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.
     if cfg.checkpoint.export_hf and start < t.steps:
         export_final(cfg)
     log.close()
+    if dims.rank == 0:
+        print(summary_line(cfg, history, batches, global_batch, time.monotonic() - t_start), flush=True)
     if run_lock is not None:  # after the last commit: the run dir is ours until then
         run_lock.close()
     dims.close()

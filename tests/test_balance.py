@@ -252,14 +252,13 @@ def test_routing_metrics_per_layer_and_dropped_slots():
 
 
 def test_config_choices_and_errors():
-    # the default recipe sets aux_loss_coeff 0.01: switching to bias from the command line resets it
-    cfg = load_config(None, ["model.balance=bias", "model.aux_loss_coeff=0.001", "model.bias_update_rate=0.01",
-                             "model.z_loss_coeff=1e-3"])
+    # default.yaml's aux_loss_coeff is the default (0.01): switching to bias from the command line needs nothing else
+    cfg = load_config(None, ["model.balance=bias", "model.bias_update_rate=0.01", "model.z_loss_coeff=1e-3"])
     assert (cfg.model.balance, cfg.model.bias_update_rate, cfg.model.z_loss_coeff) == ("bias", 0.01, 1e-3)
     for bad, msg in ((["model.balance=aux"], "model.balance: expected one of"),
-                     (["model.balance=bias"], "model.aux_loss_coeff: does not apply to balance=bias "
-                                              r"\(only to switch and sequence\); remove it from the recipe "
-                                              r"or set it to its default, 0.001"),
+                     (["model.balance=bias", "model.aux_loss_coeff=0.001"],
+                      "model.aux_loss_coeff: does not apply to balance=bias \\(only to switch and sequence\\); "
+                      "remove it from the recipe or set it to its default, 0.01"),
                      (["model.balance=none", "model.aux_loss_coeff=0"], "model.aux_loss_coeff: does not apply"),
                      (["model.balance=sequence", "model.bias_update_rate=0.1"],
                       "model.bias_update_rate: does not apply to balance=sequence"),
@@ -293,7 +292,7 @@ def test_init_from_keeps_the_recipes_balance_and_imports_a_zero_bias_export_refu
 def test_bias_survives_checkpoint_and_resume_bit_exactly(tmp_path, monkeypatch):
     from pithtrain.data import TokenBatches
     from pithtrain.train import train
-    base = ["model.balance=bias", "model.aux_loss_coeff=0.001", "model.bias_update_rate=0.01", "model.hidden_size=32", "model.num_layers=2",
+    base = ["model.balance=bias", "model.bias_update_rate=0.01", "model.hidden_size=32", "model.num_layers=2",
             "model.num_heads=4", "model.head_dim=8", "model.moe_intermediate_size=16", "train.seq_len=32",
             "train.micro_batch_size=2", "train.steps=6", "train.warmup_steps=1", "checkpoint.every=3",
             "data.max_bytes=20000", "log.every=1", "train.device=cpu"]

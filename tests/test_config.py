@@ -53,6 +53,10 @@ def test_yaml_exponent_without_dot_is_a_number(tmp_path):
     ("train:\n  weight_decay: -0.1\n", "train.weight_decay: must be a finite number >= 0, got -0.1"),
     ("train:\n  grad_clip: .nan\n", "train.grad_clip: must be a finite number >= 0 (0 disables), got nan"),
     ("train:\n  lr: [\n", "not valid YAML"),
+    ("data:\n  path: corpus\n", "data.path: 'corpus' is given but data.source is 'stdlib'"),
+    ("train:\n  decay_ratio: 0.3\n", "train.decay_ratio: applies to train.lr_schedule=wsd only (it is 'cosine')"),
+    ("train:\n  lr_schedule: wsd\n  decay_ratio: 1.5\n", "train.decay_ratio: must be in [0, 1], got 1.5"),
+    ("train:\n  lr_schedule: step\n", "train.lr_schedule: expected one of 'cosine', 'wsd', 'linear', 'constant'"),
 ])
 def test_bad_recipes_fail_with_a_clear_line(tmp_path, text, needle):
     path = write(tmp_path, text)
@@ -161,3 +165,111 @@ def test_init_from_refuses_a_recipe_field_the_checkpoints_family_lacks(hub_dir, 
                                           "has no such field"):
         load_config(write(tmp_path, "model:\n  family: deepseek_v2\n  topk_method: greedy\n"),
                     [f"train.init_from={hub_dir}"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors name where a value came from; `invoke config`; defaults; warnings; invoke from anywhere
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["trian.lr=1"], "command-line override 'trian.lr=1': trian: unknown section"),
+    (["data.source=shards"], "default.yaml with command-line override 'data.source=shards': data.path: "
+                             "data.source is 'shards' but no data.path is given"),
+    (["model.family=gpt_oss"], "default.yaml with command-line override 'model.family=gpt_oss': "
+                               "model.moe_intermediate_size: unknown key"),
+    (["train.lr=1e-3", "model.family=deepseek_v2", "model.top_k=2"],
+     "default.yaml with command-line overrides 'model.family=deepseek_v2', 'model.top_k=2': model.num_kv_heads"),
+])
+def test_an_error_caused_by_an_override_names_it_not_only_the_recipe(overrides, needle):
+    """The recipe was blamed for a key that came from, or was made wrong by, the command line."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_config_prints_the_resolved_recipe_and_every_key(capsys):
+    import yaml
+
+    from pithtrain.config import SECTIONS, main
+    from pithtrain.models import FAMILIES
+    assert main(["train.lr=1e-3", "model.vocab_size=auto"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# ") and "# model.vocab_size: auto -> 320" in out
+    assert yaml.safe_load(out) == load_config(None, ["train.lr=1e-3", "model.vocab_size=auto"]).to_dict()
+    assert main(["qwen3-30b-a3b", "--keys"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    n = sum(len(dataclasses.fields(c)) for c in (FAMILIES["qwen3_moe"].config, *SECTIONS.values()))
+    assert len(rows) == n
+    assert [r.split() for r in rows if r.startswith(("train.lr_schedule ", "model.vocab_size ", "train.steps "))] == [
+        ["model.vocab_size", "int", "|", "'auto'", "264", "recipe:", "151936"],
+        ["train.steps", "int", "200", "recipe:", "1000"],
+        ["train.lr_schedule", "'cosine'", "|", "'wsd'", "|", "'linear'", "|", "'constant'", "'cosine'"]]
+    assert main(["train.lr=fast"]) == 2 and "train.lr: expected a number" in capsys.readouterr().err
+
+
+def test_training_only_model_defaults_agree_with_the_shipped_recipes_or_the_recipe_says_so():
+    """default.yaml said aux_loss_coeff 0.01 where the classes defaulted to 0.001, and a recipe
+    without the line collapsed to 2 of 8 experts: each training-only model field a shipped recipe
+    sets is the class default, or its line (or the comment above it) names the class default."""
+    import yaml
+
+    from pithtrain.config import RECIPE_MODEL_FIELDS, RECIPES_DIR
+    from pithtrain.models import FAMILIES
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        lines = path.read_text().splitlines()
+        model = yaml.safe_load(path.read_text())["model"]
+        defaults = {f.name: f.default for f in dataclasses.fields(FAMILIES[model["family"]].config)}
+        for k in RECIPE_MODEL_FIELDS:
+            default = defaults.get(k)
+            if k in model and model[k] != default:
+                i = next(n for n, line in enumerate(lines) if line.strip().startswith(f"{k}:"))
+                assert f"class default is {default}" in lines[i] + lines[i - 1], (path.name, k, default)
+
+
+def test_a_run_without_balancing_or_with_a_collapsed_load_gets_a_warning(tiny_overrides, capsys):
+    from pithtrain.train import collapse_watch, startup_lines, train
+
+    class Batches:
+        about = "the data"
+
+    for overrides, needle in ((["model.aux_loss_coeff=0"], "WARNING: model.aux_loss_coeff is 0: nothing balances "
+                                                           "the experts' load"),
+                              (["model.balance=none"], "WARNING: model.balance is none: nothing balances"),
+                              (["model.balance=bias", "model.bias_update_rate=0"],
+                               "WARNING: model.bias_update_rate is 0")):
+        assert [line for line in startup_lines(load_config(None, overrides), Batches) if needle in line], overrides
+    assert not [line for line in startup_lines(load_config(None), Batches) if "WARNING" in line]
+    check = collapse_watch(load_config(None).model, n=3)  # 8 experts, top-2: max / mean is at most 4
+    streak_broken = [{"load_max_mean": {"0": 4.0, "1": 1.2}}] * 2 + [{"load_max_mean": {"0": 3.0, "1": 1.1}}]
+    assert [check(r) for r in streak_broken + [{"load_max_mean": {"0": 4.0, "1": 4.0}}] * 2] == [None] * 5
+    assert check({"load_max_mean": {"0": 4.0, "1": 1.1}}) == (
+        "pithtrain: WARNING: expert load collapsed in layer(s) 0: max/mean 4 (every token on the same 2 of 8 "
+        "experts) for 3 logged steps; raise model.aux_loss_coeff or set model.balance=bias")
+    assert check({"load_max_mean": {"0": 4.0, "1": 4.0}}) is None  # said once
+    # a real run without balancing at a high learning rate collapses within a few steps, and says so
+    run = [o for o in tiny_overrides if not o.startswith(("train.steps", "log.every", "train.warmup"))]
+    train(load_config(None, run + ["train.steps=8", "log.every=1", "model.aux_loss_coeff=0", "train.lr=0.05",
+                                   "train.warmup_steps=1", "checkpoint.final=false", "log.tensorboard=false"]))
+    out = capsys.readouterr().out
+    assert "WARNING: model.aux_loss_coeff is 0" in out and "WARNING: expert load collapsed in layer(s)" in out
+
+
+def test_invoke_runs_from_a_subdirectory_of_the_checkout():
+    """The Pythons a task starts import tools from there (`python -m tools.skills`), and docker lines,
+    whose compose/ and images/ paths are the checkout's, run from its root."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+
+    def invoke(*args):
+        r = subprocess.run([sys.executable, "-m", "invoke", *args], cwd=root / "tests", capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, (args, r.stdout, r.stderr)
+        return r.stdout
+
+    assert "prerequisites PASS" in invoke("doctor", "--skill", "validate-correctness")
+    lines = invoke("train", "--gpu", "h200", "--dry-run").splitlines()
+    assert lines and all(line.startswith(f"cd {root} && ") and " docker " in line for line in lines)
+    assert "  steps: 7\n" in invoke("config", "--set", "train.steps=7")

@@ -1,5 +1,6 @@
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -225,10 +226,13 @@ def test_truncated_shard_is_detected(tmp_path, tokenizer_dir):
         shard_tokens(out)
 
 
-def test_a_run_on_a_small_vocabulary_trains_and_exports(tmp_path, tiny_overrides):
+def test_a_run_on_a_small_vocabulary_trains_and_exports_with_its_checkpoints_tokenizer(
+        tmp_path, tiny_overrides, tokenizer_dir, capsys):
     """Shards of a 128-token vocabulary and model.vocab_size 128 (below the stdlib data's 258):
     the run trains, and export reads the checkpoint without the training data's checks (the
-    shards are gone by then, as on another machine)."""
+    shards are gone by then, as on another machine). The tokenizer comes from the checkpoint; a
+    shards checkpoint without one is an error naming the file (it was exit 0 and no tokenizer),
+    until the file is put where the error says; the stdlib bytes have none, and export says so."""
     import shutil
 
     from pithtrain.checkpoint.export import main as export_main
@@ -239,8 +243,23 @@ def test_a_run_on_a_small_vocabulary_trains_and_exports(tmp_path, tiny_overrides
     assert train_main(run + ["train.steps=2", "data.source=shards", f"data.path={shards}",
                              "model.vocab_size=128"]) == 0
     shutil.rmtree(shards)
+    capsys.readouterr()
+    assert export_main(["--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"error: \S+/step_2/tokenizer.json: missing \(saved before checkpoints carried the run's "
+                        r"tokenizer\): copy the one beside the run's shards \(\S+/s\) there\n", err), err
+    assert not (tmp_path / "hf").exists()  # refused before anything was written
+    shutil.copyfile(tokenizer_dir / "tokenizer.json", tmp_path / "run/checkpoints/step_2/tokenizer.json")
     assert export_main(["--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 128
+    assert (tmp_path / "hf/tokenizer.json").read_bytes() == (tokenizer_dir / "tokenizer.json").read_bytes()
+    assert json.loads((tmp_path / "hf/tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    # the stdlib bytes: no tokenizer, said so
+    assert train_main([*run, "train.steps=1", f"log.run_dir={tmp_path / 'run3'}"]) == 0
+    capsys.readouterr()
+    assert export_main(["--ckpt", str(tmp_path / "run3"), "--out", str(tmp_path / "hf3")]) == 0
+    assert "export: no tokenizer: the run trained on stdlib bytes" in capsys.readouterr().out
+    assert not (tmp_path / "hf3/tokenizer.json").exists()
 
 
 def _shard_bytes(d):
@@ -354,3 +373,173 @@ def test_mismatched_tokenizer_vocab_or_init_from_is_one_line_before_anything_is_
         assert "building the model" not in out and not (tmp_path / "run").exists()
     cfg = load_config(None, run + [f"train.init_from={same}", *shard])  # the matching pair loads
     assert cfg.model.vocab_size == 320
+
+
+# ---------------------------------------------------------------------------------------------
+# No silent wrong data: every input is read as what it is, or refused in one line naming it
+
+
+def test_prepare_data_reads_json_csv_compressed_files_directories_and_globs(tmp_path, tokenizer_dir):
+    """JSON lines named .json, .csv, a gzipped .jsonl, a gzipped .txt (one document, as a plain
+    one), a directory of .txt files (hidden files skipped) and a glob: each record is one document
+    with the tokenizer's own ids (a .json file was one document of raw JSON; a directory was
+    refused with `datasets`' message)."""
+    pytest.importorskip("datasets")
+    import gzip
+
+    from tokenizers import Tokenizer
+    (tmp_path / "a.json").write_text("\n".join(json.dumps({"text": f"hello {i}"}) for i in range(3)))
+    (tmp_path / "b.csv").write_text("text,n\nworld one,1\nworld two,2\n")
+    with gzip.open(tmp_path / "c.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"text": "this is"}) + "\n")
+    with gzip.open(tmp_path / "d.txt.gz", "wt") as f:
+        f.write("two lines\nof one document")
+    (tmp_path / "txt" / "sub").mkdir(parents=True)
+    (tmp_path / "txt" / "1.txt").write_text("pithtrain one")
+    (tmp_path / "txt" / "sub" / "2.txt").write_text("pithtrain two")
+    (tmp_path / "txt" / ".DS_Store").write_bytes(b"\0\1")
+    inputs = [str(tmp_path / i) for i in ("a.json", "b.csv", "c.jsonl.gz", "d.txt.gz", "txt", "txt/*.txt")]
+    meta = prepare_data(inputs, str(tokenizer_dir), str(tmp_path / "out"), progress=False)
+    want = ["hello 0", "hello 1", "hello 2", "world one", "world two", "this is", "two lines\nof one document",
+            "pithtrain one", "pithtrain two", "pithtrain one"]
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    ids = np.concatenate([tok.encode(t).ids + [meta["eos_id"]] for t in want])
+    assert np.array_equal(np.asarray(shard_tokens(tmp_path / "out")[:]), ids)
+    assert [i["documents"] for i in meta["inputs"]] == [3, 2, 1, 1, 2, 1] and meta["documents"] == 10
+    (tmp_path / "notes.md").write_text("# a title")
+    reads = (r"prepare-data reads .txt .jsonl .json .csv .parquet .arrow files \(the first four also .gz .bz2 .xz "
+             r".zst\), directories and globs of them")
+    for bad in (tmp_path / "notes.md", tmp_path / "txt"):  # alone, and in a directory
+        (tmp_path / "txt" / "notes.md").write_text("# a title")
+        with pytest.raises(ValueError, match=rf"notes.md: unknown input suffix '.md'; {reads}"):
+            prepare_data([str(bad)], str(tokenizer_dir), str(tmp_path / "o"), progress=False)
+    with pytest.raises(FileNotFoundError, match=r"nothing/\*.txt: no file matches"):
+        prepare_data([str(tmp_path / "nothing/*.txt")], str(tokenizer_dir), str(tmp_path / "o"), progress=False)
+    (tmp_path / "e.json").write_text('{"body": "no text"}\n')
+    with pytest.raises(ValueError, match=r"e.json: no 'text' column \(columns: body; use --text-key\)"):
+        prepare_data([str(tmp_path / "e.json")], str(tokenizer_dir), str(tmp_path / "o"), progress=False)
+
+
+def test_prepare_data_mixes_inputs_by_weight_and_ends_with_a_summary(tmp_path, tokenizer_dir, capsys):
+    """--weights 2,0.5: the first input's documents twice (in two passes: copies never side by
+    side), every other one of the second's; the summary names documents, tokens, shards, the
+    vocabulary, EOS and each input's share."""
+    from tokenizers import Tokenizer
+
+    from pithtrain.data import main
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(json.dumps({"text": f"hello {i}"}) for i in range(4)))
+    b.write_text("\n".join(json.dumps({"text": f"world {i}"}) for i in range(4)))
+    assert main(["--inputs", f"{a},{b}", "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "o"),
+                 "--weights", "2,0.5", "--num-proc", "1"]) == 0
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    want = [f"hello {i}" for i in range(4)] * 2 + ["world 1", "world 3"]
+    eos = tok.token_to_id("<|endoftext|>")
+    ids = [i for t in want for i in tok.encode(t).ids + [eos]]
+    assert np.asarray(shard_tokens(tmp_path / "o")[:]).tolist() == ids
+    n_a = sum(len(tok.encode(t).ids) + 1 for t in want[:8])
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"prepare-data: 10 documents, {len(ids)} tokens in 1 shard(s) (uint16) -> {tmp_path / 'o'}; "
+                   f"vocabulary {tok.get_vocab_size()}, EOS '<|endoftext|>' (id {eos}); tokenizer {tokenizer_dir} "
+                   f"(sha256 {json.loads((tmp_path / 'o/meta.json').read_text())['tokenizer_sha256'][:12]})",
+                   f"  {a}: 8 documents (x2), {n_a} tokens ({100 * n_a / len(ids):.1f}%)",
+                   f"  {b}: 2 documents (x0.5), {len(ids) - n_a} tokens ({100 - 100 * n_a / len(ids):.1f}%)"]
+    with pytest.raises(ValueError, match=r"--weights: 2 numbers > 0 for the 2 inputs, got \[1.0\]"):
+        prepare_data([str(a), str(b)], str(tokenizer_dir), str(tmp_path / "o"), weights=[1.0], progress=False)
+
+
+def test_a_tokenizer_without_a_known_end_of_text_token_needs_eos(tmp_path, capsys):
+    """Documents were joined with no separator (eos_id: null), silently; now the run names the
+    tokenizer's special tokens and --eos picks one."""
+    from tokenizers import Tokenizer, models, trainers
+
+    from pithtrain.data import main
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.train_from_iterator(["abc abd"] * 20, trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<sep>"]))
+    d = tmp_path / "tok"
+    d.mkdir()
+    tok.save(str(d / "tokenizer.json"))
+    src = tmp_path / "a.jsonl"
+    src.write_text('{"text": "abc"}\n{"text": "abd"}\n')
+    with pytest.raises(ValueError, match=r"tok: no end-of-text token among </s>, <\|endoftext\|>, <eos>, "
+                                         r"<\|end_of_text\|>; pass the one that ends a document with --eos "
+                                         r"\(its special tokens: <unk>, <sep>\)"):
+        prepare_data([str(src)], str(d), str(tmp_path / "o"), progress=False)
+    meta = prepare_data([str(src)], str(d), str(tmp_path / "o"), progress=False, eos="<sep>")
+    sep = tok.token_to_id("<sep>")
+    assert meta["eos_id"] == sep and meta["eos"] == "<sep>"
+    want = tok.encode("abc").ids + [sep] + tok.encode("abd").ids + [sep]
+    assert np.asarray(shard_tokens(tmp_path / "o")[:]).tolist() == want
+    assert main(["--inputs", str(src), "--tokenizer", str(d), "--out", str(tmp_path / "o2"), "--eos", "<nope>"]) == 2
+    assert capsys.readouterr().err.strip().endswith("tok: --eos '<nope>' is not one of its tokens; pass the one that "
+                                                    "ends a document with --eos (its special tokens: <unk>, <sep>)")
+
+
+@pytest.mark.parametrize("name, missing", [("./tok", "tok"), ("data/tok", "data/tok"), ("a/b/tokenizer.json", "a"),
+                                           ("tok.json", "tok.json"), ("~/no/such/tok", "~/no")])
+def test_a_tokenizer_name_that_looks_like_a_path_never_goes_to_the_hub(tmp_path, monkeypatch, name, missing):
+    """A mistyped local path was taken for a hub id (25 s of retries, then "check your connection"):
+    one line now names the part of the path that is missing. ORG/NAME still goes to the hub."""
+    import tokenizers
+
+    from pithtrain.data import _iter_source, load_tokenizer
+    asked = []
+
+    class Hub:
+        @staticmethod
+        def from_pretrained(name):
+            asked.append(name)
+            return "from the hub"
+
+    monkeypatch.setattr(tokenizers, "Tokenizer", Hub)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    with pytest.raises(FileNotFoundError) as e:
+        load_tokenizer(name)
+    home = str(Path("~").expanduser())
+    assert str(e.value).replace(home, "~") == f"{name}: not found ({missing} does not exist)" and asked == []
+    assert load_tokenizer("org/name") == "from the hub" and asked == ["org/name"]
+    with pytest.raises(FileNotFoundError, match=r"data/corpus: not found \(data/corpus does not exist\)"):
+        _iter_source("data/corpus", "text", "train")  # was streamed from the hub as a dataset id
+
+
+def test_data_path_with_the_stdlib_source_is_refused():
+    """data.path without data.source=shards trained on the interpreter's bytes, silently."""
+    with pytest.raises(ConfigError, match=r"command-line override 'data.path=data/train': data.path: 'data/train' "
+                                          r"is given but data.source is 'stdlib' \(the interpreter's own bytes\); "
+                                          r"set data.source=shards to train on it"):
+        load_config(None, ["data.path=data/train"])
+
+
+def test_vocab_size_auto_is_the_datas_vocabulary_padded_and_said(tmp_path):
+    d = write_shards(tmp_path / "s", [np.arange(200)], vocab_size=300)
+    cfg = load_config(None, ["data.source=shards", f"data.path={d}", "model.vocab_size=auto"])
+    assert cfg.model.vocab_size == 320
+    assert cfg.notes == [f"model.vocab_size: auto -> 320 ({d}/meta.json vocab_size 300, padded to a multiple of 64)"]
+    assert load_config(None, ["model.vocab_size=auto"]).model.vocab_size == 320  # the stdlib bytes: 258
+    d = write_shards(tmp_path / "t", [np.arange(200)], vocab_size=256)
+    assert load_config(None, ["data.source=shards", f"data.path={d}", "model.vocab_size=auto"]).model.vocab_size == 256
+
+
+def test_resuming_onto_shards_of_another_tokenizer_is_refused_unless_the_recipe_allows_it(
+        tmp_path, tokenizer_dir, tiny_overrides, capsys):
+    """It printed only "recipe differs" and trained on (loss 0.91 -> 6.33): the checkpoint records
+    its tokenizer's fingerprint (trainer.json) and resume compares it with the shards'."""
+    from pithtrain.train import main
+
+    src = tmp_path / "a.txt"
+    src.write_text("hello world, this is pithtrain " * 100)
+    prepare_data([str(src)], str(tokenizer_dir), str(tmp_path / "a"), progress=False)
+    prepare_data([str(src)], str(_other_tokenizer(tmp_path)), str(tmp_path / "b"), progress=False)
+    run = [o for o in tiny_overrides if not o.startswith(("train.steps", "data."))] + ["data.source=shards"]
+    assert main(run + ["train.steps=1", f"data.path={tmp_path / 'a'}"]) == 0
+    capsys.readouterr()
+    assert main(run + ["train.steps=2", f"data.path={tmp_path / 'b'}"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(
+        r"step_1: trained on ids of tokenizer \S+/tok \(sha256 [0-9a-f]{12}\); the data now is \S+/b, of \S+/tok2 "
+        r"\(sha256 [0-9a-f]{12}\): its ids mean other tokens. Resume onto data of the checkpoint's tokenizer, or "
+        r"set data.allow_tokenizer_change=true to continue on it anyway", err), err
+    assert main(run + ["train.steps=2", f"data.path={tmp_path / 'b'}", "data.allow_tokenizer_change=true"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint: tokenizer changed from" in out and "resumed from" in out and "step      2" in out

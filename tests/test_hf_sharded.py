@@ -244,6 +244,7 @@ def test_export_streams_shard_by_shard_with_tokenizer(hubs, tmp_path):
     tok.save(str(tmp_path / "tok" / "tokenizer.json"))
     data = tmp_path / "data"
     data.mkdir()
+    tok.save(str(data / "tokenizer.json"))  # beside the shards, as prepare-data keeps it: checkpoints carry it
     np.random.default_rng(0).integers(0, 300, 5000).astype(np.uint16).tofile(data / "shard_00000.bin")
     (data / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 300, "tokenizer": str(tmp_path / "tok"),
                                                 "files": [{"name": "shard_00000.bin", "tokens": 5000}]}))

@@ -13,8 +13,11 @@ Layout of `<log.run_dir>/checkpoints/`:
     step_20/              one committed checkpoint (20 optimizer steps done; data position = 20)
       .metadata           DCP's index (which chunk of which tensor lies where)
       __R_I.distcp        tensor data, written by rank R: model, optimizer moments, RNG states
-      trainer.json        step, LR-scheduler state, optimizer hyper-parameters, world size
+      trainer.json        step, LR-scheduler state, optimizer hyper-parameters, world size, what
+                          the token ids mean ("data": the shards' tokenizer fingerprint, EOS, vocabulary)
       recipe.yaml         the whole recipe of the run (Config.to_yaml)
+      tokenizer.json      the shards' tokenizer files (data.TOKENIZER_FILES; none for stdlib bytes), so
+                          sample and export need no data directory
       manifest.json       size and sha256 of every file above; written last, before the rename
     latest                "step_20": the pointer, replaced (write tmp, fsync, os.replace) last
     .tmp-step_30/         a save in progress (or one that died); never loaded
@@ -63,6 +66,7 @@ import contextlib
 import datetime
 import hashlib
 import json
+import math
 import os
 import pickle
 import shutil
@@ -79,6 +83,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from pithtrain.data import TOKENIZER_FILES, tokenizer_of
 
 FORMAT = 1
 MANIFEST, TRAINER, RECIPE, LATEST = "manifest.json", "trainer.json", "recipe.yaml", "latest"
@@ -186,7 +192,7 @@ def own_files(ckpt: Path, rank: int) -> list[Path]:
     the save's group, as FileSystemWriter names them); rank 0 also the index, trainer and recipe."""
     mine = sorted(ckpt.glob(f"__{rank}_*"))
     if rank == 0:  # named, not listed: other ranks' hash files appear meanwhile
-        mine += [ckpt / n for n in (".metadata", TRAINER, RECIPE) if (ckpt / n).is_file()]
+        mine += [ckpt / n for n in (".metadata", TRAINER, RECIPE, *TOKENIZER_FILES) if (ckpt / n).is_file()]
     return mine
 
 
@@ -491,6 +497,13 @@ class Checkpointer:
             trainer["step"] = step
             trainer["weights_only"] = weights_only
             trainer["saved_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
+            trainer["data"] = tokenizer_of(self.cfg.data)
+            # the shards' tokenizer, else train.init_from's (the config checked it is the shards')
+            dirs = (self.cfg.data.path, self.cfg.train.init_from) if self.cfg.data.source == "shards" else ()
+            src = next((Path(d) for d in dirs if d and (Path(d) / "tokenizer.json").is_file()), None)
+            for f in TOKENIZER_FILES if src else ():
+                if (src / f).is_file():
+                    shutil.copyfile(src / f, tmp / f)
             try:
                 text = json.dumps(trainer, indent=1)
             except TypeError as e:
@@ -679,6 +692,7 @@ class Checkpointer:
             raise CheckpointError(f"{ckpt}: saved with checkpoint.weights_only (the model alone, no optimizer "
                                   "state): it cannot resume a run; export it, or train from it with train.init_from "
                                   "after `python -m pithtrain.checkpoint.export`")
+        self._check_tokenizer(ckpt, trainer.get("data"))
         self._compare_recipe(ckpt)
         tensors, _ = self._state()  # current (sharded) tensors: DCP loads into them in place
         md_keys = SafeReader(ckpt).read_metadata().state_dict_metadata
@@ -714,10 +728,30 @@ class Checkpointer:
             raise CheckpointError(f"optimizer has {len(live)} parameter groups, checkpoint {len(saved)}")
         schedule = dict(trainer["scheduler"])
         schedule["base_lrs"] = [g["initial_lr"] for g in live]
+        saved_lr = schedule["_last_lr"][0]
         schedule["_last_lr"] = [base * fn(schedule["last_epoch"])
                                 for base, fn in zip(schedule["base_lrs"], self.scheduler.lr_lambdas)]
+        if not math.isclose(saved_lr, schedule["_last_lr"][0], rel_tol=1e-9):  # e.g. a longer cosine
+            t = self.cfg.train
+            self.say(f"the LR at step {schedule['last_epoch']} is {schedule['_last_lr'][0]:.3e}, not the checkpoint's "
+                     f"{saved_lr:.3e}: train.lr_schedule {t.lr_schedule} over train.steps {t.steps} applies from here")
         groups = [{**cur, "lr": lr} for cur, lr in zip(live, schedule["_last_lr"])]
         return groups, schedule
+
+    def _check_tokenizer(self, ckpt: Path, saved: dict | None):
+        """Token ids mean what they meant when the checkpoint was saved, unless the recipe allows a
+        change (data.allow_tokenizer_change). Checkpoints older than the record are not checked."""
+        now = tokenizer_of(self.cfg.data)
+        if saved is None or saved.get("tokenizer_sha256") == now["tokenizer_sha256"]:
+            return
+        what = (f"{saved.get('tokenizer')} (sha256 {str(saved.get('tokenizer_sha256'))[:12]})",
+                f"{now['tokenizer']} (sha256 {str(now['tokenizer_sha256'])[:12]})")
+        if not self.cfg.data.allow_tokenizer_change:
+            raise CheckpointError(f"{ckpt}: trained on ids of tokenizer {what[0]}; the data now is "
+                                  f"{self.cfg.data.path or 'stdlib'}, of {what[1]}: its ids mean other tokens. "
+                                  "Resume onto data of the checkpoint's tokenizer, or set "
+                                  "data.allow_tokenizer_change=true to continue on it anyway")
+        self.say(f"tokenizer changed from {what[0]} to {what[1]} (data.allow_tokenizer_change)")
 
     def _compare_recipe(self, ckpt: Path):
         """A different model cannot load; other recipe changes are allowed and printed."""

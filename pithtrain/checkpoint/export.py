@@ -13,8 +13,8 @@ its output shard file as it comes (the header first: the shard plan is made from
 every rank knows every file name and the index before any read). Host memory: one float32
 tensor (read) and its converted copy, whatever the shard size. Under torchrun rank r writes
 shards r, r + world, ...
-Tokenizer files are copied from the run's data (data.path/meta.json's "tokenizer" directory) when
-it has one and it is still there.
+The tokenizer files come from the checkpoint (it carries the shards' tokenizer.json); a run on the
+stdlib bytes has none and says so; a shards checkpoint without one is an error.
 """
 
 from __future__ import annotations
@@ -34,13 +34,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 
-from pithtrain.checkpoint.dcp import RECIPE, CheckpointError, SafeReader, _check_index, _quiet, resolve, verify
+from pithtrain.checkpoint.dcp import (RECIPE, TRAINER, CheckpointError, SafeReader, _check_index, _quiet, resolve,
+                                      verify)
 from pithtrain.checkpoint.hf import SHARD_BYTES, state_for_export
 from pithtrain.config import ConfigError, config_from_dict
+from pithtrain.data import TOKENIZER_FILES
 from pithtrain.models import FAMILIES, build_model
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 
 
 def checkpoint_recipe(path: Path):
@@ -104,22 +103,30 @@ def write_streaming(path: Path, layout: list[tuple[str, tuple]], dtype: torch.dt
         os.fsync(f.fileno())
 
 
-def copy_tokenizer(saved_recipe: dict, out: Path) -> str:
-    """Copy the tokenizer files of the run's data, if it had one; returns what was done."""
+def checkpoint_tokenizer(ckpt: Path, saved_recipe: dict) -> Path | None:
+    """The tokenizer.json a checkpoint carries, or None for a run on the stdlib bytes (which no
+    tokenizer describes); a shards checkpoint without one is an error."""
     data = saved_recipe.get("data") or {}
-    meta = Path(data["path"]) / "meta.json" if data.get("source") == "shards" and data.get("path") else None
-    if meta is None:
-        return "no tokenizer (the run trained on stdlib bytes)"
-    if not meta.is_file():
-        return f"no tokenizer copied: {meta} is not here"
-    tok = json.loads(meta.read_text()).get("tokenizer")
-    src = Path(tok) if tok else None
-    if src is None or not src.is_dir():
-        return f"no tokenizer copied: {meta} names no tokenizer directory that exists here ({tok!r})"
-    copied = [f for f in TOKENIZER_FILES if (src / f).is_file()]
+    if (ckpt / "tokenizer.json").is_file() or data.get("source", "stdlib") == "stdlib":
+        return ckpt / "tokenizer.json" if (ckpt / "tokenizer.json").is_file() else None
+    raise CheckpointError(f"{ckpt / 'tokenizer.json'}: missing (saved before checkpoints carried the run's "
+                          f"tokenizer): copy the one beside the run's shards ({data.get('path')}) there")
+
+
+def copy_tokenizer(ckpt: Path, saved_recipe: dict, out: Path) -> str:
+    """Copy the checkpoint's tokenizer files into the export; returns what was done."""
+    if checkpoint_tokenizer(ckpt, saved_recipe) is None:
+        return "no tokenizer: the run trained on stdlib bytes (ids 0-255 bytes, 256 BOS, 257 EOS)"
+    copied = [f for f in TOKENIZER_FILES if (ckpt / f).is_file()]
     for f in copied:
-        shutil.copyfile(src / f, out / f)
-    return f"tokenizer from {src} ({', '.join(copied)})"
+        shutil.copyfile(ckpt / f, out / f)
+    if "tokenizer_config.json" not in copied:  # else transformers picks the family's tokenizer class,
+        # which rebuilds the tokenizer from its vocabulary with its own pre-tokenizer: other ids
+        eos = (json.loads((ckpt / TRAINER).read_text()).get("data") or {}).get("eos")
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", **({"eos_token": eos} if eos else {})}, indent=1))
+    made = "" if "tokenizer_config.json" in copied else "; wrote tokenizer_config.json"
+    return f"tokenizer from {ckpt} ({', '.join(copied)}{made})"
 
 
 @torch.no_grad()
@@ -128,6 +135,7 @@ def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SH
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     path = resolve(ckpt, check=lambda c: _verify_shared(c, rank, world))
     cfg, saved = checkpoint_recipe(path)
+    checkpoint_tokenizer(path, saved)  # before any file is written
     model = build_model(cfg.model, init=False)  # meta: names, shapes, tied head
     fam, mcfg = FAMILIES[model.cfg.family], model.cfg
     out = Path(out)
@@ -167,7 +175,7 @@ def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SH
             total = sum(v.numel() for v in meta_state.values()) * dtype.itemsize
             (out / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        print(f"export: {copy_tokenizer(saved, out)}", flush=True)
+        print(f"export: {copy_tokenizer(path, saved, out)}", flush=True)
     return out
 
 

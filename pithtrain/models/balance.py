@@ -4,7 +4,7 @@
       balance: bias            # switch | sequence | bias | none
       bias_update_rate: 0.001  # bias only
       z_loss_coeff: 0.0        # any strategy: the router z-loss add-on
-      # aux_loss_coeff: 0.001  # switch and sequence only
+      # aux_loss_coeff: 0.01   # switch and sequence only
 
 Strategies (E experts, A top-k slots, f_e the share of routed slots sent to e, P_e the mean
 router probability of e; both 1/E when balanced, so the losses are 1 then):
@@ -60,7 +60,9 @@ class BalanceConfig:
     """The balancing fields every family config inherits (recipe keys of the model section)."""
 
     balance: Strategy = "switch"
-    aux_loss_coeff: float = 0.001
+    # Switch Transformer's 0.01 (the default recipe's; at 0.001 its tiny model's load collapses to
+    # 2 of 8 experts). The hub-shaped recipes state their checkpoints' 0.001.
+    aux_loss_coeff: float = 0.01
     bias_update_rate: float = 0.001
     z_loss_coeff: float = 0.0
 

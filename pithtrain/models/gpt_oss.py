@@ -158,7 +158,7 @@ class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rat
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             init_std=hf.get("initializer_range", 0.02),
             # HF adds the load-balancing loss only with output_router_logits; the published configs
-            # carry an inert router_aux_loss_coef of 0.9 with it off, so keep our default then
+            # carry an inert router_aux_loss_coef of 0.9 with it off, so take the hub-scale 0.001 then
             aux_loss_coeff=hf.get("router_aux_loss_coef", 0.001) if hf.get("output_router_logits") else 0.001)
 
     def to_hf(self) -> dict:
