@@ -207,3 +207,56 @@ def test_fused_permute_skips_dropped_slots():
     for a, b in ((y, y_ref), (gx, gx_ref), (gw, gw_ref)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs and MFU from what the routing computed
+
+
+def test_flops_take_the_computed_slots_and_stay_static_without_them():
+    from pithtrain.metrics import flops_per_token
+    from pithtrain.models.gpt_oss import GptOssConfig
+    cfg = Qwen3MoeConfig(vocab_size=100, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
+                         head_dim=4, moe_intermediate_size=6, num_experts=4, top_k=2,
+                         intermediate_size=10, mlp_only_layers=[0])
+    # tests/test_train.py's hand count: 6 * 1744 + 1536 with 2 experts of 3 * 8 * 6 = 144 in the MoE layer
+    assert flops_per_token(cfg, 16) == flops_per_token(cfg, 16, 2.0) == 6 * 1744 + 1536
+    assert flops_per_token(cfg, 16, 1.25) == 6 * (1744 - 0.75 * 144) + 1536
+    oss = GptOssConfig()  # every layer MoE, experts with biases: one expert is 3 * D * F + 2 * F + D
+    expert = 3 * oss.hidden_size * oss.intermediate_size + 2 * oss.intermediate_size + oss.hidden_size
+    assert flops_per_token(oss, 32, oss.top_k - 1) == pytest.approx(
+        flops_per_token(oss, 32) - 6 * oss.num_layers * expert)
+
+
+def test_a_run_whose_router_drops_slots_logs_mfu_of_what_was_computed(tmp_path, monkeypatch):
+    """Every other token's second slot DROPPED: the step's metrics say 1.5 slots were computed per
+    token (the experts' witness), and MFU counts those FLOPs, not top_k's."""
+    from pithtrain.config import load_config
+    from pithtrain.metrics import flops_per_token
+    import pithtrain.train as train_mod
+    build = train_mod.build_model
+
+    def dropping(route):
+        def call(x_TD):
+            logits_TE, probs_TE, w_TA, idx_TA = route(x_TD)
+            idx_TA = idx_TA.clone()
+            idx_TA[::2, 1] = DROPPED
+            return logits_TE, probs_TE, w_TA, idx_TA
+        return call
+
+    def build_dropping(*args, **kwargs):  # the trainer's model, its routers dropping
+        model = build(*args, **kwargs)
+        for layer in model.layers:
+            layer.mlp.route, layer.mlp.dispatcher = dropping(layer.mlp.route), LocalDispatcher(drops=True)
+        return model
+
+    monkeypatch.setattr(train_mod, "build_model", build_dropping)
+    cfg = load_config(None, ["train.steps=2", "train.micro_batch_size=2", "train.seq_len=32", "log.every=1",
+                             "model.hidden_size=32", "model.num_layers=2", "data.max_bytes=20000",
+                             "log.peak_tflops=1", "checkpoint.final=false", f"log.run_dir={tmp_path}"])
+    train_mod.train(cfg, resume=False)
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == 2
+    for r in recs:
+        assert r["computed_slots_per_token"] == 1.5 and r["dropped_slot_share"] == 0.25
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops_per_token(cfg.model, 32, 1.5) / 1e12)
+        assert flops_per_token(cfg.model, 32, 1.5) < flops_per_token(cfg.model, 32)
