@@ -40,3 +40,18 @@ def test_a_model_field_that_differs_still_refuses(tmp_path):
     with pytest.raises(CheckpointError, match="model.top_k: 1 in the checkpoint, 2 now"):
         compare(load_config(None, []), saved, tmp_path)
 
+
+@pytest.mark.parametrize("feature", ["data.document_mask=true", "train.eval_every=5"])
+def test_parallel_auto_loads_with_features_that_exclude_cp_or_pp(feature):
+    """Both once crashed at load ('>' between None and int: the checks read the sizes auto had not
+    filled yet). Auto now chooses only among layouts the feature supports; a size given is checked."""
+    from pithtrain.config import ConfigError
+    from pithtrain.plan import candidates
+    cfg = load_config(None, ["parallel.auto=true", feature])
+    layouts = candidates(cfg, 4)
+    assert layouts and all(lay["pp"] == 1 for lay in layouts)
+    if feature.startswith("data."):
+        assert all(lay["cp"] == 1 for lay in layouts)
+        with pytest.raises(ConfigError, match="data.document_mask: not supported with parallel.cp > 1"):
+            load_config(None, ["parallel.auto=true", "parallel.cp=2", feature])
+    assert max(lay["pp"] for lay in candidates(load_config(None, ["parallel.auto=true", "train.grad_accum=4"]), 4)) > 1
