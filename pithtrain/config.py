@@ -490,6 +490,11 @@ def _cross_checks(cfg: Config, fail):
     if cfg.data.source == "stdlib" and model.vocab_size < DATA_VOCAB_SIZE:
         fail(field("vocab_size"), f"the byte-level stdlib data needs >= {DATA_VOCAB_SIZE}, got {model.vocab_size}")
     par = cfg.parallel
+    if par.auto:  # auto fills the sizes left unset (None) at start-up: with what these features allow
+        if cfg.data.document_mask:
+            par.cp, par.pp = par.cp or 1, par.pp or 1
+        if cfg.train.eval_every:
+            par.pp = par.pp or 1
     if cfg.data.document_mask and (par.cp > 1 or par.pp > 1):
         fail("data.document_mask", f"not supported with {'parallel.cp > 1' if par.cp > 1 else 'parallel.pp > 1'} "
                                    "(set data.document_mask=false or use fsdp / dp / ep)")

@@ -30,7 +30,7 @@ def matmul_params(model_cfg) -> tuple[int, int]:
     return total, active
 
 
-def flops_per_token(model_cfg, seq_len: int) -> float:
+def flops_per_token(model_cfg, seq_len: int, computed_slots: float | None = None) -> float:
     """Training FLOPs per token (forward + backward), the MFU numerator of docs/bench.md:
 
         6 * (matmul parameters touched per token, LM head included, embedding excluded)
@@ -38,9 +38,15 @@ def flops_per_token(model_cfg, seq_len: int) -> float:
 
     keys_seen = seq_len for causal full attention (the causal half of 2 * seq_len) and
     2 * window for a sliding window shorter than the sequence. Routed experts count top_k
-    experts, shared experts in full, routers count.
+    experts, shared experts in full, routers count. `computed_slots`: where the routing decides
+    the compute (a router that drops slots), the routed-expert slots a MoE layer computed per
+    token in the step (its `computed_slots_per_token` metric) count instead of top_k.
     """
     _, active = matmul_params(model_cfg)
+    if computed_slots is not None and model_cfg.num_experts > model_cfg.top_k:
+        for i in range(model_cfg.num_layers):  # one expert's parameters: the layer's untouched ones per expert
+            total, touched = model_cfg.layer_params(i)
+            active += (computed_slots - model_cfg.top_k) * (total - touched) / (model_cfg.num_experts - model_cfg.top_k)
     attn = 0
     for i in range(model_cfg.num_layers):
         window, d_qk, d_v, heads = model_cfg.attention_shapes(i)

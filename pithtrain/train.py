@@ -297,7 +297,6 @@ def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.
         dp_rank, dp_size = dims.batch_rank, dims.batch_size  # cp ranks share their rows
         global_batch = t.micro_batch_size * t.grad_accum * dp_size
         batches = build_batches(cfg.data, t.seq_len, global_batch, t.seed, hold_out=t.eval_every > 0)
-    fpt = flops_per_token(cfg.model, t.seq_len)
     peak = peak_tflops(device, cfg.log.peak_tflops)
     if dims.rank == 0:
         print(f"pithtrain: {cfg.model.family} {total / 1e6:.2f}M params ({active / 1e6:.2f}M active) | "
@@ -349,6 +348,8 @@ def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.
                 if dims.distributed and mem is not None:  # every rank's peak (pipeline stages differ)
                     extra["mem_gb_ranks"] = all_sum([mem if r == dims.rank else 0.0 for r in range(dims.world_size)],
                                                     dims)
+                # FLOPs of what the logged step computed where the routing decides it (slots dropped)
+                fpt = flops_per_token(cfg.model, t.seq_len, done.routing.get("computed_slots_per_token"))
                 log.write({**rec, "tokens_per_s": tps,  # all ranks together; MFU is per GPU
                            "mfu": tps * fpt / (peak * 1e12 * dims.world_size) if peak else None,
                            "mem_gb": mem, **done.routing, **extra})

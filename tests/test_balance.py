@@ -192,6 +192,32 @@ def test_bias_update_sign_and_size():
     assert not unit.stats.any()
 
 
+@pytest.mark.parametrize("balance", ["switch", "sequence"])
+def test_dropped_slots_count_neither_in_the_load_nor_in_the_loss(balance):
+    """A DROPPED slot (id -1, models/common.py's router contract) is no expert's: the load and the
+    loss's f_e count kept slots only, written out here in loops (f_e over the group's T * A slots)."""
+    E, A, B, S = 6, 2, 2, 10
+    torch.manual_seed(3)
+    logits = torch.randn(B * S, E)
+    probs = logits.softmax(-1)
+    idx = probs.topk(A, dim=-1).indices
+    idx[torch.rand(B * S, A) < 0.3] = -1
+    unit = Balance(BalanceConfig(balance=balance, aux_loss_coeff=1.0), E, A)
+    unit.reset_parameters()
+    unit.count(idx)
+    groups = B if balance == "sequence" else 1
+    want = 0.0
+    for b in range(groups):
+        rows = range(b * S * B // groups, (b + 1) * S * B // groups)
+        for e in range(E):
+            f = sum(int(idx[t, a]) == e for t in rows for a in range(A)) / (len(rows) * A)
+            want += E * f * sum(probs[t, e].item() for t in rows) / len(rows) / groups
+    assert unit.loss(logits, probs, idx, sequences=B).item() == pytest.approx(want, rel=1e-6)
+    kept = (idx >= 0).sum(1)
+    assert unit.stats[:E].tolist() == [int((idx == e).sum()) for e in range(E)]
+    assert unit.stats[E:].tolist() == [int((kept == k).sum()) for k in range(A + 1)]
+
+
 def tiny_qwen(**kw):
     from pithtrain.models.qwen3_moe import Qwen3MoeConfig
     return Qwen3MoeConfig(**{**dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -388,10 +388,12 @@ MUTATING_METHODS = {"update", "clear", "append", "extend", "pop", "popitem", "se
 
 
 def mutable_state_reads(sources: dict, readers) -> list:
-    """(reader, module, name) for each read, in the `readers` modules, of a module-level name of
-    any module in `sources` (module name -> source) that some module mutates: item assignment,
-    a mutating method call, attribute assignment on it (a class attribute set from outside), or
-    rebinding through `global`."""
+    """(reader, module, name, what changes it) for each read, in the `readers` modules, of a
+    module-level name of any module in `sources` (module name -> source) that some module mutates:
+    item assignment, a mutating method call, attribute assignment on it (a class attribute set from
+    outside), or rebinding through `global`. `what changes it`: "module:line: statement" of each
+    mutation. A module's own top-level names win over names it imports inside a function (a test's
+    own FAMILIES dict is not pithtrain.models.FAMILIES because one of its tests imports that)."""
     import ast
 
     trees = {m: ast.parse(src) for m, src in sources.items()}
@@ -400,66 +402,80 @@ def mutable_state_reads(sources: dict, readers) -> list:
            | {n.name for n in tree.body if isinstance(n, ast.ClassDef)} for m, tree in trees.items()}
 
     def resolver(mod, tree):
-        names = {}  # local name -> (module, None) for a module, (module, name) for a name in it
+        names, nested = {}, {}  # local name -> (module, None) for a module, (module, name) for a name in it
         for n in ast.walk(tree):
             if isinstance(n, ast.ImportFrom) and n.module in trees or (
                     isinstance(n, ast.ImportFrom) and any(f"{n.module}.{a.name}" in trees for a in n.names)):
                 for a in n.names:
                     sub = f"{n.module}.{a.name}"
-                    names[a.asname or a.name] = (sub, None) if sub in trees else (n.module, a.name)
+                    (names if n in tree.body else nested)[a.asname or a.name] = (
+                        (sub, None) if sub in trees else (n.module, a.name))
             elif isinstance(n, ast.Import):
-                names.update({a.asname: (a.name, None) for a in n.names if a.asname and a.name in trees})
+                (names if n in tree.body else nested).update(
+                    {a.asname: (a.name, None) for a in n.names if a.asname and a.name in trees})
 
         def resolve(e):
             if isinstance(e, ast.Name):
-                return names.get(e.id, (mod, e.id) if e.id in top[mod] else None)
+                own = (mod, e.id) if e.id in top[mod] else None
+                return names.get(e.id, own or nested.get(e.id))
             if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name):
-                r = names.get(e.value.id)
+                r = names.get(e.value.id, nested.get(e.value.id))
                 return (r[0], e.attr) if r and r[1] is None else None
             return None
         return resolve
 
-    mutated = set()
+    mutated = {}  # (module, name) -> where
     for mod, tree in trees.items():
         resolve = resolver(mod, tree)
         for n in ast.walk(tree):
+            hits = []
             if isinstance(n, ast.Global):
-                mutated |= {(mod, g) for g in n.names}
+                hits += [(mod, g) for g in n.names]
             targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign)) else []
             for t in targets:
                 if isinstance(t, (ast.Subscript, ast.Attribute)):
                     r = resolve(t.value)
-                    mutated.add(r if r is None or r[1] is not None else (r[0], t.attr))
+                    hits.append(r if r is None or r[1] is not None else (r[0], t.attr))
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in MUTATING_METHODS:
-                mutated.add(resolve(n.args[0] if n.func.attr.startswith("set") and n.args else n.func.value))
-    mutated = {r for r in mutated if r and r[1] is not None and r[1] in top.get(r[0], ())}
-    reads = []
+                hits.append(resolve(n.args[0] if n.func.attr.startswith("set") and n.args else n.func.value))
+            for r in hits:
+                if r and r[1] is not None and r[1] in top.get(r[0], ()):
+                    mutated.setdefault(r, set()).add(
+                        f"{mod}:{n.lineno}: {ast.get_source_segment(sources[mod], n).splitlines()[0]}")
+    reads = set()
     for mod in readers:
         resolve = resolver(mod, trees[mod])
-        reads += [(mod, *r) for n in ast.walk(trees[mod]) if isinstance(n, (ast.Name, ast.Attribute))
-                  and isinstance(n.ctx, ast.Load) and (r := resolve(n)) in mutated]
-    return sorted(set(reads))
+        reads |= {(mod, *r, "; ".join(sorted(mutated[r]))) for n in ast.walk(trees[mod])
+                  if isinstance(n, (ast.Name, ast.Attribute)) and isinstance(n.ctx, ast.Load)
+                  and (r := resolve(n)) in mutated}
+    return sorted(reads)
 
 
 def test_model_code_reads_no_module_level_mutable_state():
     """pithtrain/models/ and compile.py read no module-level state that any module of the package
-    or the tests mutates; the scan itself finds such a read (the old kernels.USE pattern)."""
+    or the tests mutates; the scan itself finds such a read (the old kernels.USE pattern) and names
+    what changes it, and a test's own dict of the same name as a package's is not the package's."""
     from pathlib import Path
 
     old = {"pkg.kernels": "USE = {'swiglu': False}\ndef configure():\n    USE.update(swiglu=True)\n",
            "pkg.common": "from pkg import kernels\ndef swiglu(h):\n    return kernels.USE['swiglu']\n",
            "pkg.aux": "class AuxLoss:\n    scale = 1.0\n",
            "pkg.train": "from pkg.aux import AuxLoss\nAuxLoss.scale = 0.5\n",
-           "pkg.model": "from pkg.aux import AuxLoss\ndef f():\n    return AuxLoss.scale\n"}
-    assert mutable_state_reads(old, ["pkg.common", "pkg.model"]) == [
-        ("pkg.common", "pkg.kernels", "USE"), ("pkg.model", "pkg.aux", "AuxLoss")]
+           "pkg.model": "from pkg.aux import AuxLoss\ndef f():\n    return AuxLoss.scale\n",
+           "pkg.models": "FAMILIES = {'a': 1}\ndef build():\n    return FAMILIES['a']\n",
+           "tests.test_x": "FAMILIES = {}\nFAMILIES['mine'] = 1\ndef test_f():\n"
+                           "    from pkg.models import FAMILIES\n    return FAMILIES\n"}
+    assert mutable_state_reads(old, ["pkg.common", "pkg.model", "pkg.models"]) == [
+        ("pkg.common", "pkg.kernels", "USE", "pkg.kernels:3: USE.update(swiglu=True)"),
+        ("pkg.model", "pkg.aux", "AuxLoss", "pkg.train:2: AuxLoss.scale = 0.5")]
     root = Path(__file__).resolve().parents[1]
     files = sorted(root.glob("pithtrain/**/*.py")) + sorted(root.glob("tests/*.py"))
     name = {f: ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__") for f in files}
     sources = {name[f]: f.read_text() for f in files}
     readers = [m for m in sources if m.startswith("pithtrain.models") or m == "pithtrain.compile"]
     assert len(readers) == 9  # compile, models/ (package, balance, common, hub, init, three families)
-    assert mutable_state_reads(sources, readers) == []
+    found = mutable_state_reads(sources, readers)
+    assert found == [], "\n".join(f"{reader} reads {mod}.{n}, changed at {where}" for reader, mod, n, where in found)
     for m in readers:
         for gone in ("kernels.USE", "fp8.CACHE", "AuxLoss.loss_scale", "_MASKS"):
             assert gone not in sources[m], (m, gone)

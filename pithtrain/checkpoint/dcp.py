@@ -63,6 +63,7 @@ saving step N, after the shards are written and before the manifest and rename.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -754,9 +755,17 @@ class Checkpointer:
         self.say(f"tokenizer changed from {what[0]} to {what[1]} (data.allow_tokenizer_change)")
 
     def _compare_recipe(self, ckpt: Path):
-        """A different model cannot load; other recipe changes are allowed and printed."""
+        """A different model cannot load; other recipe changes are allowed and printed. A model
+        field the saved recipe lacks (added to the family since) reads as its default."""
         saved = yaml.safe_load((ckpt / RECIPE).read_text())
         now = self.cfg.to_dict()
+        saved["model"] = saved_model = saved.get("model") or {}
+        added = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+                 for f in dataclasses.fields(self.cfg.model) if f.name in now["model"] and f.name not in saved_model}
+        if added:
+            saved_model.update(added)
+            self.say(f"{ckpt} was saved before these model fields existed; read as their defaults: "
+                     + ", ".join(f"{k}={v!r}" for k, v in added.items()))
         diffs = [(f"{s}.{k}", (saved.get(s) or {}).get(k), v) for s in now for k, v in now[s].items()
                  if (saved.get(s) or {}).get(k) != v]
         model = [d for d in diffs if d[0].startswith("model.")]

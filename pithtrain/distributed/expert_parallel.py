@@ -5,7 +5,9 @@ Every rank routes its own tokens; a token's top-k experts may live on other rank
 
     dispatch   rank-major send buffer: ONE row per (token, destination rank) -- deduplicated: a
                token whose k experts include two on rank r crosses the network once, with its
-               k (expert id, weight) slots; slots for other ranks are masked (-1, 0).
+               k (expert id, weight) slots; slots for other ranks are masked (-1, 0). Slots the
+               experts do not compute (models.common.computed_slots: DROPPED, or an id past the
+               experts) go to no rank: a token with none to compute is not sent at all.
                all-to-all #1 the row counts, #2 rows+weights (autograd), #3 expert ids.
     expand     on the receiving rank: one pair per (row, local slot), sorted by local expert
                (stable) = the expert-contiguous layout the grouped matmul wants.
@@ -29,6 +31,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from pithtrain.models.common import computed_slots
 
 
 class AllToAll(torch.autograd.Function):
@@ -68,17 +72,17 @@ class ExpertParallelDispatcher:
         phase: the row counts, then the rows with their weights (differentiable) and their ids."""
         T, A = idx_TA.shape
         R, El = self.ep_size, self.local_experts
-        dest_TA = idx_TA // El
+        dest_TA = torch.where(computed_slots(idx_TA, R * El), idx_TA // El, R)  # R: to no rank
 
         # --- send buffer, rank-major: row X goes to rank r_X and carries token t_X
         if self.dedup:
-            need_RT = torch.zeros(R, T, dtype=torch.bool, device=x_TD.device)
+            need_RT = torch.zeros(R + 1, T, dtype=torch.bool, device=x_TD.device)
             need_RT[dest_TA.reshape(-1), torch.arange(T, device=x_TD.device).repeat_interleave(A)] = True
-            r_X, t_X = need_RT.nonzero(as_tuple=True)  # sorted by rank, then token
+            r_X, t_X = need_RT[:R].nonzero(as_tuple=True)  # sorted by rank, then token
             keep_XA = dest_TA[t_X] == r_X[:, None]  # every slot of the token bound for r_X
         else:
             flat = dest_TA.reshape(-1)
-            order_X = torch.argsort(flat, stable=True)
+            order_X = torch.argsort(flat, stable=True)[:int((flat < R).sum())]
             r_X, t_X = flat[order_X], order_X // A
             keep_XA = torch.zeros(len(order_X), A, dtype=torch.bool, device=x_TD.device)
             keep_XA[torch.arange(len(order_X), device=x_TD.device), order_X % A] = True

@@ -8,7 +8,8 @@ Order (each step relies on the previous ones):
   1. expert parallel   routed-expert weights become DTensors sharded by expert (dim 0) over the
                        ep mesh (size 1 when ep=1, so experts always live on their own mesh), and
                        each MoE block's `dispatcher` becomes the all-to-all one (ep > 1).
-  2. context parallel  each attention module's `attention` call becomes ContextParallelAttention,
+  2. context parallel  each attention module's `attention` call (models.common.attention; a
+                       variant's own is refused, naming the module) becomes ContextParallelAttention,
                        each MoE block's `balance.stats_sum` an all-reduce over the cp ranks.
   3. activation checkpointing, 4. compile   (pithtrain/compile.py; module names unchanged).
   5. FSDP2             routed experts first, on the expert mesh (edp, efsdp) with Shard(1): split
@@ -48,12 +49,13 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from pithtrain.compile import apply_activation_checkpoint, apply_compile
+from pithtrain.config import ConfigError
 from pithtrain.distributed.context_parallel import ContextParallelAttention, ContextParallelSum
 from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
 from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.models import to_empty
 from pithtrain.models.balance import Balance
-from pithtrain.models.common import GroupedExperts, Rotary, _local, decoder_layers
+from pithtrain.models.common import GroupedExperts, Rotary, _local, attention, decoder_layers
 from pithtrain.models.init import init_block_seeded, model_blocks
 
 
@@ -78,9 +80,14 @@ def parallelize(model: nn.Module, dims: ParallelDims, train_cfg, device: torch.d
     if dims.cp_enabled:
         cp_attention = ContextParallelAttention(dims.cp_group, dims.cp_rank, dims.cp)
         cp_sum = ContextParallelSum(dims.cp_group)
-        for m in model.modules():
-            if getattr(m, "attention", None) is not None:  # the reference or its kernels (use_kernels)
+        for name, m in model.named_modules():
+            call = getattr(m, "attention", None)
+            if attention in (call, getattr(call, "func", None)):  # the reference or its kernels (use_kernels)
                 m.attention = cp_attention
+            elif call is not None:  # a variant's own: on local chunks it would see only its chunk's keys
+                raise ConfigError(f"parallel.cp={dims.cp}: {name}.attention is {getattr(call, '__qualname__', call)}, "
+                                  "not models.common.attention, the one call context parallel replaces; "
+                                  "give it a context-parallel form in distributed/context_parallel.py or set parallel.cp=1")
             if isinstance(m, Balance):
                 m.stats_sum = cp_sum
     apply_activation_checkpoint(model, train_cfg.activation_checkpoint)

@@ -86,40 +86,52 @@ def _grad_device(grads):
 @torch.no_grad()
 def balance_after_step(model: torch.nn.Module, dims, model_cfg, metrics: bool) -> dict:
     """After the optimizer step (every rank calls it: collective when distributed). Each MoE
-    block's step statistics (models/balance.py `Balance.stats`: kept slots per expert, then tokens
-    per number of kept slots, over this rank's micro-batches) are summed over the ranks holding
-    the same layers (the stage group: other tokens, same experts); each unit updates from the
-    global load (balance=bias moves its bias, identically on every rank); the statistics restart.
-    The sum is skipped when nothing needs it (no bias to move and no metrics this step).
+    block's step statistics (models/balance.py `Balance.stats`: kept slots per id, then tokens
+    per number of kept slots, over this rank's micro-batches; and its experts' `rows_computed`)
+    are summed over the ranks holding the same layers (the stage group: other tokens, same
+    experts); each unit updates from the global load (balance=bias moves its bias, identically on
+    every rank); the statistics restart. The sum is skipped when nothing needs it (no bias to move
+    and no metrics this step). The load's width is the routers' (`Balance.num_experts`, which may
+    exceed the FFN experts), not the config's num_experts.
 
     With metrics=True, returns the routing metrics of the step's global batch (routing_metrics)."""
-    units = [(int(name.split(".")[1]), m) for name, m in model.named_modules() if isinstance(m, Balance)]
-    if not metrics and all(m.bias_E is None for _, m in units):
-        for _, m in units:
-            m.stats.zero_()
+    blocks = [(int(name.split(".")[1]), m) for name, m in model.named_modules()
+              if isinstance(getattr(m, "balance", None), Balance)]
+    if not metrics and all(m.balance.bias_E is None for _, m in blocks):
+        for _, m in blocks:
+            m.balance.stats.zero_()
+            m.experts.rows_computed = 0
         return {}
-    E = model_cfg.num_experts
-    # One row per layer (E + A + 1 statistics, then 1.0 for "a MoE layer"); pipeline stages hold
-    # different layers, so rows this rank does not hold stay zero.
-    table = torch.zeros(model_cfg.num_layers, E + model_cfg.top_k + 2, dtype=torch.float64,
-                        device=_comm_device() if dims.distributed else "cpu")
-    for i, m in units:
-        table[i, :-1] = m.stats.to(table.device, torch.float64)
-        table[i, -1] = 1.0
-        m.stats.zero_()
+    device = _comm_device() if dims.distributed else "cpu"
+    E, A = (max((getattr(m.balance, k) for _, m in blocks), default=0) for k in ("num_experts", "top_k"))
+    if metrics and dims.pp_enabled:  # every stage's table has every layer: a stage may hold no MoE layer
+        widths = torch.tensor([E, A], device=device)
+        dist.all_reduce(widths, op=dist.ReduceOp.MAX)
+        E, A = widths.tolist()
+    # One row per layer (E + A + 1 statistics, the rows the experts computed, then 1.0 for "a MoE
+    # layer"); pipeline stages hold different layers, so rows this rank does not hold stay zero.
+    table = torch.zeros(model_cfg.num_layers, E + A + 3, dtype=torch.float64, device=device)
+    for i, m in blocks:
+        table[i, :-2] = m.balance.stats.to(table.device, torch.float64)
+        table[i, -2:] = torch.tensor([m.experts.rows_computed, 1.0])
+        m.balance.stats.zero_()
+        m.experts.rows_computed = 0
     if dims.distributed:  # a layer's rows of every rank holding it: the same layers, other tokens;
         # for metrics every layer, on every rank (the other stages' rows are zero here)
         dist.all_reduce(table, group=None if metrics else dims.stage_group)
-    for i, m in units:
-        m.update(table[i, :E])
+    for i, m in blocks:
+        m.balance.update(table[i, :E])
     return routing_metrics(table.cpu(), E) if metrics else {}
 
 
 def routing_metrics(table: torch.Tensor, num_experts: int) -> dict:
-    """From (layers, E + A + 2) global step statistics: per MoE layer (keyed by layer index) the
+    """From (layers, E + A + 3) global step statistics: per MoE layer (keyed by layer index) the
     expert load's max / mean and coefficient of variation (std / mean); the worst layer's max /
-    mean as `imbalance` (1.0 = balanced); over every MoE layer and token, the experts a token kept
-    (mean, min, max) and the share of routed slots dropped (weight 0)."""
+    mean as `imbalance` (1.0 = balanced); over every MoE layer and token, the slots a token kept
+    (`experts_per_token` mean, min, max), the share of its A slots the router dropped
+    (`dropped_slot_share`: id common.DROPPED) and the slots its FFN experts computed
+    (`computed_slots_per_token`, from GroupedExperts.rows_computed: the witness that dropped slots,
+    and ids past the FFN experts, were not computed; MFU's routed-expert FLOPs, metrics.flops_per_token)."""
     out = {"load_max_mean": {}, "load_cv": {}, "imbalance": 1.0}
     moe = table[table[:, -1] > 0]
     rows = [i for i in range(len(table)) if table[i, -1] > 0]
@@ -130,11 +142,12 @@ def routing_metrics(table: torch.Tensor, num_experts: int) -> dict:
         out["load_cv"][str(i)] = float(load.std(unbiased=False) / mean)
     if rows:
         out["imbalance"] = max(out["load_max_mean"].values())
-        hist = moe[:, num_experts:-1].sum(0)  # tokens that kept 0, 1, ..., A slots
+        hist = moe[:, num_experts:-2].sum(0)  # tokens that kept 0, 1, ..., A slots
         kept = torch.arange(len(hist), dtype=torch.float64)
         if hist.sum() > 0:
             used = kept[hist > 0]
             out["experts_per_token"] = {"mean": float((hist * kept).sum() / hist.sum()),
                                         "min": int(used.min()), "max": int(used.max())}
             out["dropped_slot_share"] = float(1 - (hist * kept).sum() / (hist.sum() * kept[-1]))
+            out["computed_slots_per_token"] = float(moe[:, -2].sum() / hist.sum())
     return out

@@ -11,7 +11,9 @@ order_X (the stable sort of the T*A routed slots by expert) and its inverse inv_
       backward: dy_XD[i] = w[order_X[i]] * dy_TD[order_X[i] // A]          (gather-sum of one row)
                 dw_TA[t, a] = <dy_TD[t], y_XD[inv_TA[t, a]]>               (gather-dot)
 
-so results are deterministic and each output row is written once.
+so results are deterministic and each output row is written once. A slot the experts do not
+compute (LocalDispatcher(drops=True)) has no row: order_X holds only the computed slots and its
+inv_TA is -1, which the gathers skip (its term is 0, its weight gradient 0).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def _gather_sum(src_ptr, idx_ptr, w_ptr, out_ptr, D, A: tl.constexpr, HAS_W: tl.
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for a in tl.static_range(A):
         i = tl.load(idx_ptr + t * A + a).to(tl.int64)
-        row = tl.load(src_ptr + i * D + cols, mask=mask, other=0.0).to(tl.float32)
+        row = tl.load(src_ptr + i * D + cols, mask=mask & (i >= 0), other=0.0).to(tl.float32)
         if HAS_W:
             row = row * tl.load(w_ptr + t * A + a).to(tl.float32)
         acc += row
@@ -45,12 +47,12 @@ def _gather_dot(g_ptr, src_ptr, idx_ptr, out_ptr, D, A: tl.constexpr, BLOCK: tl.
     g = tl.load(g_ptr + t * D + cols, mask=mask, other=0.0).to(tl.float32)
     for a in tl.static_range(A):
         i = tl.load(idx_ptr + t * A + a).to(tl.int64)
-        row = tl.load(src_ptr + i * D + cols, mask=mask, other=0.0).to(tl.float32)
+        row = tl.load(src_ptr + i * D + cols, mask=mask & (i >= 0), other=0.0).to(tl.float32)
         tl.store(out_ptr + t * A + a, tl.sum(g * row, axis=0).to(out_ptr.dtype.element_ty))
 
 
 def gather_sum(src_XD, idx_TA, w_TA=None):
-    """out[t] = sum_a (w[t, a] *) src[idx[t, a]], fp32 accumulation."""
+    """out[t] = sum_a (w[t, a] *) src[idx[t, a]] over idx >= 0, fp32 accumulation."""
     T, A = idx_TA.shape
     D = src_XD.shape[1]
     out = src_XD.new_empty(T, D)

@@ -23,13 +23,13 @@ router probability of e; both 1/E when balanced, so the losses are 1 then):
 The unit's interface (the MoE block's `route` and common.route_tokens call it; the trainer calls
 distributed/reductions.balance_after_step after the optimizer step):
   choice_scores(scores_TE)   what the router ranks for its top-k choice (the bias added).
-  observe(logits_TE, probs_TE, idx_TA, w_TA, sequences, count, loss)
+  observe(logits_TE, probs_TE, idx_TA, sequences, count, loss)
                              route_tokens' one call per routed micro-batch: `count` (when asked)
                              and `loss` (when asked, else None). compile.apply_compile compiles
                              it with the router as one graph (common.route_and_observe), so its
                              dozen small operations run as a few fused kernels.
   loss(logits_TE, probs_TE, idx_TA, sequences)   the coefficient-weighted loss for AuxLoss, or None.
-  count(idx_TA, w_TA)        this micro-batch's routing into `stats`, once per micro-batch
+  count(idx_TA)              this micro-batch's routing into `stats`, once per micro-batch
                              (route_tokens skips a forward that activation checkpointing
                              recomputes in backward).
   update(load_E)             after the optimizer step, from the load summed over every rank.
@@ -81,10 +81,11 @@ class BalanceConfig:
 
 
 class Balance(nn.Module):
-    """One MoE block's load balancing (see the module docstring). Buffers: `bias_E` (E,) float32
-    for `bias` (persistent); `stats` (E + A + 1,) int64, this step's routing on this rank so far:
-    kept slots per expert (the load), then how many tokens kept 0..A slots (a slot with weight 0
-    is dropped: dispatched, but it adds nothing). Not saved: it is zero after every step."""
+    """One MoE block's load balancing (see the module docstring). E is the router's width (the ids
+    it scores: it may exceed the FFN experts, models/common.py's router contract). Buffers: `bias_E`
+    (E,) float32 for `bias` (persistent); `stats` (E + A + 1,) int64, this step's routing on this
+    rank so far: kept slots per id (the load), then how many tokens kept 0..A slots. A slot is kept
+    unless its id is common.DROPPED (-1). Not saved: it is zero after every step."""
 
     def __init__(self, cfg: BalanceConfig, num_experts: int, top_k: int):
         super().__init__()
@@ -129,9 +130,9 @@ class Balance(nn.Module):
             B = sequences
         else:
             B = 1  # switch: the whole micro-batch is one group; z-loss only needs the token count
-        ones = torch.ones(T * A, device=idx_TA.device)
-        counts_BE = torch.zeros(B, E, device=idx_TA.device).scatter_add_(1, idx_TA.reshape(B, -1), ones.view(B, -1))
-        stats = self.stats_sum(torch.cat([counts_BE.flatten(), ones.new_full((1,), T / B)]))
+        kept = (idx_TA >= 0).float().reshape(B, -1)  # f_e counts kept slots (DROPPED: -1)
+        counts_BE = torch.zeros(B, E, device=idx_TA.device).scatter_add_(1, idx_TA.clamp(min=0).reshape(B, -1), kept)
+        stats = self.stats_sum(torch.cat([counts_BE.flatten(), kept.new_full((1,), T / B)]))
         S = stats[-1]  # tokens per group over the whole micro-batch (every cp rank's chunk)
         total = logits_TE.new_zeros((), dtype=torch.float32)
         if aux:
@@ -143,20 +144,20 @@ class Balance(nn.Module):
             total = total + self.z_loss_coeff * z_T.pow(2).sum() / (S * B)
         return total
 
-    def observe(self, logits_TE, probs_TE, idx_TA, w_TA, sequences: int | None, count: bool, loss: bool):
+    def observe(self, logits_TE, probs_TE, idx_TA, sequences: int | None, count: bool, loss: bool):
         """One routed micro-batch: its routing into `stats` when `count`, and its loss when `loss`
         (else None). One call so that compile fuses both (apply_compile)."""
         if count:
-            self.count(idx_TA, w_TA)
+            self.count(idx_TA)
         return self.loss(logits_TE, probs_TE, idx_TA, sequences) if loss else None
 
-    def count(self, idx_TA, w_TA):
-        """Add this micro-batch's kept slots per expert and kept slots per token to `stats`
-        (the caller skips a recomputed forward, which would double the load). No host sync:
+    def count(self, idx_TA):
+        """Add this micro-batch's kept slots per id and kept slots per token to `stats` (the
+        caller skips a recomputed forward, which would double the load). No host sync:
         scatter_add only."""
         E = self.num_experts
-        kept_TA = (w_TA != 0).long()
-        self.stats[:E].scatter_add_(0, idx_TA.reshape(-1), kept_TA.reshape(-1))
+        kept_TA = (idx_TA >= 0).long()  # common.DROPPED is -1
+        self.stats[:E].scatter_add_(0, idx_TA.clamp(min=0).reshape(-1), kept_TA.reshape(-1))
         kept_T = kept_TA.sum(1)
         self.stats[E:].scatter_add_(0, kept_T, torch.ones_like(kept_T))
 

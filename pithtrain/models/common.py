@@ -328,6 +328,9 @@ class GroupedExperts(nn.Module):
                  alpha: float | None = None, limit: float | None = None):
         super().__init__()
         self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
+        # The witness that dropped slots are not computed: rows the training forwards gave the GEMMs
+        # since the last optimizer step (recomputation not counted); balance_after_step reads and resets it.
+        self.rows_computed = 0
         self.alpha, self.limit = alpha, limit
         self.w13_EDF2 = nn.Parameter(torch.empty(num_experts, dim, 2 * hidden))
         self.w2_EFD = nn.Parameter(torch.empty(num_experts, hidden, dim))
@@ -341,6 +344,8 @@ class GroupedExperts(nn.Module):
         (and so x) stays float32 with float32 master weights, and autocast has no rule for the
         grouped GEMM, so x and the weights are cast here; the output is in that dtype too."""
         dev = x_XD.device.type
+        if self.training and torch._C._current_graph_task_id() == -1:  # as route_tokens counts
+            self.rows_computed += x_XD.shape[0]
         if torch.is_autocast_enabled(dev):
             x_XD = x_XD.to(torch.get_autocast_dtype(dev))
         offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)  # the grouped GEMMs' type, made once
@@ -370,18 +375,23 @@ def expert_order(idx_X, num_experts):
     return torch.argsort(idx_X.to(torch.uint8) if num_experts <= 256 else idx_X, stable=True)
 
 
-def dispatch_plan(idx_TA, num_experts: int, inverse: bool):
+def dispatch_plan(idx_TA, num_experts: int, inverse: bool, drops: bool = False):
     """The routed slots' expert order, the slots per expert and, for the fused permute, where each
     slot landed in that order (once per layer: combine takes it too). Integer work without
-    gradients, a handful of small operations: one graph under apply_compile."""
+    gradients, a handful of small operations: one graph under apply_compile. `drops`: slots the
+    experts do not compute (computed_slots) sort last, in a bucket of their own; their inv_TA is -1."""
     flat_X = idx_TA.reshape(-1)
-    order_X = expert_order(flat_X, num_experts)
+    if drops:
+        flat_X = torch.where(computed_slots(flat_X, num_experts), flat_X, num_experts)
+    order_X = expert_order(flat_X, num_experts + drops)
     inv_TA = None
     if inverse:  # inv_TA[t, a]: where slot t*A + a landed in expert order
         inv_X = torch.empty_like(order_X)
         inv_X[order_X] = torch.arange(order_X.numel(), device=order_X.device, dtype=order_X.dtype)
         inv_TA = inv_X.view(idx_TA.shape)
-    return order_X, expert_counts(flat_X, num_experts), inv_TA
+        if drops:
+            inv_TA = torch.where(flat_X.view(idx_TA.shape) < num_experts, inv_TA, -1)
+    return order_X, expert_counts(flat_X, num_experts + drops)[:num_experts], inv_TA
 
 
 def add_expert_bias(h_XN, b_EN, expert_X, offs_E):
@@ -405,14 +415,19 @@ class LocalDispatcher:
     weighted (combine). The expert-parallel dispatcher has the same methods and replaces this one.
     `dispatch` -> (x_XD rows for the experts, w: the routing weights in the form combine takes
     (differentiable), counts_E, info: what else combine needs, non-differentiable).
-    `fused` (use_kernels; CUDA): the same maps as Triton gathers only (kernels/permute.py)."""
+    `fused` (use_kernels; CUDA): the same maps as Triton gathers only (kernels/permute.py).
+    `drops`: the router may return slots the experts do not compute (the contract above
+    route_tokens); only the others are dispatched, their number read to the host once per call.
+    Without it there is no host synchronisation, and such an id fails the per-expert count."""
 
-    def __init__(self):
-        self.fused = False
+    def __init__(self, drops: bool = False):
+        self.fused, self.drops = False, drops
         self.plan = dispatch_plan  # compiled by apply_compile
 
     def dispatch(self, x_TD, idx_TA, w_TA, num_experts):
-        order_X, counts_E, inv_TA = self.plan(idx_TA, num_experts, self.fused)
+        order_X, counts_E, inv_TA = self.plan(idx_TA, num_experts, self.fused, self.drops)
+        if self.drops:  # the computed slots come first in expert order
+            order_X = order_X[:int(counts_E.sum())]
         if self.fused:
             from pithtrain.kernels.permute import permute
             x_XD = permute(x_TD, order_X, inv_TA)
@@ -468,6 +483,23 @@ def set_aux_loss_scale(model: nn.Module, scale: float):
 # attention, router and MLP; the names are Hugging Face's, so checkpoints map one to one)
 
 
+# The router contract. `moe.route(x_TD)` returns (logits_TE, probs_TE, w_TA, idx_TA): float32
+# logits and probabilities over the E ids the router scores (its width, `moe.balance.num_experts`),
+# and per token A slots (top_k), each a weight (x's dtype, finite) and an id in [0, E) or DROPPED.
+# The FFN experts (`moe.experts`) compute a slot only when its id is one of theirs, [0,
+# experts.num_experts) (computed_slots): a DROPPED slot, or an id past the FFN experts (a router
+# wider than them, e.g. zero-compute experts), is not dispatched, not sent by the all-to-all and not
+# computed, and its weight is not used; a block whose router returns such slots builds
+# LocalDispatcher(drops=True). Balancing counts every id >= 0 (models/balance.py). Weight 0 on an
+# expert's id still computes the slot; it only adds nothing.
+DROPPED = -1
+
+
+def computed_slots(idx, num_experts: int):
+    """Bool, idx's shape: the slots the `num_experts` FFN experts compute (the contract above)."""
+    return (idx >= 0) & (idx < num_experts)
+
+
 def route_tokens(moe, x_TD, sequences: int | None = None):
     """`moe.route(x)` -> (router logits, router probabilities over all experts, top-k weights,
     top-k ids), plus what every MoE does around it through its balancing unit `moe.balance`
@@ -490,7 +522,7 @@ def route_and_observe(moe, x_TD, sequences: int | None, count: bool, loss: bool)
     apply_compile, so the router's softmax and the balancing statistics fuse, and the host pays
     one compiled call per MoE layer, forward and backward, instead of two."""
     logits_TE, probs_TE, w_TA, idx_TA = moe.route(x_TD)
-    return w_TA, idx_TA, moe.balance.observe(logits_TE, probs_TE, idx_TA, w_TA, sequences, count, loss)
+    return w_TA, idx_TA, moe.balance.observe(logits_TE, probs_TE, idx_TA, sequences, count, loss)
 
 
 def routed_experts(moe, x_TD, sequences: int | None = None):
@@ -574,7 +606,8 @@ class DecoderLayer(nn.Module):
             return {"w": w_TA, "idx": idx_TA, "aux": aux}
 
         def dispatch(x, idx, w):
-            x_XD, w_d, counts_E, info = mlp.dispatcher.dispatch(x.flatten(0, 1), idx, w, mlp.num_experts)
+            x_XD, w_d, counts_E, info = mlp.dispatcher.dispatch(x.flatten(0, 1), idx, w,
+                                                                mlp.experts.num_experts)  # not the router's width
             return {"xd": x_XD, "wd": w_d, "counts": counts_E, "info": info}
 
         def experts(xd, counts, x):

@@ -1,0 +1,85 @@
+"""Extension points a variant meets outside its model file: a checkpoint saved before a model field
+existed still resumes (the field reads as its default, said in one line); `parallel: auto` with
+document masking loads (auto then keeps the layouts document masking supports); context parallel
+replaces only models.common.attention and refuses a variant's own, naming the module."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from pithtrain import kernels
+from pithtrain.checkpoint.dcp import RECIPE, CheckpointError, Checkpointer
+from pithtrain.config import ConfigError, load_config
+from pithtrain.distributed.context_parallel import ContextParallelAttention
+from pithtrain.distributed.parallelize import parallelize
+from pithtrain.models import build_model
+from pithtrain.models.common import use_kernels
+from pithtrain.plan import candidates
+
+
+def compare(cfg, saved: dict, tmp_path) -> list[str]:
+    """Checkpointer._compare_recipe of a checkpoint whose recipe is `saved`: the lines it says."""
+    (tmp_path / RECIPE).write_text(yaml.safe_dump(saved))
+    said = []
+    Checkpointer._compare_recipe(SimpleNamespace(cfg=cfg, say=said.append), tmp_path)
+    return said
+
+
+def test_a_model_field_added_since_the_save_reads_as_its_default(tmp_path):
+    cfg = load_config(None, [])
+    older = cfg.to_dict()
+    del older["model"]["z_loss_coeff"], older["model"]["bias_update_rate"]  # fields the older code lacked
+    said = compare(cfg, older, tmp_path)
+    assert len(said) == 1 and "saved before these model fields existed" in said[0]
+    assert "read as their defaults: bias_update_rate=0.001, z_loss_coeff=0.0" in said[0]
+    assert compare(cfg, cfg.to_dict(), tmp_path) == []  # the same recipe: nothing to say
+
+
+def test_a_model_field_that_differs_still_refuses(tmp_path):
+    now = load_config(None, ["model.z_loss_coeff=0.01"])
+    older = now.to_dict()
+    del older["model"]["z_loss_coeff"]  # absent: its default, 0.0, is not the 0.01 asked for now
+    with pytest.raises(CheckpointError, match=r"saved with a different model: model.z_loss_coeff: 0.0 in the "
+                                              r"checkpoint, 0.01 now"):
+        compare(now, older, tmp_path)
+    saved = load_config(None, ["model.top_k=1"]).to_dict()  # present, with another value: as before
+    with pytest.raises(CheckpointError, match="model.top_k: 1 in the checkpoint, 2 now"):
+        compare(load_config(None, []), saved, tmp_path)
+
+
+@pytest.mark.parametrize("feature", ["data.document_mask=true", "train.eval_every=5"])
+def test_parallel_auto_loads_with_features_that_exclude_cp_or_pp(feature):
+    """Both once crashed at load ('>' between None and int: the checks read the sizes auto had not
+    filled yet). Auto now chooses only among layouts the feature supports; a size given is checked."""
+    cfg = load_config(None, ["parallel.auto=true", feature])
+    layouts = candidates(cfg, 4)
+    assert layouts and all(lay["pp"] == 1 for lay in layouts)
+    if feature.startswith("data."):
+        assert all(lay["cp"] == 1 for lay in layouts)
+        with pytest.raises(ConfigError, match="data.document_mask: not supported with parallel.cp > 1"):
+            load_config(None, ["parallel.auto=true", "parallel.cp=2", feature])
+    assert max(lay["pp"] for lay in candidates(load_config(None, ["parallel.auto=true", "train.grad_accum=4"]), 4)) > 1
+
+
+def test_context_parallel_refuses_a_variant_attention_naming_the_module():
+    cfg = load_config(None, ["model.num_layers=2", "parallel.cp=2"])
+    dims = SimpleNamespace(fsdp_enabled=False, cp_enabled=True, cp_group=None, cp_rank=0, cp=2)
+
+    def model():  # with the run's kernel choice bound into each attention call (use_kernels)
+        m = build_model(cfg.model, init=False)
+        return use_kernels(m, kernels.configure(cfg.train.kernels, torch.device("cpu"), fp8=False, fsdp=True,
+                                                bf16=False, cp=True))
+
+    plain = parallelize(model(), dims, cfg.train, torch.device("cpu"))
+    assert all(isinstance(layer.self_attn.attention, ContextParallelAttention) for layer in plain.layers)
+    variant = model()
+
+    def block_sparse(q, k, v, **kw):
+        return q
+
+    variant.layers[1].self_attn.attention = block_sparse
+    with pytest.raises(ConfigError, match=r"parallel.cp=2: layers.1.self_attn.attention is "
+                                          r".*block_sparse, not models.common.attention"):
+        parallelize(variant, dims, cfg.train, torch.device("cpu"))
