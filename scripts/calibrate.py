@@ -170,7 +170,7 @@ def fsdp_step(cfg, device, sharded: bool = False):
     model.train()
     parallelize(model, dims, t, device)
     for m in moe_blocks(model):
-        m.dispatcher = ExpertParallelDispatcher(dims.ep_group, 0, 1, m.experts.num_experts)
+        m.dispatcher = ExpertParallelDispatcher(dims.ep_group, 0, 1, m.experts.num_experts, fused=m.dispatcher.fused)
     materialize(model, build_model(cfg.model, init=False), device, t.seed)
     opt = build_optimizer(model, cfg, device, use)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))

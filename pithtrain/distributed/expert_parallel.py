@@ -10,11 +10,14 @@ Every rank routes its own tokens; a token's top-k experts may live on other rank
                experts) go to no rank: a token with none to compute is not sent at all.
                all-to-all #1 the row counts, #2 rows+weights (autograd), #3 expert ids.
     expand     on the receiving rank: one pair per (row, local slot), sorted by local expert
-               (stable) = the expert-contiguous layout the grouped matmul wants.
+               (stable) = the expert-contiguous layout the grouped matmul wants: the one-GPU
+               LocalDispatcher over the received rows, their other ranks' slots DROPPED (its
+               Triton gathers on CUDA, no atomics).
     experts    experts(x_PD, counts_E) -- the module call, between the two (a phase of its own).
-    combine    weighted sum of a row's pairs on the receiving rank (index_add), then all-to-all
-               #4 back in reverse splits, and index_add into the token positions (a token sent
-               to two ranks sums two partial mixtures).
+    combine    weighted sum of a row's pairs on the receiving rank (LocalDispatcher.combine), then
+               all-to-all #4 back in reverse splits, and index_add into the token positions (a
+               token sent to two ranks sums two partial mixtures). Host reads: the split sizes
+               once, the local pairs' count once (the drops), per dispatch.
 
 Gradients: AllToAll's backward is the reverse all-to-all; everything else (gather, index_add,
 masking) is ordinary autograd, so router weights receive their gradient through the sent
@@ -32,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pithtrain.models.common import computed_slots
+from pithtrain.models.common import DROPPED, LocalDispatcher, computed_slots
 
 
 class AllToAll(torch.autograd.Function):
@@ -59,12 +62,18 @@ class ExpertParallelDispatcher:
     Counters `rows_sent` / `rows_sent_remote` (rows leaving this rank in total / to other ranks)
     accumulate over calls, for tests and profiling."""
 
-    def __init__(self, group, ep_rank: int, ep_size: int, num_experts: int, dedup: bool = True):
+    def __init__(self, group, ep_rank: int, ep_size: int, num_experts: int, dedup: bool = True,
+                 fused: bool = False):
         assert num_experts % ep_size == 0
         self.group, self.ep_rank, self.ep_size = group, ep_rank, ep_size
         self.local_experts = num_experts // ep_size
         self.dedup = dedup
         self.rows_sent = self.rows_sent_remote = 0
+        # The received rows' slots for this rank's experts, expert-contiguous, and their weighted sum
+        # back per row: the one-GPU dispatcher over them (the others are DROPPED slots), with its
+        # Triton gathers where `fused` (the LocalDispatcher this one replaces had them)
+        self.local = LocalDispatcher(drops=True)
+        self.local.fused = fused
 
     def dispatch(self, x_TD, idx_TA, w_TA, num_experts):
         """-> (x_PD: the received (row, local slot) pairs in expert-contiguous order, w_NA: the
@@ -75,23 +84,29 @@ class ExpertParallelDispatcher:
         dest_TA = torch.where(computed_slots(idx_TA, R * El), idx_TA // El, R)  # R: to no rank
 
         # --- send buffer, rank-major: row X goes to rank r_X and carries token t_X
+        # One host read per dispatch for the split sizes (the counts go first, on the device)
         if self.dedup:
             need_RT = torch.zeros(R + 1, T, dtype=torch.bool, device=x_TD.device)
             need_RT[dest_TA.reshape(-1), torch.arange(T, device=x_TD.device).repeat_interleave(A)] = True
-            r_X, t_X = need_RT[:R].nonzero(as_tuple=True)  # sorted by rank, then token
-            keep_XA = dest_TA[t_X] == r_X[:, None]  # every slot of the token bound for r_X
+            send_R = need_RT[:R].sum(1)
         else:
             flat = dest_TA.reshape(-1)
-            order_X = torch.argsort(flat, stable=True)[:int((flat < R).sum())]
+            send_R = torch.zeros(R + 1, dtype=torch.int64, device=x_TD.device).scatter_add_(
+                0, flat, torch.ones_like(flat))[:R]
+        recv_R = torch.empty_like(send_R)
+        dist.all_to_all_single(recv_R, send_R, group=self.group)
+        splits = torch.cat([send_R, recv_R]).tolist()
+        in_splits, out_splits = splits[:R], splits[R:]
+        if self.dedup:  # sorted by rank, then token; its size is known now: no second read
+            r_X, t_X = torch.nonzero_static(need_RT[:R], size=sum(in_splits)).unbind(1)
+            keep_XA = dest_TA[t_X] == r_X[:, None]  # every slot of the token bound for r_X
+        else:
+            order_X = torch.argsort(flat, stable=True)[:sum(in_splits)]
             r_X, t_X = flat[order_X], order_X // A
             keep_XA = torch.zeros(len(order_X), A, dtype=torch.bool, device=x_TD.device)
             keep_XA[torch.arange(len(order_X), device=x_TD.device), order_X % A] = True
         idx_XA = torch.where(keep_XA, idx_TA[t_X], -1)
         w_XA = torch.where(keep_XA, w_TA[t_X].to(x_TD.dtype), 0)
-        send_R = torch.bincount(r_X, minlength=R)
-        recv_R = torch.empty_like(send_R)
-        dist.all_to_all_single(recv_R, send_R, group=self.group)
-        in_splits, out_splits = send_R.tolist(), recv_R.tolist()
         self.rows_sent += len(t_X)
         self.rows_sent_remote += len(t_X) - in_splits[self.ep_rank]
 
@@ -102,21 +117,17 @@ class ExpertParallelDispatcher:
         idx_NA = idx_XA.new_empty((sum(out_splits), A))
         dist.all_to_all_single(idx_NA, idx_XA.contiguous(), out_splits, in_splits, group=self.group)
 
-        # --- expand to (row, local expert) pairs in expert-contiguous order
+        # --- expand to (row, local expert) pairs in expert-contiguous order: the received rows
+        # through the one-GPU dispatcher, their slots for other ranks' experts DROPPED
         local_NA = idx_NA - self.ep_rank * El
-        mine_NA = (idx_NA >= 0) & (local_NA >= 0) & (local_NA < El)
-        n_P, a_P = mine_NA.nonzero(as_tuple=True)
-        e_P = local_NA[n_P, a_P]
-        order_P = torch.argsort(e_P, stable=True)
-        n_P, a_P, e_P = n_P[order_P], a_P[order_P], e_P[order_P]
-        counts_E = torch.bincount(e_P, minlength=El)
-        return x_ND[n_P], w_NA, counts_E, (n_P, a_P, in_splits, out_splits, t_X, T)
+        local_NA = torch.where((idx_NA >= 0) & (local_NA >= 0) & (local_NA < El), local_NA, DROPPED)
+        x_PD, w_NA, counts_E, local = self.local.dispatch(x_ND, local_NA, w_NA, El)
+        return x_PD, w_NA, counts_E, (local, in_splits, out_splits, t_X, T)
 
     def combine(self, y_PD, w_NA, info):
         """Weighted sum per received row, the one all-to-all back, sum into token positions."""
-        n_P, a_P, in_splits, out_splits, t_X, T = info
-        w_P1 = w_NA[n_P, a_P][:, None].to(y_PD.dtype)  # experts compute in the autocast dtype
-        y_ND = y_PD.new_zeros(w_NA.shape[0], y_PD.shape[1]).index_add(0, n_P, y_PD * w_P1)
+        local, in_splits, out_splits, t_X, T = info
+        y_ND = self.local.combine(y_PD, w_NA, local)
         back_XD = AllToAll.apply(y_ND, in_splits, out_splits, self.group)
         return back_XD.new_zeros(T, y_PD.shape[1]).index_add(0, t_X, back_XD)
 

@@ -76,7 +76,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, train_cfg, device: torch.d
             shard_experts(m.experts, dims)
             if dims.ep_enabled:
                 m.dispatcher = ExpertParallelDispatcher(dims.ep_group, dims.ep_rank, dims.ep,
-                                                        m.experts.num_experts)
+                                                        m.experts.num_experts, fused=m.dispatcher.fused)
     if dims.cp_enabled:
         cp_attention = ContextParallelAttention(dims.cp_group, dims.cp_rank, dims.cp)
         cp_sum = ContextParallelSum(dims.cp_group)
