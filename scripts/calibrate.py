@@ -345,6 +345,8 @@ def main(argv=None) -> int:
         print(f"| {c['model']} | {c['path']} | {c['layers']} | " + (
             f"{c['mb']} | {c['measured_ms']:.1f} | {c['predicted_ms']:.1f} | {c['ratio']:.3f} |" if "ratio" in c
             else f"refused: {c['refused']} | | | |"))
+    if dist.is_initialized():  # the fsdp paths' one-rank group
+        dist.destroy_process_group()
     return 0
 
 

@@ -14,3 +14,14 @@ def tiny_overrides(tmp_path):
             "model.hidden_size=64", "model.num_heads=4", "model.head_dim=16",
             "model.moe_intermediate_size=64", "model.num_layers=2", "data.max_bytes=300000",
             "log.every=10", f"log.run_dir={tmp_path / 'run'}"]
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left():
+    """A test that leaves this process's default process group set breaks every later test that
+    builds one (the memory plan's fake world, the one-rank gloo tests): fail the test that did it."""
+    yield
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("the test left a torch.distributed process group initialised")
