@@ -38,15 +38,24 @@ def test_a_model_field_added_since_the_save_reads_as_its_default(tmp_path):
 
 
 def test_a_model_field_that_differs_still_refuses(tmp_path):
-    now = load_config(None, ["model.z_loss_coeff=0.01"])
+    now = load_config(None, ["model.norm_topk_prob=false"])
     older = now.to_dict()
-    del older["model"]["z_loss_coeff"]  # absent: its default, 0.0, is not the 0.01 asked for now
-    with pytest.raises(CheckpointError, match=r"saved with a different model: model.z_loss_coeff: 0.0 in the "
-                                              r"checkpoint, 0.01 now"):
+    del older["model"]["norm_topk_prob"]  # absent: its default, true, is not the false asked for now
+    with pytest.raises(CheckpointError, match=r"saved with a different model: model.norm_topk_prob: True in the "
+                                              r"checkpoint, False now"):
         compare(now, older, tmp_path)
     saved = load_config(None, ["model.top_k=1"]).to_dict()  # present, with another value: as before
     with pytest.raises(CheckpointError, match="model.top_k: 1 in the checkpoint, 2 now"):
         compare(load_config(None, []), saved, tmp_path)
+
+
+def test_a_changed_training_only_model_field_resumes_and_is_said(tmp_path):
+    """The balancing loss's coefficient (or the z-loss, the bias rate, the init std) shapes no
+    parameter and no forward: a resumed run may change it, from the resumed step on, and says so."""
+    saved = load_config(None, ["model.aux_loss_coeff=0.001"]).to_dict()
+    said = compare(load_config(None, ["model.z_loss_coeff=0.01"]), saved, tmp_path)
+    assert len(said) == 1 and "recipe differs from the checkpoint's" in said[0]
+    assert "model.aux_loss_coeff: 0.001 -> 0.01" in said[0] and "model.z_loss_coeff: 0.0 -> 0.01" in said[0]
 
 
 @pytest.mark.parametrize("feature", ["data.document_mask=true", "train.eval_every=5"])

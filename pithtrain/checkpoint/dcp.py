@@ -90,6 +90,9 @@ from pithtrain.data import TOKENIZER_FILES, tokenizer_of
 FORMAT = 1
 MANIFEST, TRAINER, RECIPE, LATEST = "manifest.json", "trainer.json", "recipe.yaml", "latest"
 CRASH_HOOK = "PITHTRAIN_TEST_CRASH_IN_SAVE"
+# Model fields a resumed run may change (from the resumed step on): the balancing loss and bias
+# update, the z-loss, the initialisation's std. Neither the parameters nor the forward depend on them.
+TRAINING_ONLY = ("aux_loss_coeff", "bias_update_rate", "z_loss_coeff", "init_std")
 
 
 class CheckpointError(RuntimeError):
@@ -755,8 +758,10 @@ class Checkpointer:
         self.say(f"tokenizer changed from {what[0]} to {what[1]} (data.allow_tokenizer_change)")
 
     def _compare_recipe(self, ckpt: Path):
-        """A different model cannot load; other recipe changes are allowed and printed. A model
-        field the saved recipe lacks (added to the family since) reads as its default."""
+        """A different model cannot load; other recipe changes are allowed and printed, model
+        fields that only shape the loss, the balancing update or the initialisation (TRAINING_ONLY)
+        among them. A model field the saved recipe lacks (added to the family since) reads as its
+        default."""
         saved = yaml.safe_load((ckpt / RECIPE).read_text())
         now = self.cfg.to_dict()
         saved["model"] = saved_model = saved.get("model") or {}
@@ -768,7 +773,7 @@ class Checkpointer:
                      + ", ".join(f"{k}={v!r}" for k, v in added.items()))
         diffs = [(f"{s}.{k}", (saved.get(s) or {}).get(k), v) for s in now for k, v in now[s].items()
                  if (saved.get(s) or {}).get(k) != v]
-        model = [d for d in diffs if d[0].startswith("model.")]
+        model = [d for d in diffs if d[0].startswith("model.") and d[0][6:] not in TRAINING_ONLY]
         if model:
             raise CheckpointError(f"{ckpt}: saved with a different model: " + "; ".join(
                 f"{k}: {a!r} in the checkpoint, {b!r} now" for k, a, b in model))
