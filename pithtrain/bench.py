@@ -184,18 +184,24 @@ def pithtrain_step(cfg, variant: dict, device, doc_len: int = 0):
     torch._dynamo.reset()  # each variant compiles its own model from a clean cache
     dims = ParallelDims.from_config(cfg, 1, 0)
     parallelize(model, dims, t, device)  # one process: checkpointing, then compile
+    return model, step_of(model, cfg, dims, device, use, random_documents(cfg, device, doc_len) if doc_len else None)
+
+
+def step_of(model, cfg, dims, device, use: dict, docs=None):
+    """step(accum) -> loss: train.train_step of the built `model` (AdamW, the LR schedule, bf16
+    autocast on CUDA) on one fixed random batch, `accum` micro-batches a step (scripts/calibrate.py
+    times one model at several, and builds its one-rank FSDP model itself)."""
     opt = build_optimizer(model, cfg, device, use)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     x, y = random_batch(cfg, device)
-    docs = random_documents(cfg, device, doc_len) if doc_len else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
-    def step(accum: int = t.grad_accum):  # scripts/calibrate.py times one model at several accums
+    def step(accum: int = cfg.train.grad_accum):
         set_aux_loss_scale(model, 1.0 / accum)
         return train_step(model, opt, sched, [(x, y, None, docs)] * accum, y.numel() * accum, cfg, dims,
                           autocast).loss
 
-    return model, step
+    return step
 
 
 def hf_step(cfg, device):

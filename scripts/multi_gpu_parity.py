@@ -25,65 +25,62 @@ import subprocess
 import sys
 from pathlib import Path
 
-MODEL = ["model.num_layers=4", "model.hidden_size=512", "model.num_heads=8", "model.kv_lora_rank=128",
-         "model.qk_nope_head_dim=64", "model.qk_rope_head_dim=32", "model.v_head_dim=64",
-         "model.intermediate_size=1024", "model.moe_intermediate_size=256", "model.num_experts=16",
-         "model.top_k=4", "model.n_shared_experts=1", "model.vocab_size=264",
-         "model.aux_loss_coeff=0", "train.compile=false", "train.warmup_steps=5", "train.lr=1e-3"]
+MODEL = ("model.num_layers=4 model.hidden_size=512 model.num_heads=8 model.kv_lora_rank=128 model.qk_nope_head_dim=64 "
+         "model.qk_rope_head_dim=32 model.v_head_dim=64 model.intermediate_size=1024 model.moe_intermediate_size=256 "
+         "model.num_experts=16 model.top_k=4 model.n_shared_experts=1 model.vocab_size=264 model.aux_loss_coeff=0 "
+         "train.compile=false train.warmup_steps=5 train.lr=1e-3").split()
 
 # name -> (overrides, micro_batch_size scale, processes); every layout sees 4 micro-batches per step
 # and the same global batch (fsdp/dp ranks take half the rows of each micro-batch each; cp and pp
 # ranks share). The overlap rows need expert parallelism inside a pipeline stage: 4 processes.
+PP_EP = ["parallel.pp=2", "parallel.fsdp=2", "parallel.ep=2", "parallel.pp_schedule=dualpipev"]
 LAYOUTS = {
     "fsdp=2": (["parallel.fsdp=2"], 0.5, 2),
     "ep=2 (fsdp=2)": (["parallel.fsdp=2", "parallel.ep=2"], 0.5, 2),
     "cp=2": (["parallel.cp=2"], 1, 2),
     "pp=2 1f1b": (["parallel.pp=2", "parallel.pp_schedule=1f1b"], 1, 2),
     "pp=2 dualpipev": (["parallel.pp=2", "parallel.pp_schedule=dualpipev"], 1, 2),
-    "pp=2 x fsdp=2 x ep=2 dualpipev, overlap": (["parallel.pp=2", "parallel.fsdp=2", "parallel.ep=2",
-                                                 "parallel.pp_schedule=dualpipev", "parallel.pp_overlap=true"], 0.5, 4),
-    "pp=2 x fsdp=2 x ep=2 dualpipev, no overlap": (["parallel.pp=2", "parallel.fsdp=2", "parallel.ep=2",
-                                                    "parallel.pp_schedule=dualpipev", "parallel.pp_overlap=false"],
-                                                   0.5, 4),
+    "pp=2 x fsdp=2 x ep=2 dualpipev, overlap": ([*PP_EP, "parallel.pp_overlap=true"], 0.5, 4),
+    "pp=2 x fsdp=2 x ep=2 dualpipev, no overlap": ([*PP_EP, "parallel.pp_overlap=false"], 0.5, 4),
 }
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_dir_of(name, args) -> Path:
-    return Path(args.runs or Path(args.out) / "runs") / "".join(c for c in name.replace(" ", "_")
-                                                                 if c.isalnum() or c == "_")
-
-
-def run(name, overrides, nproc, args, log):
-    run_dir = run_dir_of(name, args)
-    common = [f"train.device={args.device}", f"train.steps={args.steps}", f"train.seq_len={args.seq_len}",
-              "train.grad_accum=4", "log.every=1", "checkpoint.final=false", f"log.run_dir={run_dir}"]
-    if args.device == "cpu":
-        common.append("train.dtype=float32")
-    train = ["-m", "pithtrain.train", "deepseek-v2-lite", *MODEL, *common, *overrides, "--no-resume"]
-    if nproc == 1:
-        cmd = [sys.executable, *train]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), *train]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0",
-           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    log.write(f"=== {name}: {' '.join(cmd)}\n{p.stdout}\n{p.stderr}\n")
+def launch(name: str, train_args: list[str], nproc: int, run_dir: Path, log) -> list[dict] | None:
+    """`python -m pithtrain.train TRAIN_ARGS` into run_dir (torchrun on a free port when nproc > 1,
+    NVLink multicast off); its command and output go to `log`. Its metrics.jsonl records, or None
+    when it failed. scripts/paper_config.py runs its layouts through it too."""
+    cmd = ["-m", "pithtrain.train", *train_args, f"log.run_dir={run_dir}", "--no-resume"]
+    if nproc > 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            cmd = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                   str(s.getsockname()[1]), *cmd]
+    cmd = [sys.executable, *cmd]
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **MULTICAST_OFF})
+    log.write(f"=== {name} (exit {p.returncode}): {' '.join(cmd)}\n{p.stdout}\n{p.stderr}\n")
     log.flush()
-    if p.returncode != 0:
+    metrics = run_dir / "metrics.jsonl"
+    if p.returncode != 0 or not metrics.exists():
         return None
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return recs
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def overlap_as_labelled(run_dir: Path, overlap: bool) -> tuple[list[int], bool]:
+    """Per rank, the expert all-to-all phases of the last step that ran under another micro-batch's
+    compute (the run's pipeline timeline), and whether that is what the label says: some on every
+    rank with the overlap on, none anywhere with it off."""
+    from pithtrain.pipeline_viz import load, overlapped
+    n = [overlapped(r) for r in load(run_dir)]
+    return n, min(n) > 0 if overlap else max(n) == 0
 
 
 def max_rel(a, b):
     return max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(a, b))
+
+
+def median_tps(recs):  # past the first quarter's warm-up
+    return statistics.median(r["tokens_per_s"] for r in recs[len(recs) // 4:])
 
 
 def main() -> int:
@@ -98,56 +95,52 @@ def main() -> int:
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     log = open(Path(args.out) / "log.txt", "w")
-    mb = args.micro_batch
-    base = run("baseline 1 process", [f"train.micro_batch_size={mb}"], 1, args, log)
+    mb, common = args.micro_batch, [f"train.device={args.device}", f"train.steps={args.steps}", "train.grad_accum=4",
+                                    f"train.seq_len={args.seq_len}", "log.every=1", "checkpoint.final=false",
+                                    *(["train.dtype=float32"] if args.device == "cpu" else [])]
+
+    def run(name, overrides, nproc):
+        return launch(name, ["deepseek-v2-lite", *MODEL, *common, *overrides], nproc, run_dir_of(name), log)
+
+    def run_dir_of(name) -> Path:
+        return Path(args.runs or Path(args.out) / "runs") / "".join(c for c in name.replace(" ", "_")
+                                                                     if c.isalnum() or c == "_")
+
+    base = run("baseline 1 process", [f"train.micro_batch_size={mb}"], 1)
     if base is None:
         print(f"baseline failed; see {args.out}/log.txt")
         return 1
-    split = run("baseline split micro-batches", [f"train.micro_batch_size={mb // 2}", "train.grad_accum=8"],
-                1, args, log)
+    split = run("baseline split micro-batches", [f"train.micro_batch_size={mb // 2}", "train.grad_accum=8"], 1)
     noise = max_rel(split, base) if split else float("nan")
     band = max(3 * noise, 5e-3)
-    rows, ok = [], True
+    rows = []
     for name, (overrides, scale, nproc) in LAYOUTS.items():
+        rows.append(row := {"layout": name})
         if nproc > args.nproc:
-            rows.append({"layout": name, "status": f"SKIPPED (needs {nproc} processes, --nproc {args.nproc})"})
+            row["status"] = f"SKIPPED (needs {nproc} processes, --nproc {args.nproc})"
             continue
-        recs = run(name, overrides + [f"train.micro_batch_size={int(mb * scale)}"], nproc, args, log)
+        recs = run(name, overrides + [f"train.micro_batch_size={int(mb * scale)}"], nproc)
         if recs is None:
-            rows.append({"layout": name, "status": "FAILED (see log.txt)"})
-            ok = False
+            row["status"] = "FAILED (see log.txt)"
             continue
         if "dualpipev" in name:  # what the label says ran (the last step's pipeline timeline)
-            from pithtrain.pipeline_viz import load, overlapped
-            n = [overlapped(r) for r in load(run_dir_of(name, args))]
-            if (min(n) > 0) != ("pp_overlap=true" in overrides) or ("pp_overlap=true" not in overrides and max(n)):
-                rows.append({"layout": name, "status": f"FAIL (overlapped all-to-all per rank {n})"})
-                ok = False
+            n, as_labelled = overlap_as_labelled(run_dir_of(name), "parallel.pp_overlap=true" in overrides)
+            if not as_labelled:
+                row["status"] = f"FAIL (overlapped all-to-all per rank {n})"
                 continue
         d = max_rel(recs, base)
-        tps = statistics.median(r["tokens_per_s"] for r in recs[len(recs) // 4:])
-        mem = max(r["mem_gb"] or 0 for r in recs)
-        passed = d <= band
-        ok &= passed
-        rows.append({"layout": name, "max_rel_loss_diff": d, "tokens_per_s": tps, "peak_mem_gb": mem,
-                     "status": "PASS" if passed else "FAIL",
-                     "losses": [r["loss"] for r in recs]})
-    result = {"steps": args.steps, "device": args.device, "nproc": args.nproc, "noise_floor": noise,
-              "band": band, "baseline_losses": [r["loss"] for r in base],
-              "baseline_tokens_per_s": statistics.median(r["tokens_per_s"] for r in base[len(base) // 4:]),
-              "layouts": rows}
+        row.update(max_rel_loss_diff=d, tokens_per_s=median_tps(recs), peak_mem_gb=max(r["mem_gb"] or 0 for r in recs),
+                   status="PASS" if d <= band else "FAIL", losses=[r["loss"] for r in recs])
+    ok = not any(r["status"].startswith("FAIL") for r in rows)
+    result = {"steps": args.steps, "device": args.device, "nproc": args.nproc, "noise_floor": noise, "band": band,
+              "baseline_losses": [r["loss"] for r in base], "baseline_tokens_per_s": median_tps(base), "layouts": rows}
     (Path(args.out) / "parity.json").write_text(json.dumps(result, indent=1))
-    print(f"baseline: 1 process, {result['baseline_tokens_per_s']:.0f} tok/s; losses "
-          f"{base[0]['loss']:.4f} -> {base[-1]['loss']:.4f}; bf16 reduction-order floor {noise:.2e}, "
-          f"band {band:.2e}")
-    print(f"| layout | max rel. loss diff over {args.steps} steps | tokens/s | peak mem GB | verdict |")
-    print("| --- | --- | --- | --- | --- |")
+    print(f"baseline: 1 process, {result['baseline_tokens_per_s']:.0f} tok/s; losses {base[0]['loss']:.4f} -> "
+          f"{base[-1]['loss']:.4f}; bf16 reduction-order floor {noise:.2e}, band {band:.2e}")
+    print(f"| layout | max rel. loss diff over {args.steps} steps | tokens/s | peak mem GB | verdict |\n| --- | --- | --- | --- | --- |")
     for r in rows:
-        if "max_rel_loss_diff" in r:
-            print(f"| {r['layout']} | {r['max_rel_loss_diff']:.2e} | {r['tokens_per_s']:.0f} | "
-                  f"{r['peak_mem_gb']:.1f} | {r['status']} |")
-        else:
-            print(f"| {r['layout']} | - | - | - | {r['status']} |")
+        cells = [f"{r['max_rel_loss_diff']:.2e}", f"{r['tokens_per_s']:.0f}", f"{r['peak_mem_gb']:.1f}"] if "losses" in r else ["-"] * 3
+        print(f"| {r['layout']} | {' | '.join(cells)} | {r['status']} |")
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

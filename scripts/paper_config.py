@@ -25,61 +25,27 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import socket
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-LAYOUT = ["parallel.pp=4", "parallel.fsdp=2", "parallel.ep=2", "train.seq_len=2048",
-          "train.micro_batch_size=4", "train.grad_accum=128", "train.dtype=bfloat16", "train.lr=3e-4",
-          "train.warmup_steps=10", "log.every=1", "checkpoint.final=false"]
+from multi_gpu_parity import launch, overlap_as_labelled  # the sibling script (python puts scripts/ on the path)
+
+LAYOUT = ("parallel.pp=4 parallel.fsdp=2 parallel.ep=2 train.seq_len=2048 train.micro_batch_size=4 train.grad_accum=128 "
+          "train.dtype=bfloat16 train.lr=3e-4 train.warmup_steps=10 log.every=1 checkpoint.final=false").split()
 # --smoke: the same layout and schedules with tiny widths (8 layers: 2 per stage), on CPU.
-SMOKE = ["model.num_layers=8", "model.hidden_size=64", "model.num_heads=2", "model.kv_lora_rank=32",
-         "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8", "model.v_head_dim=16",
-         "model.intermediate_size=128", "model.moe_intermediate_size=32", "model.num_experts=8",
-         "model.top_k=2", "model.vocab_size=264", "train.seq_len=64", "train.micro_batch_size=1",
-         "train.grad_accum=8", "train.dtype=float32", "train.device=cpu", "train.compile=false"]
-
-
-def torchrun(name: str, overrides: list[str], steps: int, args, log) -> list[dict] | None:
-    run_dir = Path(args.out) / "runs" / name
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "--master-port", str(port),
-           "-m", "pithtrain.train", "deepseek-v2-lite", *LAYOUT, *(SMOKE if args.smoke else []), *overrides,
-           f"train.steps={steps}", f"log.run_dir={run_dir}", "--no-resume"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0",
-           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-    print(f"paper_config: {name}: {steps} steps ...", flush=True)
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    log.write(f"=== {name}: {' '.join(cmd)}\n{p.stdout}\n{p.stderr}\n")
-    log.flush()
-    metrics = run_dir / "metrics.jsonl"
-    if p.returncode != 0 or not metrics.exists():
-        print(f"paper_config: {name} FAILED (exit {p.returncode}); see {args.out}/log.txt", flush=True)
-        return None
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
-
-
-def overlapped_all_to_all(run_dir: Path) -> list[int]:
-    """Per rank, the expert all-to-all phases of the last step that ran under a compute phase of
-    another micro-batch (the run's pipeline timeline, pithtrain.pipeline_viz.overlapped)."""
-    from pithtrain.pipeline_viz import load, overlapped
-    return [overlapped(r) for r in load(run_dir)]
+SMOKE = ("model.num_layers=8 model.hidden_size=64 model.num_heads=2 model.kv_lora_rank=32 model.qk_nope_head_dim=16 "
+         "model.qk_rope_head_dim=8 model.v_head_dim=16 model.intermediate_size=128 model.moe_intermediate_size=32 "
+         "model.num_experts=8 model.top_k=2 model.vocab_size=264 train.seq_len=64 train.micro_batch_size=1 "
+         "train.grad_accum=8 train.dtype=float32 train.device=cpu train.compile=false").split()
 
 
 def summary(name: str, recs: list[dict]) -> dict:
-    last = recs[-10:]
-    tps = statistics.median(r["tokens_per_s"] for r in last)
-    mfu = [r["mfu"] for r in last if r.get("mfu") is not None]
+    tps = statistics.median(r["tokens_per_s"] for r in recs[-10:])
+    mfu = [r["mfu"] for r in recs[-10:] if r.get("mfu") is not None]
     return {"run": name, "steps": len(recs), "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / 8,
-            "mfu": statistics.median(mfu) if mfu else None,
-            "peak_mem_gb_per_rank": recs[-1].get("mem_gb_ranks"),
-            "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"],
-            "finite": all(math.isfinite(r["loss"]) for r in recs)}
+            "mfu": statistics.median(mfu) if mfu else None, "peak_mem_gb_per_rank": recs[-1].get("mem_gb_ranks"),
+            "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"], "finite": all(math.isfinite(r["loss"]) for r in recs)}
 
 
 def prediction(overrides: list[str], smoke: bool) -> float | None:
@@ -115,27 +81,25 @@ def main() -> int:
         runs.append(("dualpipev-loss", overlap_on, args.loss_steps))
     rows, ok = [], True
     for name, overrides, steps in runs:
-        recs = torchrun(name, overrides, steps, args, log)
+        print(f"paper_config: {name}: {steps} steps ...", flush=True)
+        run_dir = Path(args.out) / "runs" / name
+        recs = launch(name, ["deepseek-v2-lite", *LAYOUT, *(SMOKE if args.smoke else []), *overrides,
+                             f"train.steps={steps}"], 8, run_dir, log)
         if recs is None:
+            print(f"paper_config: {name} FAILED; see {args.out}/log.txt", flush=True)
             rows.append({"run": name, "failed": True})
             ok = False
             continue
-        rows.append({**summary(name, recs), "predicted_per_gpu": prediction(overrides, args.smoke)})
-        # what the label says ran: the expert all-to-alls ran under the other micro-batch's
-        # compute (DualPipeV with overlap) on every rank, or nowhere (the others)
-        n = overlapped_all_to_all(Path(args.out) / "runs" / name)
-        rows[-1]["overlapped_all_to_all_per_rank"] = n
-        want = "pp_overlap=true" in " ".join(overrides)
-        if (min(n) > 0) != want or (not want and max(n) > 0):
-            print(f"paper_config: {name}: overlapped all-to-all phases per rank {n}: not what the label says",
-                  flush=True)
-            ok = False
-    loss_run = next((r for r in rows if r["run"] == "dualpipev-loss" and not r.get("failed")), None)
-    if loss_run:  # the loss must fall and stay finite
-        ok &= loss_run["finite"] and loss_run["loss_last"] < loss_run["loss_first"]
+        n, as_labelled = overlap_as_labelled(run_dir, "parallel.pp_overlap=true" in overrides)
+        rows.append({**summary(name, recs), "predicted_per_gpu": prediction(overrides, args.smoke),
+                     "overlapped_all_to_all_per_rank": n})
+        if not as_labelled:
+            print(f"paper_config: {name}: overlapped all-to-all phases per rank {n}: not what the label says", flush=True)
+        loss_fell = name != "dualpipev-loss" or rows[-1]["finite"] and rows[-1]["loss_last"] < rows[-1]["loss_first"]
+        ok &= as_labelled and loss_fell  # and the loss run's loss must fall and stay finite
     (Path(args.out) / "paper.json").write_text(json.dumps({"smoke": args.smoke, "runs": rows}, indent=1))
-    print("| run | steps | tokens/s | tokens/s/GPU | predicted/GPU (ratio) | MFU | peak GB per rank | loss first -> last |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| run | steps | tokens/s | tokens/s/GPU | predicted/GPU (ratio) | MFU | peak GB per rank | loss first -> last |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if r.get("failed"):
             print(f"| {r['run']} | FAILED (log.txt) | | | | | | |")
