@@ -42,12 +42,11 @@ from pithtrain.models import build_model
 from pithtrain.models.common import GroupedExperts, decoder_layers, use_kernels
 
 CAL_LAYERS = {"qwen3_moe": 2, "deepseek_v2": 3, "gpt_oss": 2}
-_TINY = "model.vocab_size=512 model.hidden_size=64 model.num_heads=4 model.num_experts=8 model.top_k=2 ".split()
+_TINY = "model.vocab_size=512 model.hidden_size=64 model.num_heads=4 model.num_experts=8 model.top_k=2".split()
 TINY = {"qwen3_moe": _TINY + "model.num_kv_heads=2 model.head_dim=16 model.moe_intermediate_size=32".split(),
-        "deepseek_v2": _TINY + ("model.kv_lora_rank=16 model.qk_nope_head_dim=16 model.qk_rope_head_dim=8 "
-                                "model.v_head_dim=16 model.intermediate_size=64 model.moe_intermediate_size=32").split(),
-        "gpt_oss": _TINY + ("model.num_kv_heads=2 model.head_dim=16 model.intermediate_size=32 "
-                            "model.sliding_window=16").split()}
+        "deepseek_v2": _TINY + ("model.kv_lora_rank=16 model.qk_nope_head_dim=16 model.qk_rope_head_dim=8 model.v_head_dim=16 "
+                                "model.intermediate_size=64 model.moe_intermediate_size=32").split(),
+        "gpt_oss": _TINY + "model.num_kv_heads=2 model.head_dim=16 model.intermediate_size=32 model.sliding_window=16".split()}
 
 
 class OneRankFSDP(ParallelDims):
