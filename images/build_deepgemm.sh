@@ -5,7 +5,7 @@
 #   DEEPGEMM_COMMIT=... CUTLASS_COMMIT=... FMT_COMMIT=... DEEPGEMM_PATCHES="C1 C2 ..." TORCH_CUDA_ARCH_LIST=9.0a \
 #     images/build_deepgemm.sh [--src DIR|TARBALL] [--wheel-dir DIR] [--target DIR | --install] [--check]
 #
-# Sources: --src a tarball from scripts/pack_deepgemm_src.sh (DeepGEMM/ with third-party/{cutlass,fmt}/include
+# Sources: --src a tarball from images/pack_deepgemm_src.sh (DeepGEMM/ with third-party/{cutlass,fmt}/include
 # and a PINS file, checked against the env pins) or an unpacked tree; without --src, git fetches the three
 # pinned commits (the image build) and checks that DeepGEMM's submodule entries are the cutlass/fmt pins.
 # DEEPGEMM_PATCHES: upstream DeepGEMM commits whose diffs (`git diff C^ C`) are applied on top, in order

@@ -15,8 +15,7 @@ Per model (its recipe at real widths, micro-batch 2 x 4096, bf16 compute):
   4. checks: bench's step (bf16 parameters) at 4 and 12 layers, train.py's own and the FSDP paths at 4
      layers, each at 1 and 8 micro-batches, measured (median of --steps after --warmup) beside
      perf.predict from the costs of 1-3 only.
-Merges the model's entry and its checks into --out (with date, commit, device and package versions);
-prints the checks' table last.
+Merges each model's entry and checks into --out (date, commit, device, versions); the table last.
 """
 
 from __future__ import annotations

@@ -8,15 +8,13 @@ Runs (torchrun, NVLink multicast off in every process):
   1. DualPipeV with the overlap (parallel.pp_overlap=true: each micro-batch's expert all-to-all runs
      under another's compute), `--steps` (25) steps: median tokens/s of the last 10, per GPU, MFU,
      peak memory per rank;
-  2. DualPipeV without it (pp_overlap=false), the same;
-  3. 1F1B, the same;
+  2. DualPipeV without it (pp_overlap=false), the same; 3. 1F1B, the same;
   4. DualPipeV with the overlap, `--loss-steps` (64) steps: the loss must fall and stay finite (0 skips it).
 Each run's last-step pipeline timeline must show what its label says: overlapped all-to-all
 phases on every rank for the overlap runs, none for the others (else FAIL).
 Global batch = micro-batch x grad_accum x batch ranks (fsdp = 2): 4 x 128 x 2 = 1024 sequences.
-Writes OUT/log.txt (every command and its output), OUT/paper.json, and prints a table last, each
-timed run beside the performance model's prediction for its layout (pithtrain/perf.py, on the GPU
-the run found: predicted / measured).
+Writes OUT/log.txt (every command, its output), OUT/paper.json; prints a table last, each timed run
+beside perf.py's prediction for its layout on the GPU the run found (predicted / measured).
 Published reference: torchtitan's DeepSeek "16B" (the same shape), ~11.6K tokens/s/GPU on 8 x H100.
 """
 

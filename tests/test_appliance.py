@@ -86,7 +86,7 @@ def test_dockerfiles_write_the_manifest_and_run_non_root():
 def test_dockerfiles_build_deepgemm_with_the_script_at_the_pins(target, tmp_path):
     """DeepGEMM is built only by images/build_deepgemm.sh, fed the three pins as build args, which
     build_args takes from versions.yaml; the tag's commit and submodules are checked when the source
-    tarball is packed (scripts/pack_deepgemm_src.sh) and again by the script's git path."""
+    tarball is packed (images/pack_deepgemm_src.sh) and again by the script's git path."""
     text = DOCKERFILE.read_text()
     pins = VERSIONS["targets"][target]
     run = [line for line in text.replace("\\\n", " ").splitlines() if "build_deepgemm.sh --" in line]

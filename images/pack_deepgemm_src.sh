@@ -5,7 +5,7 @@
 # patches/C.diff for each upstream fix C of deepgemm_patches (`git diff C^ C`) and a PINS file that
 # images/build_deepgemm.sh checks.
 #
-#   scripts/pack_deepgemm_src.sh [DEEPGEMM_GIT CUTLASS_GIT FMT_GIT]   # git dirs holding the commits
+#   images/pack_deepgemm_src.sh [DEEPGEMM_GIT CUTLASS_GIT FMT_GIT]   # git dirs holding the commits
 #
 # Checks first: deepgemm_tag names deepgemm_commit, and the commit's submodule entries
 # (git ls-tree third-party/) are cutlass_commit and fmt_commit.
