@@ -252,7 +252,7 @@ def test_resume_skill_quotes_what_the_checkpointer_prints():
     code = (ROOT / "pithtrain" / "checkpoint" / "dcp.py").read_text()
     for msg in ("resumed from", "(resharded)", "saved with a different model", "recipe differs from the checkpoint's",
                 "was saved before these model fields existed; read as their defaults",
-                "checkpoints exist but none is valid", ".abandoned-step_N", ".tmp-step_N"):
+                "checkpoints exist but none is valid", ".abandoned-step_N", ".tmp-step_N", "TRAINING_ONLY"):
         assert msg in skill and msg.replace("step_N", "step_") in code, msg
 
 
