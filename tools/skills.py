@@ -2,6 +2,7 @@
 
     python -m tools.skills check validate-correctness   # or: invoke doctor --skill validate-correctness
     python -m tools.skills lint                          # every skill; what tests/test_skills.py runs
+    python tools/skills.py                               # the same lint, from a path
 
 A SKILL.md opens with YAML front matter (the Agent Skills format plus one key of ours):
 
@@ -32,6 +33,8 @@ from pathlib import Path
 
 import yaml
 
+if __package__ in (None, ""):  # run as `python tools/skills.py`: the repository root is not on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools.appliance import VERSIONS, find_unpinned_versions, load_versions, pinned_values
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -229,7 +232,8 @@ def report(name: str, **kw) -> bool:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.skills", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.set_defaults(cmd="lint", versions=VERSIONS, skills_dir=SKILLS_DIR)  # no command: lint
+    sub = p.add_subparsers(dest="cmd")
     c = sub.add_parser("check", help="check one skill's prerequisites on this machine")
     c.add_argument("name")
     lt = sub.add_parser("lint", help="lint every skill against images/versions.yaml")

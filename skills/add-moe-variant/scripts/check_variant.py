@@ -7,26 +7,36 @@ something, then validate-correctness with it switched on. Prints PASS or FAIL.
 
 Stages, in order (--fail-fast stops at the first that fails; --rules-only runs the first,
 --no-validate the first two):
-  rules   static, over pithtrain/models/:
-          single-device  model files import nothing from torch.distributed and never ask for ranks or meshes
+  rules   static:
+          single-device  nothing in pithtrain/models/ (subfolders included) imports torch.distributed or
+                         asks for ranks or meshes
           no-registry    no registration decorators, globals()/eval/exec/import_module lookups; FAMILIES in
                          models/__init__.py stays one literal dict
-          config-field   a variant is a config field of an existing family, not a copied file: every file in
-                         models/ (subfolders included) is a shared file (__init__, common, balance, hub, init) or a family in
-                         FAMILIES; every --set key is a field of that family's config, and some test under
-                         tests/ sets or names it as a config key: model.<field> (an override, a ConfigError
-                         message) or <field>= (a keyword argument)
-          budget         every file in models/ stays <= 800 lines; family files keep the shape-suffix legend
-  effect  the variant must act: the family's default tiny model is built twice from the same weights,
-          without and with the model.* overrides, and compared at every condition of SEEDS x
-          ROUTER_SCALES (each router's weights scaled: x1 is the near-uniform router of a fresh
-          init, where a threshold on router probabilities never fires; x8 and x64 are peaked
-          routers, like trained ones). Compared: eval logits, train-mode gradients (the
-          load-balancing loss included) and the routing statistics read from every MoE block's
-          router outputs: experts per token (mean, min, max), the dropped-slot share (slots of
-          weight 0) and the worst per-layer expert load (max / mean). FAIL when nothing differs
-          anywhere (a no-op), or when a router breaks the contract the dispatchers rely on:
-          (logits_TE, probs_TE, w_TA, idx_TA) with idx_TA int64 in [0, num_experts), w_TA the same shape, finite.
+          config-field   every --set key is a field of that family's config, and some test under tests/ sets
+                         or names it as a config key: model.<field> (an override, a ConfigError message) or
+                         <field>= (a keyword argument)
+          shared-code    the change copies no code: no run of DUP_LINES code lines (blank, comment, docstring
+                         and import lines aside) appears more often in pithtrain/ than it did where HEAD
+                         branched from --base (git merge-base; default main), committed work included. A
+                         copied family file or a block pasted into two families FAILs, with both places
+                         named; a new shared file under models/ is welcome
+          budget         pithtrain/ stays under BUDGET code lines (tools/appliance.py count_lines, `invoke
+                         stats`); family files keep the pointer to the shape-suffix legend
+  effect  the variant must act: the family's default tiny model is built twice, without and with the
+          model.* overrides; the variant's model takes every base tensor of the same name and shape, and
+          the header names the ones it initialises itself (seeded; e.g. a router of another width). Both
+          are compared at every condition of SEEDS x ROUTER_SCALES (each router's weights scaled: x1 is
+          the near-uniform router of a fresh init, where a threshold on router probabilities never
+          fires; x8 and x64 are peaked routers, like trained ones). Compared: eval logits, train-mode
+          gradients (the load-balancing loss included) and the routing statistics read from every MoE
+          block's router outputs: experts computed per token (slots with an FFN expert's id: not DROPPED,
+          not past the FFN experts; mean, min, max), the share of slots not computed, the share computed
+          at weight 0, and the worst per-layer load (max / mean over the router's ids). FAIL when nothing
+          differs anywhere (a no-op), or when a router breaks the contract in pithtrain/models/common.py
+          (above route_tokens): (logits_TE, probs_TE, w_TA, idx_TA), idx_TA int64 with ids in [0, router
+          width) or DROPPED, w_TA the same shape and finite, a dispatcher that takes slots its experts do
+          not compute (LocalDispatcher(drops=True)), and the experts' witness (rows_computed) equal to the
+          computed slots of the train-mode forward.
   validate  validate.py --quick --family F --set ...: parity with transformers with the variant at its
           default, grouped == loop, and a 30-step run with the variant on whose loss falls and stays finite.
 Exit status 0 on PASS, 1 on FAIL.
@@ -36,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import dataclasses
 import math
 import re
@@ -47,10 +58,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
-MODELS = ROOT / "pithtrain" / "models"
 VALIDATE = ROOT / "skills" / "validate-correctness" / "scripts" / "validate.py"
 
-MAX_LINES = 800
+BUDGET = 7500  # code lines of pithtrain/ (the house budget: the whole package, never a cap per file)
+DUP_LINES = 6  # a run of this many code lines in two places is a copy
 ALLOWED_DECORATORS = {"dataclass", "staticmethod", "classmethod", "property", "torch.no_grad",
                       "torch.compiler.disable", "torch.inference_mode", "functools.cache", "cache"}
 FORBIDDEN_CALLS = {"globals", "eval", "exec", "import_module", "__import__", "get_rank",
@@ -69,19 +80,14 @@ def dotted(node) -> str:
     return node.id if isinstance(node, ast.Name) else "?"
 
 
-def rule_problems(families: dict) -> list[str]:
-    out = []
+def rule_problems(root: Path, families: dict, base: str = "main") -> list[str]:
+    """The static rules over the tree at `root` (see the module docstring)."""
+    out, models = [], root / "pithtrain" / "models"
     # rglob: a file in a subfolder is model code too, and must not escape the rules
-    for f in sorted(MODELS.rglob("*.py")):
-        rel, text = f.relative_to(ROOT), f.read_text()
+    for f in sorted(models.rglob("*.py")):
+        rel, text = f.relative_to(root), f.read_text()
         tree = ast.parse(text)
-        if f.parent != MODELS or (f.stem not in ("__init__", "common", "balance", "hub", "init") and f.stem not in families):
-            out.append(f"config-field: {rel} is not a family in FAMILIES: make the variant a config field "
-                       "of an existing family (or register a new family in the one literal FAMILIES dict)")
-        n = len(text.splitlines())
-        if n > MAX_LINES:
-            out.append(f"budget: {rel} has {n} lines (> {MAX_LINES})")
-        if f.stem in families and "legend" not in (ast.get_docstring(tree) or "").lower():
+        if f.parent == models and f.stem in families and "legend" not in (ast.get_docstring(tree) or "").lower():
             out.append(f"budget: {rel}: the module docstring must point to the shape-suffix legend")
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -99,18 +105,123 @@ def rule_problems(families: dict) -> list[str]:
                     if dotted(d) not in ALLOWED_DECORATORS:
                         out.append(f"no-registry: {rel}:{d.lineno} decorator @{dotted(d)} (choose by explicit "
                                    "import or the one literal mapping)")
-    init = ast.parse((MODELS / "__init__.py").read_text())
+    init = ast.parse((models / "__init__.py").read_text())
     literal = [n for n in init.body if isinstance(n, ast.Assign) and any(
         isinstance(t, ast.Name) and t.id == "FAMILIES" for t in n.targets) and isinstance(n.value, ast.Dict)]
     if not literal:
         out.append("no-registry: pithtrain/models/__init__.py: FAMILIES must be one literal dict")
+    return out + copy_problems(root, base) + budget_problems(root)
+
+
+def budget_problems(root: Path) -> list[str]:
+    from tools.appliance import count_lines
+
+    n = sum(count_lines(root / "pithtrain").values())
+    return [] if n < BUDGET else [f"budget: pithtrain/ has {n} code lines, the budget is under {BUDGET} "
+                                  "(`invoke stats` per folder): share or simplify code rather than add it"]
+
+
+def code_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, text without indentation or trailing comment) of each code line: blank,
+    comment, docstring and import lines left out (imports repeat by nature)."""
+    skip, todo = set(), [ast.parse(text)]
+    while todo:  # statements only (expressions hold no docstring or import): a fraction of ast.walk
+        node = todo.pop()
+        for name in ("body", "orelse", "finalbody", "handlers", "cases"):
+            block = getattr(node, name, None)
+            if not isinstance(block, list):
+                continue
+            for i, st in enumerate(block):
+                if isinstance(st, (ast.Import, ast.ImportFrom)) or (
+                        i == 0 and name == "body" and isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant)
+                        and isinstance(st.value.value, str)):
+                    skip.update(range(st.lineno, st.end_lineno + 1))
+                elif isinstance(st, ast.AST):
+                    todo.append(st)
+    return [(i, s) for i, line in enumerate(text.splitlines(), 1) if i not in skip and (s := uncommented(line))]
+
+
+def uncommented(line: str) -> str:
+    """The line without its comment (a # outside quotes on this line), stripped."""
+    quote = None
+    for k, c in enumerate(line):
+        if quote is None and c == "#":
+            return line[:k].strip()
+        if c in "'\"" and (k == 0 or line[k - 1] != "\\"):
+            quote = c if quote is None else None if c == quote else quote
+    return line.strip()
+
+
+def repeated_runs(lines: dict[str, list[tuple[int, str]]]) -> collections.Counter:
+    """How often each run of DUP_LINES consecutive code lines occurs over `lines` (path -> code_lines)."""
+    runs = collections.Counter()
+    for ls in lines.values():
+        texts = [s for _, s in ls]
+        runs.update(tuple(texts[k:k + DUP_LINES]) for k in range(len(texts) - DUP_LINES + 1))
+    return runs
+
+
+def base_sources(root: Path, base: str) -> dict[str, str] | None:
+    """pithtrain/**/*.py where HEAD branched from git revision `base` (their merge base; `base`
+    itself when there is none), or None when git cannot read it."""
+    fork = subprocess.run(["git", "merge-base", "HEAD", base], cwd=root, capture_output=True, text=True)
+    base = fork.stdout.strip() if fork.returncode == 0 else base
+    ls = subprocess.run(["git", "ls-tree", "-r", "--name-only", base, "--", "pithtrain"], cwd=root,
+                        capture_output=True, text=True)
+    names = [n for n in ls.stdout.split() if n.endswith(".py")]
+    if ls.returncode or not names:
+        return None
+    cat = subprocess.run(["git", "cat-file", "--batch"], cwd=root, capture_output=True,
+                         input="".join(f"{base}:{n}\n" for n in names).encode())
+    out, pos, blob = {}, 0, cat.stdout
+    for n in names:  # each: "<sha> blob <size>\n<content>\n"
+        eol = blob.index(b"\n", pos)
+        size = int(blob[pos:eol].split()[2])
+        out[n] = blob[eol + 1:eol + 1 + size].decode()
+        pos = eol + 2 + size
     return out
 
 
-def override_problems(family: str, sets: list[str], families: dict) -> list[str]:
+def copy_problems(root: Path, base: str) -> list[str]:
+    """Runs of code lines that occur more often now than at `base`: code the change copied."""
+    then = base_sources(root, base)
+    if then is None:
+        return [f"shared-code: git cannot read pithtrain/ at {base!r} in {root} (pass --base REV, the "
+                "commit your change starts from)"]
+    now = {str(f.relative_to(root)): f.read_text() for f in sorted((root / "pithtrain").rglob("*.py"))}
+    lines = {path: code_lines(text) for path, text in now.items()}
+    changed = [path for path in set(now) | set(then) if now.get(path) != then.get(path)]
+    after = repeated_runs(lines)  # before: the same, with the changed files as they were
+    before = after - repeated_runs({p: lines[p] for p in changed if p in now})
+    before.update(repeated_runs({p: code_lines(then[p]) for p in changed if p in then}))
+    new = {run for run, n in after.items() if n > 1 and n > before[run]}
+    places = collections.defaultdict(list)
+    for path, ls in lines.items():
+        for k in range(len(ls) - DUP_LINES + 1):
+            run = tuple(s for _, s in ls[k:k + DUP_LINES])
+            if run in new:
+                places[run].append((path, ls[k][0]))
+    where = collections.defaultdict(list)  # (copy's file, original's file) -> (copy's line, original's line)
+    for run, locs in places.items():
+        # the copies: the occurrences the base did not have, taken from changed files, last first
+        locs.sort(key=lambda loc: (loc[0] in changed, loc))
+        copies = len(locs) - max(before[run], 1)
+        for copy in locs[-copies:]:
+            original = next(loc for loc in locs if loc not in locs[-copies:])
+            where[(copy[0], original[0])].append((copy[1], original[1]))
+    out = []
+    for (fa, fb), pairs in sorted(where.items()):
+        pairs.sort()
+        out.append(f"shared-code: {fa}:{pairs[0][0]}-{pairs[-1][0]} repeats {fb}:{min(b for _, b in pairs)}-"
+                   f"{max(b for _, b in pairs)} ({len(pairs) + DUP_LINES - 1} code lines or more, new since {base}): "
+                   "put it in one function both call (pithtrain/models/common.py, or a new shared file, for model code)")
+    return out
+
+
+def override_problems(root: Path, family: str, sets: list[str], families: dict) -> list[str]:
     out = []
     fields = {f.name for f in dataclasses.fields(families[family].config)}
-    tests = "\n".join(p.read_text() for p in sorted((ROOT / "tests").glob("*.py")))
+    tests = "\n".join(p.read_text() for p in sorted((root / "tests").glob("*.py")))
     for s in sets:
         key = s.split("=", 1)[0]
         section, _, name = key.partition(".")
@@ -128,7 +239,7 @@ def override_problems(family: str, sets: list[str], families: dict) -> list[str]
 
 
 # ---------------------------------------------------------------------------------------------
-# Effect: the variant against the base model, same weights, where a variant can act
+# Effect: the variant against the base model, where a variant can act
 
 SEEDS = (0, 1)
 ROUTER_SCALES = (1.0, 8.0, 64.0)
@@ -150,7 +261,14 @@ def model_configs(family: str, sets: list[str]):
 
 
 def moe_blocks(model) -> list:
-    return [m for m in model.modules() if hasattr(m, "route") and hasattr(m, "num_experts")]
+    from pithtrain.models.common import GroupedExperts
+
+    return [m for m in model.modules() if hasattr(m, "route") and isinstance(getattr(m, "experts", None), GroupedExperts)]
+
+
+def width(m) -> int:
+    """The ids a block's router scores (its balancing unit's width; may exceed the FFN experts)."""
+    return m.balance.num_experts if hasattr(m, "balance") else m.experts.num_experts
 
 
 def record_routes(model) -> list:
@@ -166,51 +284,72 @@ def record_routes(model) -> list:
 
 
 def contract_problems(m, out, T: int) -> list[str]:
-    """What both dispatchers (LocalDispatcher, the expert-parallel one) rely on from a router."""
+    """What the dispatchers (LocalDispatcher, the expert-parallel one) and balancing rely on from a router."""
+    from pithtrain.models.common import DROPPED, LocalDispatcher, computed_slots
+
     if not (isinstance(out, tuple) and len(out) == 4 and all(isinstance(t, torch.Tensor) for t in out)):
         return ["route must return four tensors (logits_TE, probs_TE, w_TA, idx_TA)"]
     _, probs_TE, w_TA, idx_TA = out
-    bad = []
+    E, ffn, bad = width(m), m.experts.num_experts, []
     if idx_TA.dtype != torch.int64 or idx_TA.dim() != 2 or idx_TA.shape[0] != T:
-        bad.append(f"idx_TA must be int64 of shape (T={T}, A), got {idx_TA.dtype} {tuple(idx_TA.shape)}")
-    elif idx_TA.numel() and not (0 <= int(idx_TA.min()) and int(idx_TA.max()) < m.num_experts):
-        bad.append(f"idx_TA holds {int(idx_TA.min())}..{int(idx_TA.max())}: every id must be in "
-                   f"[0, {m.num_experts}); drop a slot with weight 0 and a valid id (-1 breaks both dispatchers)")
+        return [f"idx_TA must be int64 of shape (T={T}, A), got {idx_TA.dtype} {tuple(idx_TA.shape)}"]
+    ids = idx_TA[idx_TA != DROPPED]
+    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < E):
+        bad.append(f"idx_TA holds {int(idx_TA.min())}..{int(idx_TA.max())}: every id must be in [0, {E}) "
+                   f"(the router's width, balance.num_experts) or DROPPED ({DROPPED})")
+    elif (not computed_slots(idx_TA, ffn).all() and isinstance(m.dispatcher, LocalDispatcher)
+          and not m.dispatcher.drops):
+        bad.append(f"the router returns slots its {ffn} FFN experts do not compute (DROPPED or an id >= {ffn}) "
+                   "but the block's dispatcher is LocalDispatcher() without drops: build LocalDispatcher(drops=True)")
     if w_TA.shape != idx_TA.shape:
         bad.append(f"w_TA has shape {tuple(w_TA.shape)}, idx_TA {tuple(idx_TA.shape)}: one weight per slot")
     elif not torch.isfinite(w_TA).all():
         bad.append("w_TA is not finite")
-    if probs_TE.shape != (T, m.num_experts):
-        bad.append(f"probs_TE must be (T, E) = ({T}, {m.num_experts}), got {tuple(probs_TE.shape)}")
+    if probs_TE.shape != (T, E):
+        bad.append(f"probs_TE must be (T, E) = ({T}, {E}), got {tuple(probs_TE.shape)}")
     return bad
 
 
 def routing_stats(log) -> dict:
-    """Experts per token (kept slots: weight != 0) mean / min / max over tokens and layers, the share
-    of dropped slots, and the worst layer's expert load max / mean over kept slots."""
-    per_token, dropped, slots, worst = [], 0, 0, 1.0
+    """Experts computed per token (slots an FFN expert computes) mean / min / max over tokens and
+    layers, the share of slots not computed, the share computed at weight 0, and the worst layer's
+    load max / mean over the router's ids (every id but DROPPED, as balancing counts)."""
+    from pithtrain.models.common import computed_slots
+
+    per_token, skipped, zero, slots, worst = [], 0, 0, 0, 1.0
     for m, (_, _, w_TA, idx_TA) in log:
-        keep_TA = w_TA.detach() != 0
-        per_token.append(keep_TA.sum(-1))
-        dropped, slots = dropped + int((~keep_TA).sum()), slots + keep_TA.numel()
-        load_E = torch.bincount(idx_TA[keep_TA], minlength=m.num_experts).double()
+        done_TA = computed_slots(idx_TA, m.experts.num_experts)
+        per_token.append(done_TA.sum(-1))
+        skipped, slots = skipped + int((~done_TA).sum()), slots + done_TA.numel()
+        zero += int((done_TA & (w_TA.detach() == 0)).sum())
+        load_E = torch.bincount(idx_TA[idx_TA >= 0], minlength=width(m)).double()
         worst = max(worst, float(load_E.max() / load_E.mean().clamp(min=1e-9)))
     k = torch.cat(per_token).double() if per_token else torch.zeros(1)
     return {"mean": float(k.mean()), "min": int(k.min()), "max": int(k.max()),
-            "dropped": dropped / max(slots, 1), "load": worst}
+            "skipped": skipped / max(slots, 1), "zero": zero / max(slots, 1), "load": worst}
 
 
-def run_condition(cfg, state: dict, scale: float, ids_BS, labels_BS):
-    """One model at one condition: (logits, {param: grad}, routing stats, contract problems)."""
+def variant_model(cfg, state: dict, seed: int):
+    """The model of `cfg`, seeded, taking every tensor of `state` of the same name and shape; and
+    the names (with shapes) of those it keeps from its own init."""
     from pithtrain.models import build_model
 
+    torch.manual_seed(seed)
     model = build_model(cfg)
     own = model.state_dict()
-    model.load_state_dict({k: v for k, v in state.items() if k in own and own[k].shape == v.shape}, strict=False)
-    with torch.no_grad():  # peak (or flatten) every router: its Linear(s) to num_experts logits
+    same = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    model.load_state_dict(same, strict=False)
+    return model, [f"{k} {tuple(v.shape)}" for k, v in own.items() if k not in same]
+
+
+def run_condition(model, scale: float, ids_BS, labels_BS):
+    """One model at one condition: (logits, {param: grad}, routing stats, contract problems)."""
+    from pithtrain.models.common import computed_slots
+
+    with torch.no_grad():  # peak (or flatten) every router: its Linear(s) to the router's width
         for m in moe_blocks(model):
             for lin in m.children():
-                if isinstance(lin, torch.nn.Linear) and lin.out_features == m.num_experts:
+                if isinstance(lin, torch.nn.Linear) and lin.out_features == width(m):
                     for p in lin.parameters():
                         p.mul_(scale)
     log = record_routes(model)
@@ -220,11 +359,19 @@ def run_condition(cfg, state: dict, scale: float, ids_BS, labels_BS):
             logits = model(ids_BS).float()
         n_eval = len(log)  # the eval forward's router calls, one per MoE block
         model.train()
+        for m in moe_blocks(model):
+            m.experts.rows_computed = 0
         model(ids_BS, labels_BS=labels_BS).backward()
     except Exception as e:  # e.g. an id a dispatcher cannot take: say why, not a traceback
         bad = sorted({p for m, out in log for p in contract_problems(m, out, ids_BS.numel())})
         return None, None, None, bad or [f"the forward / backward raised {type(e).__name__}: {e}"]
     bad = sorted({p for m, out in log for p in contract_problems(m, out, ids_BS.numel())})
+    if not bad:  # the witness: rows the FFN experts computed in the train-mode forward
+        rows = sum(m.experts.rows_computed for m in moe_blocks(model))
+        slots = sum(int(computed_slots(out[3], m.experts.num_experts).sum()) for m, out in log[n_eval:])
+        if rows != slots:
+            bad = [f"the FFN experts computed {rows} rows for {slots} computed slots (GroupedExperts."
+                   "rows_computed): a dispatcher that computes what it should drop, or the reverse"]
     stats = routing_stats(log[:n_eval]) if not bad else None
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return logits, grads, stats, bad
@@ -246,19 +393,29 @@ def effect(family: str, sets: list[str]) -> tuple[bool, list[str]]:
     except ValueError as e:  # ConfigError: a bad value or key, named
         return False, [f"effect: FAIL: {e}"]
     what = " ".join(model_sets)
-    lines = [f"effect of {what} on {family} ({base_cfg.num_layers} layers; base: the same weights without it)",
-             f"  {'condition':<18} {'logits':>9} {'grads':>9}   experts/token mean min max   dropped   load"]
-    acted, broken = [], []
+    lines, acted, broken = [], [], []
     for seed in SEEDS:
         g = torch.Generator().manual_seed(seed)
         ids_BS = torch.randint(0, base_cfg.vocab_size, (BATCH, SEQ), generator=g)
         labels_BS = torch.randint(0, base_cfg.vocab_size, (BATCH, SEQ), generator=g)
         torch.manual_seed(seed)
         state = build_model(base_cfg).state_dict()
+        if seed == SEEDS[0]:
+            fresh = variant_model(var_cfg, state, seed)[1]
+            shared = len(state) - sum(k.split(" ")[0] in state for k in fresh)
+            lines += [f"effect of {what} on {family} ({base_cfg.num_layers} layers): the variant's model "
+                      f"takes {shared} of the base model's {len(state)} tensors (same name and shape)"]
+            if fresh:
+                names = sorted({re.sub(r"\.\d+\.", ".*.", f) for f in fresh})
+                lines += [f"  fresh in the variant (its own seeded init, not the base's): {', '.join(names)}"]
+            lines += [f"  {'condition':<18} {'logits':>9} {'grads':>9}   experts/token mean min max   "
+                      "skipped   at w=0   load"]
         for scale in ROUTER_SCALES:
             name = f"seed {seed} router x{scale:g}"
-            b_logits, b_grads, b_stats, b_bad = run_condition(base_cfg, state, scale, ids_BS, labels_BS)
-            v_logits, v_grads, v_stats, v_bad = run_condition(var_cfg, state, scale, ids_BS, labels_BS)
+            base = variant_model(base_cfg, state, seed)[0]
+            b_logits, b_grads, b_stats, b_bad = run_condition(base, scale, ids_BS, labels_BS)
+            v_logits, v_grads, v_stats, v_bad = run_condition(variant_model(var_cfg, state, seed)[0], scale,
+                                                              ids_BS, labels_BS)
             broken += [f"{name}: {p}" for p in v_bad]
             if b_bad or v_bad:
                 lines.append(f"  {name:<18} router contract broken")
@@ -272,10 +429,12 @@ def effect(family: str, sets: list[str]) -> tuple[bool, list[str]]:
             lines.append(f"  {name:<18} {d_logits:9.2e} {d_grads:9.2e}   "
                          f"{b_stats['mean']:.2f} {b_stats['min']} {b_stats['max']} -> "
                          f"{v_stats['mean']:.2f} {v_stats['min']} {v_stats['max']}   "
-                         f"{100 * b_stats['dropped']:3.0f}% -> {100 * v_stats['dropped']:3.0f}%   "
+                         f"{100 * b_stats['skipped']:3.0f}% -> {100 * v_stats['skipped']:3.0f}%   "
+                         f"{100 * b_stats['zero']:3.0f}% -> {100 * v_stats['zero']:3.0f}%   "
                          f"{b_stats['load']:.2f} -> {v_stats['load']:.2f}")
-    lines.append("  (logits, grads: largest difference relative to the base; dropped: slots of weight 0; "
-                 "load: worst layer's max / mean expert load)")
+    lines.append("  (logits, grads: largest difference relative to the base; experts/token: slots an FFN expert "
+                 "computed; skipped: slots DROPPED or past the FFN experts; at w=0: computed slots of weight 0, "
+                 "compute spent for nothing; load: worst layer's max / mean load over the router's ids)")
     if broken:
         lines += [f"  problem: router contract: {p}" for p in sorted(set(broken))]
         return False, lines + ["effect: FAIL (a router output the dispatchers cannot take)"]
@@ -301,13 +460,14 @@ def main(argv=None) -> int:
     p.add_argument("--rules-only", action="store_true", help="static rules only (no model, no training, no tests)")
     p.add_argument("--no-validate", action="store_true", help="rules and effect only (seconds), not validate.py")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first stage that fails")
+    p.add_argument("--base", default="main", help="git revision the change branched from (shared-code rule: their merge base)")
     args = p.parse_args(argv)
 
     from pithtrain.models import FAMILIES
 
     if args.family not in FAMILIES:
         sys.exit(f"error: unknown family {args.family!r} (families: {', '.join(FAMILIES)})")
-    problems = rule_problems(FAMILIES) + override_problems(args.family, args.set, FAMILIES)
+    problems = rule_problems(ROOT, FAMILIES, args.base) + override_problems(ROOT, args.family, args.set, FAMILIES)
     print(f"architecture rules: {len(problems)} problem(s)")
     for msg in problems:
         print(f"  problem: {msg}")

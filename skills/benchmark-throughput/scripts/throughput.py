@@ -8,7 +8,8 @@
 Runs `--steps` optimizer steps of the trainer (log.every=1, no checkpoints), drops the first
 `--warmup` (compile, autotuning, allocator), and reports the median tokens/s, MFU (where the GPU's
 peak is known), peak memory, and the per-step spread. The record (date, host, commit, torch, device,
-recipe and overrides, figures) is printed as JSON and written to --save if given.
+recipe and overrides, figures) is printed as JSON and written to --save if given. The run's own
+directory (metrics.jsonl) is --out, or a temporary folder that is printed and removed.
 PASS: every step finite, median tokens/s > 0, and with --baseline: median >= baseline * (1 - tolerance)
 (the same recipe and overrides are required, or it FAILs as not comparable). Exit status 0 / 1.
 """
@@ -16,6 +17,7 @@ PASS: every step finite, median tokens/s > 0, and with --baseline: median >= bas
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -45,17 +47,20 @@ def commit() -> str:
     return (r.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
 
 
-def measure(recipe: str | None, overrides: list[str], steps: int, warmup: int) -> dict:
+def measure(recipe: str | None, overrides: list[str], steps: int, warmup: int, out: Path | None) -> dict:
     import torch
 
     from pithtrain.config import load_config
     from pithtrain.train import train
 
-    with tempfile.TemporaryDirectory(prefix="pithtrain-bench-") as tmp:
+    with contextlib.ExitStack() as stack:
+        if out is None:
+            out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pithtrain-bench-")))
+            print(f"run dir {out} (temporary: removed at the end; --out DIR keeps it)", flush=True)
         cfg = load_config(recipe, overrides + [f"train.steps={steps}", "log.every=1", "checkpoint.final=false",
-                                               "checkpoint.every=0", f"log.run_dir={tmp}"])
+                                               "checkpoint.every=0", f"log.run_dir={out}"])
         hist, _ = train(cfg, resume=False)
-        recs = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+        recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in recs if r["step"] > warmup]
     tps = [r["tokens_per_s"] for r in timed]
     mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
@@ -83,6 +88,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8, help="optimizer steps in total")
     p.add_argument("--warmup", type=int, default=3, help="first steps not timed")
     p.add_argument("--save", type=Path, help="write the record here (JSON)")
+    p.add_argument("--out", type=Path, help="run dir of the measured run, kept (default: a temporary one)")
     p.add_argument("--baseline", type=Path, help="a record written by --save to compare against")
     p.add_argument("--tolerance", type=float, default=0.05, help="allowed fractional slowdown vs --baseline")
     args = p.parse_args(argv)
@@ -94,7 +100,7 @@ def main(argv=None) -> int:
     if args.steps <= args.warmup:
         sys.exit(f"error: --steps ({args.steps}) must exceed --warmup ({args.warmup})")
 
-    rec = measure(recipe, overrides, args.steps, args.warmup)
+    rec = measure(recipe, overrides, args.steps, args.warmup, args.out)
     print(json.dumps(rec, indent=1))
     problems = []
     if not rec["finite"]:
