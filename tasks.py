@@ -24,6 +24,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -130,6 +131,40 @@ def _emit(c, lines: list[str], dry_run: bool):
         c.run(line, pty=False)
 
 
+# torchrun passes these on to its workers, and waits this long for a save before SIGKILL
+# (images/Dockerfile sets the same inside the image; docs/reliability.md)
+TORCHRUN_ENV = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}
+
+
+def _run_trainer(c, lines: list[str], dry_run: bool):
+    """_emit for train and launch: the last line (the trainer, torchrun or the container) runs in
+    its own process group, and SIGTERM, SIGINT and SIGUSR1 sent to this task are passed on to it
+    once; the task waits for it (no trainer is left holding the run dir) and exits with its code."""
+    _emit(c, lines[:-1], dry_run)
+    line = lines[-1]
+    if dry_run:
+        return _emit(c, [line], dry_run)
+    if "docker " in line:
+        _emit(c, [], dry_run)
+        if why := _docker_problem():
+            raise Exit(f"error: {why}; start it or use --runtime=native", 2)
+        print(f"+ {_from_root(line)}", file=sys.stderr)
+    for k, v in TORCHRUN_ENV.items():
+        os.environ.setdefault(k, v)
+    # bash execs a simple command, so the signal reaches the trainer itself; a new session keeps a
+    # terminal's Ctrl-C from reaching it a second time, past this task
+    p = subprocess.Popen(["bash", "-c", line], cwd=ROOT if "docker " in line else None, start_new_session=True)
+    sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+    old = {s: signal.signal(s, lambda signum, _: p.send_signal(signum)) for s in sigs}
+    try:
+        code = p.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if code:
+        raise Exit(code=128 - code if code < 0 else code)
+
+
 def _from_root(line: str) -> str:
     """A docker line, run from the checkout's root when invoke was started elsewhere inside it."""
     return line if "docker " not in line or Path.cwd() == ROOT else f"cd {shlex.quote(str(ROOT))} && {line}"
@@ -184,9 +219,9 @@ def train(c, recipe="", model="", set=None, gpu="", runtime="", nproc="", dry_ru
     args += [f"--resume={resume}"] if resume else ["--no-resume"] if no_resume else []
     if rt == "native" and not dry_run and nproc in ("", "1"):
         # Exactly the pre-appliance command (README quick start, CI): no echo, same exit code.
-        _py(c, f"-m pithtrain.train {' '.join(shlex.quote(a) for a in args)}")
+        _run_trainer(c, [f"{PY} -m pithtrain.train {' '.join(shlex.quote(a) for a in args)}"], dry_run)
         return
-    _emit(c, _train_lines(rt, gpu_, args, nproc), dry_run)
+    _run_trainer(c, _train_lines(rt, gpu_, args, nproc), dry_run)
 
 
 @task(help={"recipe": H_RECIPE, "model": H_MODEL + " (default: $PITHTRAIN_MODEL)", "set": H_SET,
@@ -206,7 +241,7 @@ def launch(c, recipe="", model="", set=None, gpu="", runtime="", nproc="", dry_r
     rt = _runtime(runtime, gpu_, dry_run)
     recipe_ = _recipe(recipe, model) or os.environ.get("PITHTRAIN_MODEL", "")
     args = ap.train_args(recipe_, gpu_, set or [])
-    _emit(c, _train_lines(rt, gpu_, args, nproc, multinode=env), dry_run)
+    _run_trainer(c, _train_lines(rt, gpu_, args, nproc, multinode=env), dry_run)
 
 
 @task(help={"recipe": H_RECIPE, "model": H_MODEL, "set": H_SET, "gpu": H_GPU,

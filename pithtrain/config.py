@@ -93,6 +93,11 @@ class TrainConfig:
     init_from: str | None = None  # a Hugging Face checkpoint directory to start from
     eval_every: int = 0  # steps between validation-loss evaluations (val_loss in the log); 0: none
     eval_batches: int = 4  # global batches per evaluation
+    # a non-finite loss or gradient norm: stop (the run ends, exit 1) or skip (that optimizer step is
+    # dropped on every rank: no weight, optimizer state or balancing bias moves), stopping after
+    # max_skips consecutive skips (docs/reliability.md)
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    max_skips: int = 3
 
     def validate(self, err):
         for k in ("steps", "micro_batch_size", "seq_len", "grad_accum", "eval_batches"):
@@ -109,6 +114,8 @@ class TrainConfig:
         if self.lr_schedule != "wsd" and (self.decay_ratio, self.decay_type) != (0.2, "linear"):
             err("decay_ratio" if self.decay_ratio != 0.2 else "decay_type",
                 f"applies to train.lr_schedule=wsd only (it is {self.lr_schedule!r})")
+        if self.max_skips < 1:
+            err("max_skips", f"must be >= 1, got {self.max_skips}")
         if self.eval_every < 0:
             err("eval_every", f"must be >= 0 (0: no evaluation), got {self.eval_every}")
         if self.warmup_steps < 0:
@@ -152,6 +159,8 @@ class DataConfig:
             err("max_bytes", f"must be >= 10000, got {self.max_bytes}")
 
 
+# what checkpoint.on_signal may name: a notice a scheduler sends (SIGKILL and SIGSTOP cannot be caught)
+CATCHABLE_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
 LAYOUT_KEYS = ("pp", "dp", "fsdp", "cp", "ep")
 
 
@@ -173,6 +182,9 @@ class ParallelConfig:
     # its own stream); false: F then B. Errors where there is nothing to overlap. None: false, or
     # auto's choice.
     pp_overlap: bool | None = None
+    # seconds a collective may wait before the run ends with a diagnosis (docs/reliability.md);
+    # torch's own default is 10 (NCCL) or 30 (gloo) minutes
+    timeout_s: float = 300.0
 
     def __post_init__(self):
         if not self.auto:
@@ -186,6 +198,8 @@ class ParallelConfig:
         for k in LAYOUT_KEYS:
             if getattr(self, k) is not None and getattr(self, k) < 1:
                 err(k, f"must be >= 1, got {getattr(self, k)}")
+        if not 0 < self.timeout_s < math.inf:
+            err("timeout_s", f"must be a finite number of seconds > 0, got {self.timeout_s}")
         if self.pp_overlap:
             why = ("needs parallel.pp and parallel.ep given explicitly under parallel: auto"
                    if self.pp is None or self.ep is None else
@@ -201,6 +215,9 @@ class ParallelConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 0  # steps between saves; 0: only at the end when `final` is set
+    every_minutes: float = 0.0  # also save at the first step this long after the last save; 0: off
+    # signals that save the step just finished and stop (SIGINT too, always): docs/reliability.md
+    on_signal: list = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     keep_last: int = 2
     final: bool = True
     async_save: bool = True  # on CUDA; CPU saves are synchronous
@@ -211,6 +228,11 @@ class CheckpointConfig:
     def validate(self, err):
         if self.every < 0:
             err("every", f"must be >= 0, got {self.every}")
+        if not 0 <= self.every_minutes < math.inf:
+            err("every_minutes", f"must be a finite number >= 0 (0: off), got {self.every_minutes}")
+        for name in self.on_signal:
+            if name not in CATCHABLE_SIGNALS:
+                err("on_signal", f"{name!r} is not one of {', '.join(CATCHABLE_SIGNALS)}")
         if self.keep_last < 1:
             err("keep_last", f"must be >= 1, got {self.keep_last}")
         for k in ("weights_only", "export_hf"):

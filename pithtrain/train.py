@@ -32,13 +32,15 @@ from pithtrain.distributed.context_parallel import split_batch
 from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.distributed import pipeline
 from pithtrain.distributed.parallelize import bf16_weights, materialize, parallelize, uses_bf16_weights
-from pithtrain.distributed.reductions import all_sum, balance_after_step, clip_coef, grad_norm, scale_grads_
+from pithtrain.distributed.reductions import (all_sum, any_rank, balance_after_step, clip_coef, drop_step_stats,
+                                              grad_norm, scale_grads_)
 from pithtrain.kernels import fp8_linear
 from pithtrain.metrics import (StepLog, check_finite, flops_per_token, memory_gb, param_counts,
                                peak_tflops, phase)
 from pithtrain.models import build_model
 from pithtrain.models.common import set_aux_loss_scale, use_kernels
 from pithtrain.plan import check_launch
+from pithtrain.reliability import HANG_EXIT, Ended, Notice, collective_failure, diagnose, flight_recorder
 from pithtrain.rundir import claim
 
 
@@ -168,15 +170,19 @@ def summary_line(cfg: Config, history: list[dict], batches, global_batch: int, w
 
 
 @torch.no_grad()
-def evaluate(model, batches, cfg: Config, dims: ParallelDims, device, autocast) -> float:
+def evaluate(model, batches, cfg: Config, dims: ParallelDims, device, autocast, noticed=lambda: False) -> float | None:
     """Mean token loss over train.eval_batches validation batches (the same windows every time),
-    each data-parallel rank taking its rows as in training."""
+    each data-parallel rank taking its rows as in training; None when `noticed()` (agreed over
+    the ranks before each batch) says a notice came: the step boundary saves and stops."""
     t = cfg.train
     was_training = model.training
     model.eval()
     loss_sum = n = 0.0
     with bf16_weights(model, uses_bf16_weights(dims, autocast)):
         for i in range(t.eval_batches):
+            if noticed():
+                model.train(was_training)
+                return None
             x_GS, y_GS = batches.val_batch(i)
             n += (y_GS != -100).sum().item()
             for micro in range(t.grad_accum):
@@ -199,6 +205,7 @@ class Step(NamedTuple):
     lr: float  # the step's learning rate
     tokens: int  # the global batch's tokens, every rank's (tokens/s)
     routing: dict  # routing metrics of the global batch (metrics=True), else {}
+    skipped: bool = False  # non-finite under train.on_nonfinite=skip: nothing was updated
 
 
 def forward_backward(model, micro_batches, denom: float, autocast) -> tuple[torch.Tensor, int]:
@@ -221,7 +228,8 @@ def train_step(model, optimizer, scheduler, micro_batches, denom: float, cfg: Co
     """One optimizer step, the same for train() and the benchmark (bench.py): the micro-batches'
     forward and backward (through the pipeline schedule when `runner` is given), the global loss,
     the gradient norm over every shard, the finite check (before the update: the weights stay
-    finite), the clip and AdamW (one pass where the optimizer takes the clip's factor: kernels/adamw.py),
+    finite; train.on_nonfinite=skip drops the step instead, on every rank alike: loss and norm are
+    global), the clip and AdamW (one pass where the optimizer takes the clip's factor: kernels/adamw.py),
     the FP8 weight copies dropped, the balancing update, the LR schedule.
     Under bf16 autocast without FSDP the micro-batches run on one bf16 copy of the weights (kept
     across steps, rewritten by AdamW), gradients accumulating in float32 (parallelize.bf16_weights)."""
@@ -233,6 +241,12 @@ def train_step(model, optimizer, scheduler, micro_batches, denom: float, cfg: Co
     norm = grad_norm(model.parameters(), dims)  # waits for the backward
     loss_sum, n_tokens = all_sum([float(loss_sum), n_tokens], dims)
     loss = loss_sum / denom  # per target (labels -100 carry no loss)
+    if cfg.train.on_nonfinite == "skip" and not (math.isfinite(loss) and math.isfinite(norm)):
+        optimizer.zero_grad(set_to_none=True)  # no weight, moment or step count moves
+        drop_step_stats(model)  # nor the balancing bias
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()  # the LR stays a function of the step (the batch is consumed)
+        return Step(loss, norm, lr, n_tokens, {"imbalance": math.nan}, skipped=True)  # no routing update
     check_finite(step + 1, loss=loss, grad_norm=norm)
     coef = clip_coef(norm, cfg.train.grad_clip)
     if getattr(optimizer, "takes_grad_scale", False):  # kernels/adamw.py: the clip inside its one pass
@@ -252,7 +266,24 @@ def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.
     """Run optimizer steps up to `cfg.train.steps`; returns the per-step records (loss, lr, grad
     norm, val_loss when evaluated) and the trained model (this rank's part of it).
     resume: True continues from the newest valid checkpoint in log.run_dir, False starts fresh,
-    a path continues from that checkpoint (pithtrain/checkpoint/dcp.py)."""
+    a path continues from that checkpoint (pithtrain/checkpoint/dcp.py).
+    Raises reliability.Ended after a notice (the step just finished saved) or when a collective
+    timed out (each rank's diagnosis written): pithtrain/reliability.py."""
+    notice, at = Notice(cfg.checkpoint.on_signal), {"step": 0}
+    try:
+        return _train(cfg, resume, notice, at)
+    except RuntimeError as e:
+        if not (torch.distributed.is_initialized() and collective_failure(e)):
+            raise
+        line = diagnose(e, cfg.log.run_dir, torch.distributed.get_rank(), torch.distributed.get_world_size(),
+                        at["step"], cfg.parallel.timeout_s)
+        print(line, file=sys.stderr, flush=True)
+        raise Ended(HANG_EXIT, line) from None
+    finally:
+        notice.close()
+
+
+def _train(cfg: Config, resume, notice: Notice, at: dict):
     t = cfg.train  # with train.init_from, cfg.model is already the checkpoint's (load_config)
     t_start = time.monotonic()
     device = pick_device(cfg)
@@ -260,7 +291,9 @@ def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.
     check_launch(cfg, device, int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)))
     dims = ParallelDims.from_config(cfg)  # layout vs WORLD_SIZE and model: fails before any collective
     check_runnable(cfg, device)
-    dims.init(device)  # torchrun's process group and the meshes; nothing for one process
+    if dims.distributed and device.type == "cuda":
+        flight_recorder(cfg.log.run_dir)  # NCCL's last collectives per rank, dumped on a timeout
+    dims.init(device, cfg.parallel.timeout_s)  # torchrun's process group and the meshes; nothing for one process
     total, active = param_counts(build_model(cfg.model, init=False), cfg.model)  # meta: whole model
     run_lock = None  # rank 0 locks log.run_dir and checks its storage before anything is built
     if dims.rank == 0:  # (an error ends rank 0, and torchrun ends the other ranks with it)
@@ -311,12 +344,25 @@ def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.
     runner = pipeline.make_runner(model, chunks, cfg, dims, device, autocast) if chunks else None
 
     set_aux_loss_scale(model, 1.0 / (t.grad_accum * dp_size))  # mean over the global batch's micro-batches
-    history, tokens_since, collapsed = [], 0, collapse_watch(cfg.model)
+    history, tokens_since, collapsed, skips = [], 0, collapse_watch(cfg.model), [0, 0]  # consecutive, total
+
+    def boundary() -> tuple[int, bool]:
+        """Every rank at once: the notice any rank got (its signal number, 0: none), and whether
+        checkpoint.every_minutes made a save due by any rank's clock."""
+        due = bool(cfg.checkpoint.every_minutes) and (
+            time.monotonic() - ckpt.saved_at >= 60 * cfg.checkpoint.every_minutes)
+        signum, due = any_rank([notice.signum, int(due)], dims, ckpt.pg)
+        notice.signum = notice.signum or signum
+        return signum, bool(due)
+
     log.tick()
     first = phase("first step" + (" (compiling the layers: can take minutes)" if t.compile else ""), say,
                   announce=True)
+    stopped = boundary()[0]  # a notice during start-up: nothing more is trained
+    step = start
     try:
-        for step in range(start, t.steps):
+        for step in range(start, t.steps) if not stopped else ():
+            at["step"] = step + 1
             x_GS, y_GS = batches.batch(step)
             denom = (y_GS != -100).sum().item()  # loss = sum over the global batch / its target count
             micro_batches = []
@@ -332,9 +378,24 @@ def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.
                               runner=runner, step=step, metrics=logged)
             rec = {"step": step + 1, "loss": done.loss, "lr": done.lr, "grad_norm": done.grad_norm}
             first.done()
+            if done.skipped:
+                skips = [skips[0] + 1, skips[1] + 1]
+                logged, rec["skipped_steps"] = True, skips[1]
+                kept = step_dirs(checkpoints_dir(cfg.log.run_dir))
+                why = (f"step {step + 1}: loss {done.loss}, grad_norm {done.grad_norm}: skipped "
+                       f"(train.on_nonfinite=skip; {skips[0]} in a row of train.max_skips={t.max_skips})")
+                if skips[0] >= t.max_skips:
+                    raise FloatingPointError(f"{why}; stopped; the last good checkpoint is "
+                                             f"{kept[0] if kept else 'none'}")
+                if dims.rank == 0:
+                    print(f"pithtrain: {why}", flush=True)
+            else:
+                skips[0] = 0
             if evaluating:
                 with log.excluded():  # evaluation time is not training throughput (tokens/s)
-                    rec["val_loss"] = evaluate(model, batches, cfg, dims, device, autocast)
+                    val = evaluate(model, batches, cfg, dims, device, autocast, lambda: boundary()[0] > 0)
+                if val is not None:
+                    rec["val_loss"] = val
             history.append(rec)
             tokens_since += done.tokens
             if logged:
@@ -355,21 +416,32 @@ def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.
                            "mem_gb": mem, **done.routing, **extra})
                 if dims.rank == 0 and (warning := collapsed(done.routing)):
                     print(warning, flush=True)
-            ckpt.after_step(step + 1)  # saves when due (checkpoint.every, final)
+            stopped, due = boundary()
+            ckpt.after_step(step + 1, now=bool(stopped) or due)  # when due (every, every_minutes, final), or a notice
+            if stopped:
+                step += 1
+                break
     except BaseException:  # one process: a save of an earlier step still in flight is committed
         ckpt.abort()
         if run_lock is not None:
             run_lock.close()
         raise
     ckpt.close()  # an asynchronous save still in flight is finished and committed
-    if cfg.checkpoint.export_hf and start < t.steps:
+    if cfg.checkpoint.export_hf and start < t.steps and not stopped:
         export_final(cfg)
     log.close()
+    if stopped:
+        kept = step_dirs(checkpoints_dir(cfg.log.run_dir))
+        line = (f"pithtrain: stopped at step {step} by {notice.name}; "
+                f"{f'saved {kept[0].name}; run again to resume' if kept else 'nothing saved yet; run again to start'}")
     if dims.rank == 0:
-        print(summary_line(cfg, history, batches, global_batch, time.monotonic() - t_start), flush=True)
+        print(line if stopped else summary_line(cfg, history, batches, global_batch, time.monotonic() - t_start),
+              flush=True)
     if run_lock is not None:  # after the last commit: the run dir is ours until then
         run_lock.close()
     dims.close()
+    if stopped:
+        raise Ended(128 + stopped, line)
     return history, model
 
 
@@ -405,6 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(recipe, overrides)
         train(cfg, resume=False if args.no_resume else (args.resume or True))
+    except Ended as e:  # a notice (128 + its signal's number) or a collective timed out: the line is out
+        return e.code
+    except KeyboardInterrupt:  # before train() took SIGINT over
+        print("pithtrain: stopped by SIGINT before training began; nothing saved", file=sys.stderr)
+        return 130
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

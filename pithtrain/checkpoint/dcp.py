@@ -424,6 +424,7 @@ class Checkpointer:
         self.pg = dist.new_group(backend="gloo") if _dist() else None
         self._pending = None  # (future, thread) of an async save in flight
         self._error: list[BaseException] = []
+        self.saved_step, self.saved_at = None, time.monotonic()  # the last save begun (checkpoint.every_minutes)
 
     def say(self, msg: str):
         if self.rank == 0:
@@ -464,12 +465,13 @@ class Checkpointer:
 
     # --- save
 
-    def after_step(self, step: int):
-        """Call once per optimizer step with the number of steps done; saves when due."""
+    def after_step(self, step: int, now: bool = False):
+        """Call once per optimizer step with the number of steps done; saves when due, or `now`
+        (every rank agreed: a notice, checkpoint.every_minutes; train.py)."""
         c, last = self.cfg.checkpoint, step == self.cfg.train.steps
         if self._error:
             raise CheckpointError(f"asynchronous save failed: {self._error[0]}") from self._error[0]
-        if (c.every and step % c.every == 0) or (last and c.final):
+        if now or (c.every and step % c.every == 0) or (last and c.final):
             try:
                 self.save(step)
             except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
@@ -490,6 +492,7 @@ class Checkpointer:
 
     def save(self, step: int):
         self.wait()  # one save in flight at a time; the previous commit is done before a new one
+        self.saved_step, self.saved_at = step, time.monotonic()
         tmp = self.root / f".tmp-step_{step}"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save that died

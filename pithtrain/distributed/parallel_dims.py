@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -216,14 +217,20 @@ class ParallelDims:
 
     # --- process group and meshes (collective: every rank calls this)
 
-    def init(self, device: torch.device) -> "ParallelDims":
+    def init(self, device: torch.device, timeout_s: float | None = None) -> "ParallelDims":
         """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT; NCCL on
-        CUDA, gloo on CPU) unless one exists, then build the meshes. World size 1: nothing."""
+        CUDA, gloo on CPU) unless one exists, then build the meshes. World size 1: nothing.
+        timeout_s (parallel.timeout_s): how long any collective may wait, in every group made
+        after it too (DeviceMesh's, the checkpointer's: they take torch's module default)."""
         if not self.distributed:
             return self
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
+            timeout = None
+            if timeout_s:
+                from torch.distributed import distributed_c10d as c10d
+                timeout = c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
+            dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout,
                                     device_id=device if device.type == "cuda" else None)
             self.owns_group = True
         return self.build_meshes(device.type)

@@ -28,6 +28,26 @@ def all_sum(values: list[float], dims) -> list[float]:
     return t.tolist()
 
 
+def any_rank(flags: list[int], dims, group=None) -> list[int]:
+    """Each flag's maximum over every rank (train.py's step boundary: a notice one rank got, a timed
+    save one rank's clock made due), so every rank acts on it at the same step. A CPU tensor over
+    `group` (the checkpointer's gloo group): no device synchronisation inside the step."""
+    if not dims.distributed:
+        return flags
+    t = torch.tensor(flags, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def drop_step_stats(model: torch.nn.Module) -> None:
+    """Forget the step's balancing statistics without updating from them (a skipped step; or
+    nothing needs them: balance_after_step)."""
+    for m in model.modules():
+        if isinstance(getattr(m, "balance", None), Balance):
+            m.balance.stats.zero_()
+            m.experts.rows_computed = 0
+
+
 def _comm_device():
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
 
@@ -98,9 +118,7 @@ def balance_after_step(model: torch.nn.Module, dims, model_cfg, metrics: bool) -
     blocks = [(int(name.split(".")[1]), m) for name, m in model.named_modules()
               if isinstance(getattr(m, "balance", None), Balance)]
     if not metrics and all(m.balance.bias_E is None for _, m in blocks):
-        for _, m in blocks:
-            m.balance.stats.zero_()
-            m.experts.rows_computed = 0
+        drop_step_stats(model)
         return {}
     device = _comm_device() if dims.distributed else "cpu"
     E, A = (max((getattr(m.balance, k) for _, m in blocks), default=0) for k in ("num_experts", "top_k"))
