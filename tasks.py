@@ -136,7 +136,7 @@ def _emit(c, lines: list[str], dry_run: bool):
 TORCHRUN_ENV = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}
 
 
-def _run_trainer(c, lines: list[str], dry_run: bool):
+def _run_trainer(c, lines: list[str], dry_run: bool, echo: bool = True):
     """_emit for train and launch: the last line (the trainer, torchrun or the container) runs in
     its own process group, and SIGTERM, SIGINT and SIGUSR1 sent to this task are passed on to it
     once; the task waits for it (no trainer is left holding the run dir) and exits with its code."""
@@ -145,9 +145,9 @@ def _run_trainer(c, lines: list[str], dry_run: bool):
     if dry_run:
         return _emit(c, [line], dry_run)
     if "docker " in line:
-        _emit(c, [], dry_run)
         if why := _docker_problem():
             raise Exit(f"error: {why}; start it or use --runtime=native", 2)
+    if echo:
         print(f"+ {_from_root(line)}", file=sys.stderr)
     for k, v in TORCHRUN_ENV.items():
         os.environ.setdefault(k, v)
@@ -219,7 +219,7 @@ def train(c, recipe="", model="", set=None, gpu="", runtime="", nproc="", dry_ru
     args += [f"--resume={resume}"] if resume else ["--no-resume"] if no_resume else []
     if rt == "native" and not dry_run and nproc in ("", "1"):
         # Exactly the pre-appliance command (README quick start, CI): no echo, same exit code.
-        _run_trainer(c, [f"{PY} -m pithtrain.train {' '.join(shlex.quote(a) for a in args)}"], dry_run)
+        _run_trainer(c, [f"{PY} -m pithtrain.train {' '.join(shlex.quote(a) for a in args)}"], dry_run, echo=False)
         return
     _run_trainer(c, _train_lines(rt, gpu_, args, nproc), dry_run)
 

@@ -56,10 +56,6 @@ class Notice:
             os._exit(128 + signum)
         self.signum = signum
 
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signum).name
-
     def close(self):
         for s, old in self.old.items():
             signal.signal(s, old)

@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import math
 import os
+import signal
 import sys
 import time
 from typing import NamedTuple
@@ -432,7 +433,7 @@ def _train(cfg: Config, resume, notice: Notice, at: dict):
     log.close()
     if stopped:
         kept = step_dirs(checkpoints_dir(cfg.log.run_dir))
-        line = (f"pithtrain: stopped at step {step} by {notice.name}; "
+        line = (f"pithtrain: stopped at step {step} by {signal.Signals(stopped).name}; "
                 f"{f'saved {kept[0].name}; run again to resume' if kept else 'nothing saved yet; run again to start'}")
     if dims.rank == 0:
         print(line if stopped else summary_line(cfg, history, batches, global_batch, time.monotonic() - t_start),

@@ -388,3 +388,12 @@ def test_cloud_and_slurm_files_are_wired_for_preemption():
     check = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
     p = subprocess.run([check, str(ROOT / "slurm" / "train.sbatch")], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout
+
+
+def test_checkpoint_every_minutes_saves_when_the_time_is_up(tmp_path):
+    from pithtrain.train import train
+    run = tmp_path / "run"
+    train(load_config(None, BASE + [f"log.run_dir={run}", "train.steps=3", "checkpoint.every=0",
+                                    "checkpoint.final=false", "checkpoint.every_minutes=1e-6",
+                                    "checkpoint.keep_last=3"]))
+    assert [p.name for p in step_dirs(run / "checkpoints")] == ["step_3", "step_2", "step_1"]
