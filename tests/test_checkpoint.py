@@ -193,6 +193,23 @@ def train_cmd(run, *extra):
     return [sys.executable, "-m", "pithtrain.train", *overrides]
 
 
+@pytest.mark.quick
+def test_a_notice_is_recorded_and_the_old_handler_restored():
+    """pithtrain/reliability.py's Notice, which train.py turns into a save and an exit at the next
+    step boundary (tests/test_reliability.py, end to end): the first SIGUSR1 is recorded, not acted
+    on at once; close() puts the previous handler back."""
+    import threading
+
+    from pithtrain.reliability import Notice
+    assert threading.current_thread() is threading.main_thread()  # signal handlers live there
+    before = signal.getsignal(signal.SIGUSR1)
+    notice = Notice(["SIGUSR1"])
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert notice.signum == signal.SIGUSR1
+    notice.close()
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
 def test_sigkill_mid_run_resumes_from_last_checkpoint(tmp_path):
     run = tmp_path / "run"
     extra = ["train.steps=10", "checkpoint.every=2"]
