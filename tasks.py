@@ -20,6 +20,7 @@ from its root, which `--dry-run` shows.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -591,13 +592,23 @@ def stats(c, path="pithtrain"):
     print(f"{'total':<{width}}  {sum(counts.values()):6d}")
 
 
-@task(help={"k": "only tests matching this pytest -k expression",
-            "gpu": "run the GPU tests (pytest -m gpu) instead of the CPU suite"})
-def test(c, k="", gpu=False):
-    """Run the test suite (CPU by default; --gpu on a CUDA machine)."""
-    args = ["-m", "gpu"] if gpu else []
+@task(help={"k": "only tests matching this pytest -k expression (one process)",
+            "gpu": "run the GPU tests (pytest -m gpu) instead of the CPU suite",
+            "quick": "the quick tier (pytest -m quick): every module's core contract in about a minute"})
+def test(c, k="", gpu=False, quick=False):
+    """Run the test suite (CPU by default; --quick: the inner loop; --gpu on a CUDA machine).
+
+    The CPU suite and --quick run on two pytest workers (pytest-xdist; a file's tests stay in one
+    worker, so its module fixtures are built once); the 15 slowest tests are printed, so a slow one
+    is seen. With -k, one process: a few tests start faster than two workers that collect them all."""
+    if gpu and quick:
+        raise Exit("error: --quick is a CPU tier: give --quick or --gpu", 2)
+    args = ["-m", "gpu"] if gpu else ["-m", "quick and not gpu"] if quick else []
     if k:
         args += ["-k", k]
+    elif not gpu and importlib.util.find_spec("xdist"):  # the dev extra has it; an image may not
+        args += ["-n", "2", "--dist", "loadfile"]
+    args += ["--durations=15"]
     result = _py(c, "-m pytest " + " ".join(shlex.quote(a) for a in args), warn=True)
     if result.exited not in (0, 5):  # 5: no tests collected
         sys.exit(result.exited)

@@ -1,10 +1,10 @@
-import os
-
 import pytest
 import torch
 
-# Two cores: keep intra-op threads small so multi-process tests do not oversubscribe.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One intra-op thread: `invoke test` runs two workers on two cores, and the gloo tests' ranks each
+# take one; at these widths a second thread gains little, and two spinning OpenMP threads on a
+# core another process holds are many times slower.
+torch.set_num_threads(1)
 
 
 @pytest.fixture

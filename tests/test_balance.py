@@ -176,6 +176,7 @@ def test_bias_changes_the_choice_not_the_weights(family):
     torch.testing.assert_close(got, want.to(got.dtype))
 
 
+@pytest.mark.quick
 def test_bias_update_sign_and_size():
     unit = Balance(BalanceConfig(balance="bias", bias_update_rate=0.01), 4, 2)
     unit.reset_parameters()
@@ -255,6 +256,7 @@ def _seen(routed, counts):
     return routed
 
 
+@pytest.mark.quick
 def test_routing_metrics_per_layer_and_dropped_slots():
     """Per-layer max/mean and CV, experts per token and the dropped share, from known counts."""
     model = build_model(tiny_qwen(num_layers=3, mlp_only_layers=[0]))

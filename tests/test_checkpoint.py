@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import variant
 
 from pithtrain.checkpoint.dcp import CheckpointError, Checkpointer, SafeReader, resolve, verify
 from pithtrain.config import load_config
@@ -31,7 +32,7 @@ RUN = TINY + ["train.steps=20", "checkpoint.every=5", "checkpoint.keep_last=3", 
 
 
 def cfg_for(run_dir, *extra):
-    return load_config(None, RUN + [f"log.run_dir={run_dir}", *extra])
+    return load_config(None, RUN + variant.overrides() + [f"log.run_dir={run_dir}", *extra])
 
 
 def losses(run_dir) -> dict[int, float]:
@@ -91,6 +92,7 @@ class Preempted(Exception):
     pass
 
 
+@pytest.mark.quick
 def test_resume_is_bit_exact(ref, tmp_path, monkeypatch, capsys):
     """10 steps, a crash, a resume, 10 more == 20 straight: every loss and the final parameters,
     optimizer moments and LR schedule, bit for bit (float32, CPU)."""
@@ -187,8 +189,25 @@ SUB_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def train_cmd(run, *extra):
-    overrides = TINY + [f"log.run_dir={run}", "log.every=1", *extra]
+    overrides = TINY + variant.overrides() + [f"log.run_dir={run}", "log.every=1", *extra]
     return [sys.executable, "-m", "pithtrain.train", *overrides]
+
+
+@pytest.mark.quick
+def test_a_notice_is_recorded_and_the_old_handler_restored():
+    """pithtrain/reliability.py's Notice, which train.py turns into a save and an exit at the next
+    step boundary (tests/test_reliability.py, end to end): the first SIGUSR1 is recorded, not acted
+    on at once; close() puts the previous handler back."""
+    import threading
+
+    from pithtrain.reliability import Notice
+    assert threading.current_thread() is threading.main_thread()  # signal handlers live there
+    before = signal.getsignal(signal.SIGUSR1)
+    notice = Notice(["SIGUSR1"])
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert notice.signum == signal.SIGUSR1
+    notice.close()
+    assert signal.getsignal(signal.SIGUSR1) is before
 
 
 def test_sigkill_mid_run_resumes_from_last_checkpoint(tmp_path):
@@ -294,7 +313,7 @@ def test_damaged_shard_is_named(ref, tmp_path, capsys, how, word):
         verify(ck / "step_20")
     assert str(shard) in str(e.value)
     # asked for by name: an error naming the file, through the command line too
-    assert main(RUN + [f"log.run_dir={tmp_path / 'other'}", f"--resume={ck / 'step_20'}"]) == 2
+    assert main(RUN + variant.overrides() + [f"log.run_dir={tmp_path / 'other'}", f"--resume={ck / 'step_20'}"]) == 2
     assert str(shard) in capsys.readouterr().err
     # automatic resume: skips it out loud, falls back to step_15, sets the damaged one aside
     hist, _ = train(cfg_for(run))
@@ -331,14 +350,14 @@ def test_no_valid_checkpoint_is_an_error_not_a_fresh_start(ref, tmp_path, capsys
     run = copy_run(ref, tmp_path)
     for d in ("step_10", "step_15", "step_20"):
         damage(run / "checkpoints" / d / "trainer.json", "corrupt")
-    assert main(RUN + [f"log.run_dir={run}"]) == 2
+    assert main(RUN + variant.overrides() + [f"log.run_dir={run}"]) == 2
     err = capsys.readouterr().err
     assert "none is valid" in err and all(f"skipping {d}" in err for d in ("step_10", "step_20"))
 
 
 def test_no_resume_starts_fresh(ref, tmp_path, capsys):
     run = copy_run(ref, tmp_path)
-    assert main(RUN + [f"log.run_dir={run}", "train.steps=2", "--no-resume"]) == 0
+    assert main(RUN + variant.overrides() + [f"log.run_dir={run}", "train.steps=2", "--no-resume"]) == 0
     out = capsys.readouterr().out
     assert "--no-resume: starting fresh" in out and "step      1 |" in out
     ck = run / "checkpoints"
@@ -349,6 +368,7 @@ def test_no_resume_starts_fresh(ref, tmp_path, capsys):
     assert len((run / "metrics.abandoned.jsonl").read_text().splitlines()) == 20
 
 
+@pytest.mark.quick
 def test_metadata_pickle_with_foreign_objects_is_refused(tmp_path):
     class Evil:
         def __reduce__(self):
@@ -364,14 +384,19 @@ def test_metadata_pickle_with_foreign_objects_is_refused(tmp_path):
 
 
 def test_export_loads_in_transformers_with_same_logits(ref, tmp_path):
+    """(With validate.py --set, a plain run of its own: transformers has no variant's switch.)"""
     transformers = pytest.importorskip("transformers")
     from pithtrain.checkpoint.export import load_checkpoint_model
+
+    if variant.switches():
+        ref = tmp_path / "plain"
+        train(load_config(None, RUN + ["train.steps=1", f"log.run_dir={ref}"]))
 
     out = subprocess.run([sys.executable, "-m", "pithtrain.checkpoint.export", "--ckpt", str(ref),
                           "--out", str(tmp_path / "hf"), "--dtype", "float32"], capture_output=True, text=True, timeout=180,
                          env=SUB_ENV)
     assert out.returncode == 0, out.stderr[-2000:]
-    ours = load_checkpoint_model(ref / "checkpoints" / "step_20")
+    ours = load_checkpoint_model(resolve(ref))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
     x = torch.randint(0, 258, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -401,7 +426,7 @@ def _reshard_worker(rank: int, world: int, port: int, tmp: str, ref_ckpt: str):
     out = {}
     for phase, run, extra, resume in (("saved", "run4", RESHARD, False),
                                       ("loaded", "run4b", ["train.steps=20"], ref_ckpt)):
-        hist, model = train(load_config(None, RUN + layout + extra + [f"log.run_dir={tmp}/{run}"]),
+        hist, model = train(load_config(None, RUN + variant.overrides() + layout + extra + [f"log.run_dir={tmp}/{run}"]),
                      resume=resume)
         params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                   for n, p in model.named_parameters()}

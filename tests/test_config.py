@@ -12,12 +12,14 @@ def write(tmp_path, text, name="r.yaml"):
     return p
 
 
+@pytest.mark.quick
 def test_default_recipe_loads():
     cfg = load_config()
     assert isinstance(cfg.model, Qwen3MoeConfig)
     assert cfg.train.steps == 300 and cfg.data.source == "stdlib"
 
 
+@pytest.mark.quick
 def test_overrides_apply_with_types():
     cfg = load_config(None, ["train.lr=1e-3", "model.num_layers=3", "train.compile=true"])
     assert cfg.train.lr == pytest.approx(1e-3) and isinstance(cfg.train.lr, float)
@@ -58,6 +60,7 @@ def test_yaml_exponent_without_dot_is_a_number(tmp_path):
     ("train:\n  lr_schedule: wsd\n  decay_ratio: 1.5\n", "train.decay_ratio: must be in [0, 1], got 1.5"),
     ("train:\n  lr_schedule: step\n", "train.lr_schedule: expected one of 'cosine', 'wsd', 'linear', 'constant'"),
 ])
+@pytest.mark.quick
 def test_bad_recipes_fail_with_a_clear_line(tmp_path, text, needle):
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as e:
@@ -113,6 +116,7 @@ def unclassified(config_cls) -> list[str]:
             if f.name not in config.RECIPE_MODEL_FIELDS and f.name not in config.HUB_MODEL_FIELDS]
 
 
+@pytest.mark.quick
 def test_every_family_model_field_is_recipe_or_hub_owned():
     """A field added to a family config (a variant's switch) must be declared in pithtrain/config.py:
     RECIPE_MODEL_FIELDS (kept across train.init_from) or HUB_MODEL_FIELDS (config.json's)."""

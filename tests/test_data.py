@@ -21,6 +21,7 @@ def test_stdlib_tokens_are_bytes_with_document_markers():
     assert "import" in text or "def " in text or '"""' in text
 
 
+@pytest.mark.quick
 def test_batches_are_deterministic_and_shifted():
     t = stdlib_tokens(100_000)
     b = TokenBatches(t, seq_len=32, global_batch=4, seed=7)
@@ -34,6 +35,7 @@ def test_batches_are_deterministic_and_shifted():
     assert xv.shape == (4, 32)
 
 
+@pytest.mark.quick
 def test_rows_partition_the_global_batch():
     seen = []
     for micro in range(3):
@@ -48,6 +50,7 @@ LAYOUTS = [(1, 1, 1, 4, 2), (1, 1, 1, 1, 8), (2, 1, 1, 2, 2), (4, 1, 1, 1, 2), (
            (2, 2, 1, 1, 2), (1, 2, 2, 2, 2), (2, 1, 4, 1, 4)]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("dp,fsdp,cp,grad_accum,mbs", LAYOUTS)
 def test_every_layout_reads_the_single_rank_batch(dp, fsdp, cp, grad_accum, mbs):
     """The step's tokens are the same whatever the layout: each rank builds its own TokenBatches
@@ -226,6 +229,7 @@ def test_truncated_shard_is_detected(tmp_path, tokenizer_dir):
         shard_tokens(out)
 
 
+@pytest.mark.quick
 def test_a_run_on_a_small_vocabulary_trains_and_exports_with_its_checkpoints_tokenizer(
         tmp_path, tiny_overrides, tokenizer_dir, capsys):
     """Shards of a 128-token vocabulary and model.vocab_size 128 (below the stdlib data's 258):

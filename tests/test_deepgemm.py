@@ -5,6 +5,7 @@ picks DeepGEMM. The GEMMs themselves: tests/test_deepgemm_gpu.py."""
 
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +24,7 @@ def _offs(counts):
     return torch.tensor(counts).cumsum(0).to(torch.int32)
 
 
+@pytest.mark.quick
 def test_layout_starts_each_group_on_a_multiple_of_128_rows():
     counts = [3, 0, 128, 129, 1]
     lay = deepgemm.layout(_offs(counts), sum(counts))

@@ -72,6 +72,7 @@ def hf_grads_by_hub_key(model):
     return out
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_and_grads_match_transformers(tmp_path, case):
     ref = hf_tiny(tmp_path / "hf", **CASES[case])
@@ -96,6 +97,7 @@ def test_logits_and_grads_match_transformers(tmp_path, case):
     assert seen == {k for k, g in ref_grads.items() if g.numel()}  # HF's zero-width shared experts hold nothing
 
 
+@pytest.mark.quick
 def test_group_limited_routing_is_exercised():
     """The group mask changes the choice for some tokens (else the 'v2' parity case proves little)."""
     cfg = DeepseekV2Config(hidden_size=32, num_experts=8, top_k=3, topk_method="group_limited_greedy",

@@ -41,6 +41,7 @@ import weakref
 import pytest
 import torch
 import torch.multiprocessing as mp
+import variant
 
 from pithtrain.config import ConfigError, config_from_dict, load_config
 from pithtrain.metrics import flops_per_token
@@ -77,7 +78,7 @@ RTOL, PARAM_ATOL = 1e-5, 5e-5
 
 def make_cfg(family: str, parallel: dict, grad_accum: int, run_dir: str):
     return config_from_dict({
-        "model": FAMILIES[family],
+        "model": variant.model(FAMILIES[family]),  # validate.py --set: a variant's switch
         "train": dict(steps=3, micro_batch_size=2, seq_len=16, grad_accum=grad_accum, warmup_steps=1,
                       device="cpu"),
         "data": dict(max_bytes=20000),
@@ -282,38 +283,39 @@ def test_fp8_expert_gemms_behind_the_expert_parallel_all_to_all(tmp_path):
 # Impossible layouts fail before any collective, with a clear message on every rank
 
 
-def test_impossible_layouts_rejected_by_arithmetic():
+@pytest.mark.quick
+def test_impossible_layouts_rejected_by_arithmetic(tmp_path):
     import torch.distributed as dist
 
     from pithtrain.distributed.parallel_dims import ParallelDims
-    cfg = make_cfg("qwen3_moe", dict(fsdp=2, ep=3), 1, "/tmp/unused")
+    cfg = make_cfg("qwen3_moe", dict(fsdp=2, ep=3), 1, str(tmp_path))
     with pytest.raises(ConfigError, match=r"parallel.ep: 3 does not divide model.num_experts \(8\)"):
         ParallelDims.from_config(cfg, world_size=2, rank=0)
-    cfg = make_cfg("qwen3_moe", dict(fsdp=4), 1, "/tmp/unused")
+    cfg = make_cfg("qwen3_moe", dict(fsdp=4), 1, str(tmp_path))
     with pytest.raises(ConfigError, match=r"pp\*dp\*fsdp\*cp = 1\*1\*4\*1 = 4 but 2 processes"):
         ParallelDims.from_config(cfg, world_size=2, rank=1)
-    cfg = make_cfg("qwen3_moe", dict(cp=3), 1, "/tmp/unused")
+    cfg = make_cfg("qwen3_moe", dict(cp=3), 1, str(tmp_path))
     with pytest.raises(ConfigError, match=r"train.seq_len: 16 must be divisible by 2\*cp = 6"):
         ParallelDims.from_config(cfg, world_size=3, rank=0)
-    cfg = make_cfg("qwen3_moe", dict(fsdp=2, dp=3, ep=4), 1, "/tmp/unused")
+    cfg = make_cfg("qwen3_moe", dict(fsdp=2, dp=3, ep=4), 1, str(tmp_path))
     with pytest.raises(ConfigError, match=r"ep: 4 must divide fsdp\*cp = 2, or be a multiple of it that "
                                           r"divides dp\*fsdp\*cp = 6"):
         ParallelDims.from_config(cfg, world_size=6, rank=0)
-    dims = ParallelDims.from_config(make_cfg("qwen3_moe", dict(dp=2, ep=2), 1, "/tmp/unused"), world_size=2,
+    dims = ParallelDims.from_config(make_cfg("qwen3_moe", dict(dp=2, ep=2), 1, str(tmp_path)), world_size=2,
                                     rank=1)  # ep over the dp replicas: experts 4..7 on rank 1
     assert (dims.edp, dims.efsdp, dims.ep_rank) == (1, 1, 1)
-    cfg = make_cfg("qwen3_moe", dict(fsdp=3), 1, "/tmp/unused")  # FSDP2 shards experts' dim 1 evenly only
+    cfg = make_cfg("qwen3_moe", dict(fsdp=3), 1, str(tmp_path))  # FSDP2 shards experts' dim 1 evenly only
     with pytest.raises(ConfigError, match=r"fsdp\*cp/ep = 3 ranks, which must divide model.hidden_size \(32\)"):
         ParallelDims.from_config(cfg, world_size=3, rank=0)
-    cfg = make_cfg("gpt_oss", dict(fsdp=4, ep=2), 1, "/tmp/unused")
+    cfg = make_cfg("gpt_oss", dict(fsdp=4, ep=2), 1, str(tmp_path))
     cfg.model.intermediate_size = 17
     with pytest.raises(ConfigError, match=r"fsdp\*cp/ep = 2 ranks, which must divide model.intermediate_size \(17\)"):
         ParallelDims.from_config(cfg, world_size=4, rank=0)
-    cfg = make_cfg("qwen3_moe", dict(fsdp=2), 1, "/tmp/unused")  # the family names its expert width
+    cfg = make_cfg("qwen3_moe", dict(fsdp=2), 1, str(tmp_path))  # the family names its expert width
     cfg.model.moe_intermediate_size = 17
     with pytest.raises(ConfigError, match=r"2 ranks, which must divide model.moe_intermediate_size \(17\)"):
         ParallelDims.from_config(cfg, world_size=2, rank=0)
-    cfg = make_cfg("qwen3_moe", dict(fsdp=2), 1, "/tmp/unused")
+    cfg = make_cfg("qwen3_moe", dict(fsdp=2), 1, str(tmp_path))
     cfg.model.tie_word_embeddings = True
     with pytest.raises(ConfigError, match=r"model.tie_word_embeddings: a tied LM head is supported in one process"):
         ParallelDims.from_config(cfg, world_size=2, rank=0)
@@ -392,6 +394,7 @@ def test_torchrun_one_gpu_world_size_1(tmp_path):
     assert len(recs) == 5 and all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in recs)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_materialize_holds_one_block_at_a_time_and_matches_init_weights(family):
     """materialize (what every rank of a multi-process run calls) allocates one block of the whole
@@ -402,8 +405,9 @@ def test_materialize_holds_one_block_at_a_time_and_matches_init_weights(family):
     from pithtrain.models.init import model_blocks
 
     width = {"intermediate_size": 32, "sliding_window": 4} if family == "gpt_oss" else {"moe_intermediate_size": 32}
-    cfg = FAMILIES[family].config(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
-                                  head_dim=8, num_experts=4, top_k=2, **width)
+    cfg = FAMILIES[family].config(**variant.model(dict(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4,
+                                                       num_kv_heads=2, head_dim=8, num_experts=4, top_k=2, **width),
+                                                  family))
     meta, model = build_model(cfg, init=False), build_model(cfg, init=False)
     init_block, seen, previous = meta.init_block, [], []
 

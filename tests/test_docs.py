@@ -6,6 +6,9 @@ import shlex
 import subprocess
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.quick  # cheap, and a doc edit's inner loop
 ROOT = Path(__file__).resolve().parent.parent
 # Documents that live outside the repository: the sibling shared/ folder and its BENCH/STYLE/DESIGN.
 OUTSIDE_RE = re.compile(r"\bshared/|\b(?:BENCH|STYLE|DESIGN)\.md\b|\bDESIGN/STYLE\b")

@@ -27,6 +27,7 @@ def compare(cfg, saved: dict, tmp_path) -> list[str]:
     return said
 
 
+@pytest.mark.quick
 def test_a_model_field_added_since_the_save_reads_as_its_default(tmp_path):
     cfg = load_config(None, [])
     older = cfg.to_dict()

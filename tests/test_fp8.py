@@ -23,6 +23,7 @@ def bound_ok(x, deq, s_full):
     return bool(((x - deq).abs() <= (x.abs() * 2 ** -4 + s_full * 2 ** -10) * (1 + 1e-6)).all())
 
 
+@pytest.mark.quick
 def test_quant_rows_within_the_format_bound_and_max_exact():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(70, 300, generator=g) * torch.logspace(-3, 3, 300)  # tiles of very different size

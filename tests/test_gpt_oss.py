@@ -40,6 +40,7 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
+@pytest.mark.quick
 def test_logits_and_grads_match_transformers(tmp_path):
     ref = hf_tiny(tmp_path)
     ours = load_hf(tmp_path / "hf", aux_loss_coeff=0.0)
@@ -135,6 +136,7 @@ def random_mxfp4(shape_ERG, gen):
     return blocks, scales
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mxfp4_dequantize_matches_transformers(dtype):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -184,8 +186,13 @@ def test_mxfp4_checkpoint_loads_like_dense(tmp_path):
 # Sizes
 
 
-def test_gpt_oss_20b_parameter_counts():
-    """The published 20.9B total / 3.6B active, on the meta device (nothing is allocated)."""
+@pytest.mark.quick
+def test_gpt_oss_20b_parameter_counts(capsys):
+    """The published 20.9B total / 3.6B active, on the meta device (nothing is allocated), as
+    `invoke info` (pithtrain/info.py) prints them."""
+    from pithtrain import info
+    assert info.main(["--model", "gpt-oss-20b"]) == 0
+    assert "24 layers, 20.91B total / 3.61B active parameters" in capsys.readouterr().out
     cfg = load_config("gpt-oss-20b")
     model = build_model(cfg.model, init=False)
     assert all(p.is_meta for p in model.parameters())

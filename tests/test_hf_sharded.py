@@ -142,7 +142,7 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
-def _worker(rank: int, world: int, port: int, root: str, layout: str):
+def _worker(rank: int, world: int, port: int, root: str):
     import torch.distributed as dist
     from pathlib import Path
 
@@ -159,7 +159,7 @@ def _worker(rank: int, world: int, port: int, root: str, layout: str):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    for fam in FAMS:
+    for layout, fam in itertools.product(LAYOUTS, FAMS):  # one launch for both layouts
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # an earlier load's freed heap would hide this one's
         d = Path(root) / fam
         cfg = config_from_dict({"train": dict(init_from=str(d), device="cpu", seq_len=16, grad_accum=2),
@@ -200,13 +200,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_sharded_import_reads_only_its_slices(hubs, layout, monkeypatch):
+def test_sharded_import_reads_only_its_slices(hubs, monkeypatch):
     # Fixed mmap threshold: buffers over 1 MB are mapped and unmapped, not kept in the heap, so one
-    # process measures the three loads as three fresh ones would (glibc reads this at start-up).
+    # process measures the six loads as six fresh ones would (glibc reads this at start-up).
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    mp.spawn(_worker, args=(4, free_port(), str(hubs), layout), nprocs=4)
-    for rank, fam in itertools.product(range(4), FAMS):
+    mp.spawn(_worker, args=(4, free_port(), str(hubs)), nprocs=4)
+    for layout, rank, fam in itertools.product(LAYOUTS, range(4), FAMS):
         r = json.loads((hubs / f"{layout}.{fam}.{rank}.json").read_text())
         mb = {k: r[k] / 2 ** 20 for k in ("peak", "shard", "full")}
         print(f"{layout} rank {rank} {fam}: peak +{mb['peak']:.0f} MB (shard {mb['shard']:.0f} MB, "

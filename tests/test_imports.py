@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -62,6 +64,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+@pytest.mark.quick
 def test_no_import_cycles_among_pithtrain_modules():
     graph = import_graph()
     assert len(graph) > 30 and "pithtrain.config" in graph["pithtrain.data"] | graph["pithtrain.train"]

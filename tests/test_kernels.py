@@ -18,6 +18,7 @@ from pithtrain.models.common import LocalDispatcher, _ce_chunk, dispatch_plan, u
 from pithtrain.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 
+@pytest.mark.quick
 def test_configure_turns_the_attention_kernels_off_under_context_parallel(monkeypatch):
     """On a (simulated) Hopper GPU with flash-attn-4 installed the attention kernels are chosen;
     under context parallel, whose own attention replaces the model's, none of them is; under
@@ -65,6 +66,7 @@ def test_two_models_in_one_process_each_run_their_own_kernels():
     assert fast.cross_entropy.keywords["fused"] and not ref.cross_entropy.keywords["fused"]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("chunk", [5, 7, 64])
 def test_linear_cross_entropy_matches_reference(chunk):
     torch.manual_seed(0)
@@ -194,6 +196,7 @@ def test_every_family_compiles_without_graph_breaks(family):
     torch._dynamo.reset()
 
 
+@pytest.mark.quick
 def test_bench_variant_words_and_table():
     from pithtrain.bench import parse_variant, table
 
@@ -290,6 +293,7 @@ def test_bench_torchtitan_missing_is_a_row(monkeypatch):
                      "error": "not installed (No module named 'torchtitan'; docs/bench.md says how)"}]
 
 
+@pytest.mark.quick
 def test_model_rotary_makes_its_flex_masks_eagerly():
     """A model's FlexAttention masks (one per window and length) are made by its `rotary`, which runs
     eagerly before the layers, and kept by that model only."""
@@ -481,6 +485,7 @@ def test_model_code_reads_no_module_level_mutable_state():
             assert gone not in sources[m], (m, gone)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("sinks", [False, True])
 def test_flash_attn_4_ops_trace_forward_and_backward_on_meta(sinks):
     """The flash-attn-4 custom ops' shape functions and autograd registration (kernels/fa4.py), on

@@ -24,6 +24,7 @@ def test_grouped_mm_matches_loop_including_empty_experts():
     assert gw[1].abs().sum() == 0
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("top_k", [1, 2, 4])
 def test_moe_grouped_equals_loop_forward_backward(top_k):
     torch.manual_seed(1)
@@ -50,6 +51,7 @@ def test_moe_grouped_equals_loop_forward_backward(top_k):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.quick
 def test_dispatch_matches_dense_mixture():
     """Permute -> experts -> weighted combine equals sum_k w_k * expert_{idx_k}(x) per token."""
     torch.manual_seed(2)
@@ -104,6 +106,7 @@ def test_aux_loss_router_gradient_is_the_hand_written_loss_gradient(balance, mic
     assert moe.experts.w13_EDF2.grad.abs().sum() == 0 and moe.experts.w2_EFD.grad.abs().sum() == 0
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("fp8_on", [False, True])
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_experts_compute_in_the_autocast_dtype_locally_and_behind_expert_parallel(fp8_on, tmp_path):

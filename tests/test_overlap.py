@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+import variant
 
 from pithtrain.distributed import overlap
 from pithtrain.distributed.pipeline import Chunk
@@ -32,7 +33,7 @@ TINY = {
 def build(family, device="cpu", seed=0, **over):
     torch.manual_seed(seed)
     cfg_cls, model_cls = FAMILIES[family][0], FAMILIES[family][1]
-    model = model_cls(cfg_cls(**{**TINY[family], **over})).to(device)
+    model = model_cls(cfg_cls(**variant.model({**TINY[family], **over}, family))).to(device)
     model.init_weights()
     return model
 
@@ -98,6 +99,7 @@ def test_every_family_splits_into_phases(family):
     assert names == want + [("head", False)]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("family", sorted(TINY))
 def test_phased_full_and_split_backward_match_the_model(family):
     """forward vs phases: the same losses (bit-equal: the same calls) and every gradient, with
@@ -119,6 +121,7 @@ def test_phased_full_and_split_backward_match_the_model(family):
         check_grads(grads(model), ref)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("family", sorted(TINY))
 def test_in_place_weight_gradients_match_autograd(family, monkeypatch):
     """kernels/wgrad.py (the weight gradients of the experts, the token embedding and the LM head

@@ -50,6 +50,7 @@ def toy_costs(cfg, layer=(1e-3, 2e-3), experts_share=0.5, curve=None, imbalance=
     return {"gpu": "h200", "families": {m.family: fam}}
 
 
+@pytest.mark.quick
 def test_one_gpu_step_is_the_sum_of_its_parts():
     cfg = load_config("qwen3-30b-a3b", TINY + ["parallel.auto=false", "train.grad_accum=3"])
     costs = toy_costs(cfg)

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import variant
 
 from pithtrain.distributed import pipeline
 from pithtrain.distributed.parallelize import bf16_weights
@@ -35,7 +36,7 @@ MBS, SEQ = 2, 16
 
 def build(seed=0):
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**CFG))
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**variant.model(CFG, "qwen3_moe")))
     model.init_weights()
     return model
 
@@ -71,6 +72,7 @@ def reference(M, name=""):
     return total, {n: p.grad for n, p in model.named_parameters()}
 
 
+@pytest.mark.quick
 def test_checkpointing_and_compile_apply_to_a_pipeline_stage():
     """A stage's `layers` is a ModuleDict keyed by layer index (prune_model): activation
     checkpointing and compile walk its layers, and the stage's layers compute what they did."""
@@ -102,7 +104,7 @@ def free_port():
 def train_cfg(parallel: dict, run_dir: str):
     from pithtrain.config import config_from_dict
     return config_from_dict({
-        "model": {"family": "qwen3_moe", **CFG},
+        "model": variant.model({"family": "qwen3_moe", **CFG}),
         "train": dict(steps=3, micro_batch_size=MBS, seq_len=SEQ, grad_accum=4, warmup_steps=1, device="cpu"),
         "data": dict(max_bytes=20000), "parallel": parallel, "checkpoint": dict(final=False),
         "log": dict(every=1, run_dir=run_dir)})
@@ -188,7 +190,7 @@ def _pp_fsdp_ep(rank, world, name, schedule, M, out_dir):
     from pithtrain.distributed.parallelize import materialize, parallelize
     from pithtrain.models import build_model
 
-    cfg = config_from_dict({"model": {"family": "qwen3_moe", **CFG},
+    cfg = config_from_dict({"model": variant.model({"family": "qwen3_moe", **CFG}),
                             "train": {"seq_len": SEQ, "micro_batch_size": MBS, "grad_accum": M},
                             "parallel": {"pp": 2, "fsdp": 2, "ep": 2, "pp_schedule": schedule}})
     dims = ParallelDims.from_config(cfg, world_size=world, rank=rank).build_meshes("cpu")
@@ -278,7 +280,7 @@ def test_paper_config_script_runs_its_layout_on_8_gloo_processes(tmp_path):
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    p = subprocess.run([sys.executable, str(root / "scripts" / "paper_config.py"), "--smoke", "--steps", "2",
+    p = subprocess.run([sys.executable, str(root / "scripts" / "paper_config.py"), "--smoke", "--steps", "1",
                         "--loss-steps", "0", "--out", str(tmp_path)], capture_output=True, text=True, cwd=root,
                        timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr + (tmp_path / "log.txt").read_text()[-3000:]

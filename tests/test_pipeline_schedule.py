@@ -93,6 +93,7 @@ def test_dualpipev_bubble(pp, costs):
         assert max(idle) == P.bubble_formula("dualpipev", pp, **costs), (M, idle)
 
 
+@pytest.mark.quick
 def test_print_dualpipev_pp4_8_microbatches(capsys):
     """The schedule a reader can check by eye, and its bubble against the formula."""
     sched = P.schedule_dualpipev(4, 8)
@@ -117,6 +118,7 @@ def test_dualpipev_needs_two_microbatches_per_rank():
         P.schedule_dualpipev(4, 7)
 
 
+@pytest.mark.quick
 def test_pipeline_viz_draws_a_simulated_timeline(tmp_path, capsys):
     import json
 

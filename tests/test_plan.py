@@ -126,6 +126,7 @@ def test_invoke_plan_prints_the_table():
 # parallel: auto
 
 
+@pytest.mark.quick
 def test_auto_fills_unset_sizes_and_keeps_given_ones():
     cfg = load_config("qwen3-30b-a3b")
     assert cfg.parallel.auto and cfg.parallel.fsdp is None
@@ -227,13 +228,16 @@ def test_reduce_dtype_without_fsdp_is_an_error():
 # ---------------------------------------------------------------------------------------------
 # parallel: auto on 8 gloo processes equals one process (the harness of tests/test_distributed.py)
 
-# Each family's shipped recipe (`parallel: auto`) with only layers and widths reduced; vocabulary,
-# expert count and top-k stay real (Qwen3 128 top-8 with full activation checkpointing from its
-# recipe, DeepSeek 64 top-6 + 2 shared, GPT-OSS 32 top-4), so auto picks fsdp=8 ep=8 over 8 ranks.
+# Each family's shipped recipe (`parallel: auto`) with layers and widths reduced; expert count and
+# top-k stay real (Qwen3 128 top-8 with full activation checkpointing from its recipe, DeepSeek 64
+# top-6 + 2 shared, GPT-OSS 32 top-4). Auto picks dp=8 for Qwen3 and DeepSeek, whose vocabularies
+# shrink to the bytes' 264 (the pick is the same as at their real size, and a replicated 150K x 32
+# embedding on every rank is most of the test's time); GPT-OSS keeps its real 201K vocabulary, for
+# which auto picks fsdp=8 (dp=8 below ~130K).
 SMALL = {
-    "qwen3-30b-a3b": ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
+    "qwen3-30b-a3b": ["model.vocab_size=264", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
                       "model.num_kv_heads=2", "model.head_dim=8", "model.moe_intermediate_size=16"],
-    "deepseek-v2-lite": ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
+    "deepseek-v2-lite": ["model.vocab_size=264", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
                          "model.kv_lora_rank=16", "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8",
                          "model.v_head_dim=8", "model.intermediate_size=32", "model.moe_intermediate_size=16"],
     "gpt-oss-20b": ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=4", "model.num_kv_heads=2",

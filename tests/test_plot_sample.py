@@ -43,6 +43,7 @@ def test_plot_command_writes_the_png(run_dir):
     assert main([str(run_dir / "nothing")]) == 2
 
 
+@pytest.mark.quick
 def test_sample_prints_text_and_greedy_is_deterministic(run_dir, capsys):
     from pithtrain.sample import ByteTokenizer, generate, load_run, main
 

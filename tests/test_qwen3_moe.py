@@ -31,6 +31,28 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
+@pytest.mark.quick
+def test_hub_names_and_per_expert_weights_round_trip():
+    """models/hub.py: the hub's names ("model." but for the head) and its per-expert (out, in)
+    weights are the stacked (E, in, out) tensors' slices, both ways, bit for bit."""
+    from pithtrain.models.hub import hub_name, native_name, per_expert_to_stacked, stacked_to_per_expert
+    assert [hub_name(n) for n in ("lm_head.weight", "norm.weight")] == ["lm_head.weight", "model.norm.weight"]
+    assert native_name("model.norm.weight") == "norm.weight" and native_name("lm_head.weight") == "lm_head.weight"
+    with pytest.raises(KeyError):
+        native_name("norm.weight")
+    w13, w2 = torch.randn(3, 4, 2 * 5), torch.randn(3, 5, 4)  # E=3 experts, D=4, F=5
+    hub = dict(stacked_to_per_expert("layers.1.mlp.experts.w13_EDF2", w13, 5)
+               + stacked_to_per_expert("layers.1.mlp.experts.w2_EFD", w2, 5))
+    assert len(hub) == 9 and hub["model.layers.1.mlp.experts.2.up_proj.weight"].shape == (5, 4)
+    back = {"layers.1.mlp.experts.w13_EDF2": torch.zeros_like(w13), "layers.1.mlp.experts.w2_EFD": torch.zeros_like(w2)}
+    for key in hub:
+        for name, index, t in per_expert_to_stacked(key, hub.get, 5):
+            back[name][index] = t
+    assert torch.equal(back["layers.1.mlp.experts.w13_EDF2"], w13) and torch.equal(back["layers.1.mlp.experts.w2_EFD"], w2)
+    assert per_expert_to_stacked("model.norm.weight", hub.get, 5) is None
+
+
+@pytest.mark.quick
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_logits_and_grads_match_transformers(tmp_path, norm_topk_prob):
     ref = hf_tiny(tmp_path, norm_topk_prob)

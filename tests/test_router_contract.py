@@ -100,6 +100,7 @@ def widen_router(moe, width: int, cfg):
     moe.dispatcher = LocalDispatcher(drops=True)
 
 
+@pytest.mark.quick
 def test_a_router_wider_than_the_ffn_experts_sizes_load_and_metrics():
     """Router width 12 over 8 FFN experts, balance=bias: training forwards and backwards run
     through the layer's phases, the load has 12 ids, the bias moves for 12, the slots on ids 8..11

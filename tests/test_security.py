@@ -162,6 +162,7 @@ def test_full_run_dir_fails_before_the_first_step(tmpfs, capsys):
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.quick
 def test_free_space_check_with_simulated_disk_usage(tmp_path, monkeypatch, capsys):
     """The same check where no tmpfs can be mounted: shutil.disk_usage reports 1 KB free."""
     import pithtrain.rundir as rundir
@@ -322,6 +323,7 @@ def edit_json(path: Path, fn):
     path.write_text(json.dumps(d))
 
 
+@pytest.mark.quick
 def test_init_from_a_good_hub_dir_trains(hub, tmp_path):
     assert main(TINY + ["train.steps=1", f"train.init_from={hub}", f"log.run_dir={tmp_path / 'run'}"]) == 0
 

@@ -9,9 +9,12 @@ from pithtrain.models.qwen3_moe import Qwen3MoeConfig
 from pithtrain.train import main, train
 
 
-def test_short_run_loss_decreases(tiny_overrides, tmp_path):
+@pytest.mark.quick
+def test_short_run_loss_decreases_and_prints_progress(tiny_overrides, tmp_path, capsys):
     cfg = load_config(None, tiny_overrides)
     hist, _ = train(cfg)
+    out = capsys.readouterr().out
+    assert "step     30 | loss" in out and "tok/s" in out
     assert len(hist) == 30
     first = sum(h["loss"] for h in hist[:3]) / 3
     last = sum(h["loss"] for h in hist[-3:]) / 3
@@ -39,12 +42,7 @@ def test_grad_accum_matches_one_big_batch(tiny_overrides):
         assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4)
 
 
-def test_main_prints_progress(tiny_overrides, capsys):
-    assert main(tiny_overrides) == 0
-    out = capsys.readouterr().out
-    assert "step     30 | loss" in out and "tok/s" in out
-
-
+@pytest.mark.quick
 def test_flops_formula_against_hand_count():
     cfg = Qwen3MoeConfig(vocab_size=100, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
                          head_dim=4, moe_intermediate_size=6, num_experts=4, top_k=2,
@@ -84,6 +82,7 @@ def test_a_non_finite_gradient_stops_before_the_update(tiny_overrides, tmp_path,
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.quick
 def test_bf16_weights_copy_is_kept_and_follows_its_master():
     """parallelize.bf16_weights keeps one bf16 copy per float32 parameter across steps (tied
     parameters share it, its gradient hook registered once) and casts it again on entry whenever

@@ -5,6 +5,7 @@
     python skills/validate-correctness/scripts/validate.py --family gpt_oss       # parity for one family
     python skills/validate-correctness/scripts/validate.py --changed-since main   # families the diff touches
     python skills/validate-correctness/scripts/validate.py --quick --fail-fast    # stop at the first FAIL
+    python skills/validate-correctness/scripts/validate.py --family qwen3_moe --set model.top_k=1  # a switch on
 
 Checks, in order; each is PASS, FAIL or SKIP (with the reason); the verdict is FAIL if any check fails:
   parity <family>  tests/test_<family>.py against transformers (--quick: only *match_transformers tests)
@@ -16,6 +17,13 @@ Checks, in order; each is PASS, FAIL or SKIP (with the reason); the verdict is F
                    layout equals one process (skipped with --quick)
   resume           tests/test_checkpoint*.py: a resumed run equals the uninterrupted one (skipped
                    with --quick)
+
+--set model.X=V turns a variant's switch on in the training run and, through PITHTRAIN_TEST_SET
+(tests/variant.py), in the distributed and resume tests of every family whose config has the field;
+each check's line names the tests that ran with it (a check none of whose tests took it FAILs).
+Parity and moe run without it: transformers and the bare experts have no such switch.
+Everything it writes (the training run, pytest's tmp_path, TMPDIR) goes under --out (default
+<root>/runs/validate/<time>), printed at the start.
 
 It validates the tree it lives in (imports <root>/pithtrain, runs <root>/tests), so a patched copy of
 the repository validates itself: tests/test_skills.py plants a bug in a copy and expects FAIL.
@@ -54,18 +62,29 @@ MARGIN = 1.0  # nats the loss must fall between the first and last three steps
 # Checks: each returns (verdict, detail) with verdict in PASS / FAIL / SKIP
 
 
-def pytest(files: list[Path], k: str | None = None) -> tuple[str, str]:
+def pytest(files: list[Path], out: Path, k: str | None = None, sets: list[str] = ()) -> tuple[str, str]:
+    """pytest on `files`, writing under `out`; with `sets` (model.X=V), the tests that took them are named."""
     if not files:
         return "FAIL", "no such test files in this tree"
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *map(str, files)]
+    (out / "tmp").mkdir(parents=True, exist_ok=True)
+    log = out / "set-applied.txt"
+    log.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--basetemp={out / 'pytest'}",
+           *map(str, files)]
     if k:
         cmd += ["-k", k]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "TMPDIR": str(out / "tmp"), "PITHTRAIN_TEST_SET": "\n".join(sets), "PITHTRAIN_TEST_SET_LOG": str(log)}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
     counts = [ln for ln in lines if re.search(r"\d+ (passed|failed|error|skipped|deselected)", ln)]
     summary = (counts or lines or ["(no output)"])[-1].strip("= ")
     names = ", ".join(f.name for f in files)
+    took = sorted(set(log.read_text().splitlines())) if log.is_file() else []
+    if sets:
+        summary += f"; with {' '.join(sets)}: {len(took)} tests" + "".join(f"\n{'':39}{t}" for t in took)
+    if r.returncode == 0 and sets and not took:
+        return "FAIL", f"{names}: {summary} (no test's family has every field named)"
     if r.returncode == 0:
         return "PASS", f"{names}: {summary}"
     if r.returncode == 5:
@@ -74,19 +93,19 @@ def pytest(files: list[Path], k: str | None = None) -> tuple[str, str]:
     return "FAIL", f"{names}: {summary}"
 
 
-def training(family: str, overrides: list[str]) -> tuple[str, str]:
+def training(family: str, overrides: list[str], out: Path) -> tuple[str, str]:
     import yaml
 
     from pithtrain.config import load_config
     from pithtrain.train import train
 
-    with tempfile.TemporaryDirectory() as tmp:
-        recipe = Path(tmp) / "tiny.yaml"
-        recipe.write_text(yaml.safe_dump({"model": {"family": family, **TINY_MODEL}, **TINY_RUN}))
-        try:
-            hist, _ = train(load_config(recipe, [f"log.run_dir={tmp}/run", *overrides]), resume=False)
-        except Exception as e:  # a bad override or a non-finite loss: a FAIL, not a crash
-            return "FAIL", f"training raised {type(e).__name__}: {e}"
+    out.mkdir(parents=True, exist_ok=True)
+    recipe = out / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump({"model": {"family": family, **TINY_MODEL}, **TINY_RUN}))
+    try:
+        hist, _ = train(load_config(recipe, [f"log.run_dir={out}/run", *overrides]), resume=False)
+    except Exception as e:  # a bad override or a non-finite loss: a FAIL, not a crash
+        return "FAIL", f"training raised {type(e).__name__}: {e}"
     losses = [h["loss"] for h in hist]
     if not all(math.isfinite(v) for v in losses + [h["grad_norm"] for h in hist]):
         return "FAIL", "a loss or gradient norm is not finite"
@@ -123,8 +142,14 @@ def main(argv=None) -> int:
     p.add_argument("--family", action="append", default=[], help="family to check parity for (repeatable)")
     p.add_argument("--changed-since", metavar="REF", help="check the families touched since git REF")
     p.add_argument("--set", action="append", default=[], metavar="K=V",
-                   help="override for the training run, e.g. model.top_k=1 (repeatable): a variant's switch")
+                   help="a variant's switch, e.g. model.top_k=1 (repeatable): the training run takes every "
+                        "override, the distributed and resume tests the model.* ones")
+    p.add_argument("--out", type=Path, help="write everything here (default: <root>/runs/validate/<time>)")
     args = p.parse_args(argv)
+    out = (args.out or ROOT / "runs" / "validate" / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    sets = [s for s in args.set if s.startswith("model.")]
+    (out / "tmp").mkdir(parents=True, exist_ok=True)
+    os.environ["TMPDIR"] = tempfile.tempdir = str(out / "tmp")  # this process and every one it starts
 
     from pithtrain.models import FAMILIES
 
@@ -135,19 +160,23 @@ def main(argv=None) -> int:
         if f not in FAMILIES:
             sys.exit(f"error: unknown family {f!r} (families: {', '.join(known)})")
 
-    plan = [(f"parity {f}", lambda f=f: pytest(glob_tests([f"test_{f}.py"]),
+    plan = [(f"parity {f}", lambda f=f: pytest(glob_tests([f"test_{f}.py"]), out / f"parity-{f}",
                                                "match_transformers" if args.quick else None))
             for f in families]
-    plan += [("moe", lambda: pytest(glob_tests(["test_moe.py"]))),
-             (f"training {families[0]}", lambda: training(families[0], args.set))]
+    plan += [("moe", lambda: pytest(glob_tests(["test_moe.py"]), out / "moe")),
+             (f"training {families[0]}", lambda: training(families[0], args.set, out / "training"))]
     if args.quick:
         plan += [(name, lambda: ("SKIP", "not run with --quick")) for name in ("distributed", "resume")]
     else:
-        plan += [("distributed", lambda: pytest(glob_tests(DISTRIBUTED_TESTS))),
-                 ("resume", lambda: pytest(glob_tests(RESUME_TESTS)))]
+        plan += [("distributed", lambda: pytest(glob_tests(DISTRIBUTED_TESTS), out / "distributed", sets=sets)),
+                 ("resume", lambda: pytest(glob_tests(RESUME_TESTS), out / "resume", sets=sets))]
 
-    print(f"validate-correctness: {ROOT} | families {', '.join(families)}{' | --quick' if args.quick else ''}",
-          flush=True)
+    print(f"validate-correctness: {ROOT} | families {', '.join(families)}{' | --quick' if args.quick else ''}"
+          f" | writing under {out}", flush=True)
+    if args.set:
+        print(f"  --set {' '.join(args.set)}: in training {families[0]}"
+              + ("" if args.quick or not sets else f"; {' '.join(sets)} in distributed and resume (tests named)")
+              + f"; not in {', '.join(n for n, _ in plan if n.startswith(('parity', 'moe')))}", flush=True)
     rows = []
     for name, run in plan:
         t0 = time.perf_counter()
