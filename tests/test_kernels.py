@@ -440,7 +440,8 @@ def mutable_state_reads(sources: dict, readers) -> list:
                 if isinstance(t, (ast.Subscript, ast.Attribute)):
                     r = resolve(t.value)
                     hits.append(r if r is None or r[1] is not None else (r[0], t.attr))
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in MUTATING_METHODS:
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in MUTATING_METHODS \
+                    and not (isinstance(n.func.value, ast.Name) and n.func.value.id == "monkeypatch"):  # undone after its test
                 hits.append(resolve(n.args[0] if n.func.attr.startswith("set") and n.args else n.func.value))
             for r in hits:
                 if r and r[1] is not None and r[1] in top.get(r[0], ()):
@@ -458,7 +459,8 @@ def mutable_state_reads(sources: dict, readers) -> list:
 def test_model_code_reads_no_module_level_mutable_state():
     """pithtrain/models/ and compile.py read no module-level state that any module of the package
     or the tests mutates; the scan itself finds such a read (the old kernels.USE pattern) and names
-    what changes it, and a test's own dict of the same name as a package's is not the package's."""
+    what changes it, and a test's own dict of the same name as a package's is not the package's.
+    pytest's monkeypatch (undone when its test ends) is not a mutation."""
     from pathlib import Path
 
     old = {"pkg.kernels": "USE = {'swiglu': False}\ndef configure():\n    USE.update(swiglu=True)\n",

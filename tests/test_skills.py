@@ -595,7 +595,7 @@ def test_worked_example_helper_does_not_assume_sorted_slots():
 def test_readme_and_agents_md_give_the_three_variant_commands():
     commands = ("python skills/add-moe-variant/scripts/check_variant.py --family F --set model.X=V",
                 "python skills/validate-correctness/scripts/validate.py --family F --set model.X=V",
-                "python -m pytest -q -x")
+                "invoke test")
     for doc in ("AGENTS.md", "README.md", "skills/add-moe-variant/SKILL.md"):
         text = " ".join((ROOT / doc).read_text().split())  # README wraps lines
         assert all(c in text for c in commands), doc
