@@ -609,6 +609,7 @@ def test(c, k="", gpu=False, quick=False):
     elif not gpu and importlib.util.find_spec("xdist"):  # the dev extra has it; an image may not
         args += ["-n", "2", "--dist", "loadfile"]
     args += ["--durations=15"]
-    result = _py(c, "-m pytest " + " ".join(shlex.quote(a) for a in args), warn=True)
+    with c.cd(str(ROOT)):  # the whole suite from any directory of the checkout, not that directory's tests
+        result = _py(c, "-m pytest " + " ".join(shlex.quote(a) for a in args), warn=True)
     if result.exited not in (0, 5):  # 5: no tests collected
         sys.exit(result.exited)
