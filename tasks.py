@@ -118,16 +118,20 @@ def _recipe(recipe: str, model: str) -> str:
     return recipe or model
 
 
+def _docker_ready(line: str):
+    """A docker line needs a running engine: say so in one line before trying."""
+    if line.split()[0] == "docker" or " docker " in line:
+        if why := _docker_problem():
+            raise Exit(f"error: {why}; start it or use --runtime=native", 2)
+
+
 def _emit(c, lines: list[str], dry_run: bool):
     """Print (dry run) or run each shell line in order; a failing line stops the task."""
     for line in map(_from_root, lines):
         if dry_run:
             print(line)
             continue
-        if line.split()[0] in ("docker",) or " docker " in line:
-            why = _docker_problem()
-            if why:
-                raise Exit(f"error: {why}; start it or use --runtime=native", 2)
+        _docker_ready(line)
         print(f"+ {line}", file=sys.stderr)
         c.run(line, pty=False)
 
@@ -146,9 +150,7 @@ def _run_trainer(c, lines: list[str], dry_run: bool, echo: bool = True):
     line = lines[-1]
     if dry_run:
         return _emit(c, [line], dry_run)
-    if "docker " in line:
-        if why := _docker_problem():
-            raise Exit(f"error: {why}; start it or use --runtime=native", 2)
+    _docker_ready(line)
     if echo:
         print(f"+ {_from_root(line)}", file=sys.stderr)
     for k, v in TORCHRUN_ENV.items():

@@ -382,10 +382,10 @@ def _train(cfg: Config, resume, notice: Notice, at: dict):
             if done.skipped:
                 skips = [skips[0] + 1, skips[1] + 1]
                 logged, rec["skipped_steps"] = True, skips[1]
-                kept = step_dirs(checkpoints_dir(cfg.log.run_dir))
                 why = (f"step {step + 1}: loss {done.loss}, grad_norm {done.grad_norm}: skipped "
                        f"(train.on_nonfinite=skip; {skips[0]} in a row of train.max_skips={t.max_skips})")
                 if skips[0] >= t.max_skips:
+                    kept = step_dirs(checkpoints_dir(cfg.log.run_dir))
                     raise FloatingPointError(f"{why}; stopped; the last good checkpoint is "
                                              f"{kept[0] if kept else 'none'}")
                 if dims.rank == 0:

@@ -424,7 +424,7 @@ class Checkpointer:
         self.pg = dist.new_group(backend="gloo") if _dist() else None
         self._pending = None  # (future, thread) of an async save in flight
         self._error: list[BaseException] = []
-        self.saved_step, self.saved_at = None, time.monotonic()  # the last save begun (checkpoint.every_minutes)
+        self.saved_at = time.monotonic()  # when the last save began (checkpoint.every_minutes)
 
     def say(self, msg: str):
         if self.rank == 0:
@@ -492,7 +492,7 @@ class Checkpointer:
 
     def save(self, step: int):
         self.wait()  # one save in flight at a time; the previous commit is done before a new one
-        self.saved_step, self.saved_at = step, time.monotonic()
+        self.saved_at = time.monotonic()
         tmp = self.root / f".tmp-step_{step}"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save that died
