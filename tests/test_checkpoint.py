@@ -179,6 +179,44 @@ def test_async_save_snapshots_state(tmp_path):
     assert_same(state, before)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_async_save_with_a_background_copy_holds_the_state_before_the_next_optimizer_step(tmp_path, monkeypatch):
+    """A stager that copies the state in the background (DCP then answers staging and upload
+    futures, and only the upload's was kept): the optimizer step waits for the copy, so the
+    checkpoint holds the state the save was asked for, not the next step's."""
+    import concurrent.futures
+    import threading
+
+    from pithtrain.checkpoint import dcp as dcp_mod
+
+    class LateCopy(dcp_mod.FileSystemWriter):
+        def stage(self, state_dict):
+            done, copy = concurrent.futures.Future(), super().stage
+
+            def later():
+                time.sleep(0.5)
+                done.set_result(copy(state_dict))
+            threading.Thread(target=later).start()
+            return done
+
+    monkeypatch.setattr(dcp_mod, "FileSystemWriter", LateCopy)
+    cfg = cfg_for(tmp_path / "run", "train.steps=3")
+    model = build_model(cfg.model, "cpu")
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    ck = Checkpointer(cfg, model, opt, sched, torch.device("cpu"))
+    ck.use_async = True
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ck.save(3)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    ck.close()
+    _, state, _, _ = restored(tmp_path / "run/checkpoints/step_3", tmp_path / "run")
+    assert_same(state, before)
+    assert not all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the step moved them
+
+
 # ---------------------------------------------------------------------------------------------
 # Faults: SIGKILL mid-run, death inside a save, damaged files
 

@@ -166,3 +166,108 @@ def test_final_export_and_weights_only_hand_off(tmp_path):
     assert one == sorted(f.name for f in (tmp_path / "two").iterdir())
     for f in one:
         assert (tmp_path / "one" / f).read_bytes() == (tmp_path / "two" / f).read_bytes(), f
+
+
+# ---------------------------------------------------------------------------------------------
+# The asynchronous save on 2 gloo ranks (issue 52): its collectives run on DCP's background thread
+# while the main thread's step boundary and evaluation agree on notices
+
+
+ASYNC_STEPS, ASYNC_SEEDS = 4, (0, 1, 2)
+
+
+def _init_gloo(rank: int, world: int, port: int, timeout_s: float = 20.0):
+    """A gloo group whose collectives (and every group made after it) fail after `timeout_s`: a
+    mismatched collective fails the test instead of hanging it."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    c10d.default_pg_timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=c10d.default_pg_timeout)
+    return dist
+
+
+def _async_worker(rank: int, world: int, port: int, tmp: str):
+    """Every step saves asynchronously (the CUDA path, forced on CPU as tests/test_checkpoint.py's
+    async-then-fail test does); each rank's shards take a random time to write, so one rank's
+    background exchange comes before its step boundary and another's after. Per seed, one rank
+    gets SIGTERM while a save is being written; the run stops at an agreed step, resumes, and
+    every loss equals the uninterrupted run's."""
+    import functools
+    import random
+    import signal
+    import time
+
+    import pithtrain.checkpoint.dcp as dcp_mod
+    import pithtrain.data
+    from pithtrain.checkpoint.dcp import step_dirs, verify
+    from pithtrain.config import load_config
+    from pithtrain.reliability import Ended
+    from pithtrain.train import train
+
+    pithtrain.data.stdlib_tokens = functools.lru_cache(pithtrain.data.stdlib_tokens)  # read once per process
+    dist = _init_gloo(rank, world, port)
+    init, write = dcp_mod.Checkpointer.__init__, dcp_mod.FileSystemWriter.write_data
+    trial = {"rng": random.Random(f"ref-{rank}"), "notice": None}
+
+    def async_init(self, *args):
+        init(self, *args)
+        self.use_async = True
+
+    def slow_write(self, *args, **kwargs):  # DCP's background thread
+        time.sleep(trial["rng"].choice((0.0, 0.05, 0.2)))
+        if trial["notice"] == Path(str(self.path)).name:
+            trial["notice"] = None
+            os.kill(os.getpid(), signal.SIGTERM)
+        return write(self, *args, **kwargs)
+
+    dcp_mod.Checkpointer.__init__, dcp_mod.FileSystemWriter.write_data = async_init, slow_write
+    extra = ["parallel.fsdp=2", "train.device=cpu", "log.every=1", "log.tensorboard=false", "checkpoint.every=1",
+             "checkpoint.keep_last=2", "train.eval_every=2", "train.eval_batches=2", f"train.steps={ASYNC_STEPS}"]
+
+    def cfg(run):
+        return load_config(None, TINY + variant.overrides() + extra + [f"log.run_dir={run}"])
+
+    ref, _ = train(cfg(f"{tmp}/ref"))
+    out = {"ref": [h["loss"] for h in ref], "trials": []}
+    for seed in ASYNC_SEEDS:
+        pick = random.Random(seed)  # the same on every rank: which rank, which save
+        victim, at = pick.randrange(world), pick.randint(1, ASYNC_STEPS - 2)
+        trial["rng"] = random.Random(f"{seed}-{rank}")  # each rank its own write times
+        trial["notice"] = f".tmp-step_{at}" if rank == victim else None
+        run = f"{tmp}/seed{seed}"
+        try:
+            train(cfg(run))
+            code = 0
+        except Ended as e:
+            code = e.code
+        kept = step_dirs(Path(run) / "checkpoints")
+        stopped = int(kept[0].name.removeprefix("step_"))
+        if rank == 0:
+            verify(kept[0])
+        rest, _ = train(cfg(run))
+        out["trials"].append({"seed": seed, "at": at, "code": code, "stopped": stopped,
+                              "resumed": [h["step"] for h in rest]})
+        if rank == 0:
+            recs = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+            out["trials"][-1]["losses"] = [r["loss"] for r in sorted(recs, key=lambda r: r["step"])]
+    Path(tmp, f"async.{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def test_async_saves_every_step_with_notices_during_them_agree_and_resume_bit_exact(tmp_path):
+    mp.spawn(_async_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    got = [json.loads((tmp_path / f"async.{r}.json").read_text()) for r in range(2)]
+    assert got[0]["trials"][0]["resumed"] == got[1]["trials"][0]["resumed"]
+    for t0, t1 in zip(got[0]["trials"], got[1]["trials"]):
+        assert t0["code"] == t1["code"] == 143 and t0["stopped"] == t1["stopped"], (t0, t1)
+        # the notice came while step `at`'s save was written: the step boundary after `at` + 1 or
+        # `at` + 2 (the rank's write may outlast a step) saw it, on both ranks alike
+        assert t0["at"] + 1 <= t0["stopped"] <= t0["at"] + 2, t0
+        assert t0["resumed"] == list(range(t0["stopped"] + 1, ASYNC_STEPS + 1)), t0
+        assert t0["losses"] == got[0]["ref"], t0  # bit for bit

@@ -53,7 +53,9 @@ tampering: whoever can write a checkpoint can rewrite its manifest.
 
 Saving is asynchronous (dcp.async_save: state staged to CPU memory, written by a thread) when
 checkpoint.async_save is set and the run is on CUDA; the commit then runs in a thread on rank 0
-once the write is done. On CPU saving is synchronous. Multi-process runs need a file system
+once the write is done. DCP's exchanges for it run on that thread over a gloo group of their own
+(`save_pg`), never the one the main thread's step boundary uses (`pg`), and the next optimizer
+step waits for the staging copy. On CPU saving is synchronous. Multi-process runs need a file system
 shared by all ranks (each rank writes its own shards into the same directory).
 
 Test hook (the only one): PITHTRAIN_TEST_CRASH_IN_SAVE=N makes the process os._exit(70) while
@@ -419,10 +421,17 @@ class Checkpointer:
         self.root = checkpoints_dir(cfg.log.run_dir)
         self.rank = _rank()
         self.use_async = cfg.checkpoint.async_save and device.type == "cuda"
-        # DCP's own collectives (plan exchange, write results) and our barriers go over gloo, so
-        # an async save's background thread never shares a NCCL communicator with training.
+        # Collectives on one group pair up in the order each rank issues them, so no group is used
+        # by two threads: `pg` (gloo: no NCCL communicator shared with training) serves the main
+        # thread (train.py's step boundary, our barriers, broadcasts, verification, loading, a
+        # synchronous save); an asynchronous save's plan and write-result exchanges, which DCP runs
+        # on its background thread while the main thread trains, go over `save_pg`, made at the first
+        # asynchronous save (every rank saves the same steps).
         self.pg = dist.new_group(backend="gloo") if _dist() else None
+        self.save_pg = None
         self._pending = None  # (future, thread) of an async save in flight
+        self._staging = None  # an async save's copy of the state to CPU, when its stager copies in the background
+        optimizer.register_step_pre_hook(self._staged)  # that copy is complete before the weights change
         self._error: list[BaseException] = []
         self.saved_at = time.monotonic()  # when the last save began (checkpoint.every_minutes)
 
@@ -519,10 +528,15 @@ class Checkpointer:
             (tmp / RECIPE).write_text(self.cfg.to_yaml())
         writer = FileSystemWriter(tmp)  # sync_files=True: each shard is fsynced by its writer
         if self.use_async:
+            if self.pg is not None and self.save_pg is None:
+                self.save_pg = dist.new_group(backend="gloo")
             with _quiet():
-                fut = dcp.async_save(tensors, storage_writer=writer, process_group=self.pg,
-                                     no_dist=self.pg is None)
-            fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse with async staging
+                fut = dcp.async_save(tensors, storage_writer=writer, process_group=self.save_pg,
+                                     no_dist=self.save_pg is None)
+            # a stager that copies in the background answers (staging, upload) futures: the optimizer
+            # step waits for the first (_staged); FileSystemWriter copies before returning
+            self._staging = getattr(fut, "staging_completion", None)
+            fut = getattr(fut, "upload_completion", fut)
             # every rank hashes its files once written; rank 0's future ends after every rank's
             # write results are in, and its commit waits for the other ranks' hashes
             thread = threading.Thread(target=self._finish_async, args=(fut, tmp, step), daemon=True)
@@ -546,6 +560,12 @@ class Checkpointer:
         except BaseException as e:  # re-raised on the training thread by wait()/after_step()
             shutil.rmtree(tmp, ignore_errors=True)  # a partial save keeps its space (_save_failed)
             self._error.append(e)
+
+    def _staged(self, *_):
+        """Optimizer step pre-hook: an asynchronous save's copy of the state is complete."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.result()
 
     def wait(self):
         """Block until an asynchronous save in flight is written and committed."""
