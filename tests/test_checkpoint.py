@@ -391,6 +391,29 @@ def test_no_valid_checkpoint_is_an_error_not_a_fresh_start(ref, tmp_path, capsys
     assert main(RUN + variant.overrides() + [f"log.run_dir={run}"]) == 2
     err = capsys.readouterr().err
     assert "none is valid" in err and all(f"skipping {d}" in err for d in ("step_10", "step_20"))
+    assert "none is valid (start fresh with --no-resume" in err.splitlines()[0]  # the way out, first
+
+
+def test_resume_refusals_name_the_way_out_first_on_one_line(ref, tmp_path, monkeypatch, capsys):
+    """The data walkthrough's trap (issue 50): a run dir trained on another tokenizer and another
+    model. The refusal is the model's (following a tokenizer hint would only meet it next), and
+    each refusal names --no-resume and another log.run_dir before any other way, on one line."""
+    from pithtrain.checkpoint import dcp as dcp_mod
+
+    run = copy_run(ref, tmp_path)
+    real = dcp_mod.tokenizer_of
+    monkeypatch.setattr(dcp_mod, "tokenizer_of", lambda data: {**real(data), "tokenizer_sha256": "f" * 64})
+    fresh = "start fresh with --no-resume (it sets the checkpoints aside) or choose another log.run_dir"
+    assert main(RUN + variant.overrides() + [f"log.run_dir={run}", "model.vocab_size=320"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(rf"error: \S+/step_20: saved with a different model: model.vocab_size: \d+ in the checkpoint, "
+                        rf"320 now. To train this model, {re.escape(fresh)}; or resume with the checkpoint's "
+                        r"recipe.yaml", err), err
+    assert main(RUN + variant.overrides() + [f"log.run_dir={run}"]) == 2  # the same model: the tokenizer's
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(
+        rf"its ids mean other tokens. To train on this data, {re.escape(fresh)}; or resume onto data of the "
+        r"checkpoint's tokenizer \(data.allow_tokenizer_change=true continues on these ids anyway\)$", err), err
 
 
 def test_no_resume_starts_fresh(ref, tmp_path, capsys):

@@ -271,3 +271,94 @@ def test_async_saves_every_step_with_notices_during_them_agree_and_resume_bit_ex
         assert t0["at"] + 1 <= t0["stopped"] <= t0["at"] + 2, t0
         assert t0["resumed"] == list(range(t0["stopped"] + 1, ASYNC_STEPS + 1)), t0
         assert t0["losses"] == got[0]["ref"], t0  # bit for bit
+
+
+# ---------------------------------------------------------------------------------------------
+# A malformed manifest, or a check only one rank fails, on 2 gloo ranks (issue 52): every rank
+# raises the same CheckpointError, and resume skips the checkpoint by name
+
+
+def _malform(ckpt: Path, how: str):
+    """Rewrite `ckpt`'s manifest.json as `how` says (rank 0, before the others resume)."""
+    from pithtrain.checkpoint.dcp import MANIFEST, _share
+
+    path = ckpt / MANIFEST
+    text = path.read_text()
+    m = json.loads(text)
+    files = m["files"]
+    if how == "truncated":
+        path.write_text(text[: len(text) // 2])
+        return
+    if how.startswith("no sha256, rank "):  # a file only that rank hashes at verification
+        del files[_share(files, int(how[-1]), 2)[0]]["sha256"]
+    elif how == "no size":
+        del files["trainer.json"]["size"]
+    elif how == "sha256 a number":
+        files["recipe.yaml"]["sha256"] = 12345
+    elif how == "size a string":
+        files["recipe.yaml"]["size"] = str(files["recipe.yaml"]["size"])
+    elif how == "files a list":
+        m["files"] = list(files)
+    elif how == "a name outside":
+        files["../x"] = files.pop("recipe.yaml")
+    path.write_text(json.dumps(m))
+
+
+MALFORMED = ("truncated", "no sha256, rank 1", "no sha256, rank 0", "no size", "sha256 a number", "size a string",
+             "files a list", "a name outside")
+
+
+def _malformed_worker(rank: int, world: int, port: int, tmp: str):
+    import pithtrain.checkpoint.dcp as dcp_mod
+    from pithtrain.checkpoint.dcp import CheckpointError
+    from pithtrain.config import load_config
+    from pithtrain.train import train
+
+    dist = _init_gloo(rank, world, port)
+    run, steps = Path(tmp, "run"), len(MALFORMED) + 1
+    args = TINY + variant.overrides() + ["parallel.fsdp=2", "train.device=cpu", "log.tensorboard=false",
+                                         f"train.steps={steps}", f"log.run_dir={run}"]
+    train(load_config(None, args + ["checkpoint.every=1", f"checkpoint.keep_last={steps}"]))
+    dist.barrier()
+    if rank == 0:  # step_1 stays whole; each newer one has its manifest malformed another way
+        for step, how in zip(range(steps, 1, -1), MALFORMED):
+            _malform(run / "checkpoints" / f"step_{step}", how)
+    dist.barrier()
+    out = {}
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        hist, _ = train(load_config(None, args))
+    out["resumed"], out["said"] = [h["step"] for h in hist], said.getvalue()
+    # a check of the checkpoint that fails on rank 1 alone (as a missing tensor only one pipeline
+    # stage holds would): both ranks raise it, none waits in DCP's load for the other
+    real = dcp_mod._check_index
+
+    def only_rank_1(ckpt, keys):
+        if rank == 1:
+            raise CheckpointError(f"{ckpt}: rank 1's own check failed")
+        return real(ckpt, keys)
+
+    dcp_mod._check_index = only_rank_1
+    try:
+        train(load_config(None, args + [f"train.steps={steps + 1}"]))
+        out["one rank"] = "no error"
+    except CheckpointError as e:
+        out["one rank"] = str(e)
+    finally:
+        dcp_mod._check_index = real
+    Path(tmp, f"malformed.{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def test_a_malformed_manifest_or_one_ranks_failed_check_is_the_same_error_on_every_rank(tmp_path):
+    mp.spawn(_malformed_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    got = [json.loads((tmp_path / f"malformed.{r}.json").read_text()) for r in range(2)]
+    steps = len(MALFORMED) + 1
+    assert got[0]["resumed"] == got[1]["resumed"] == list(range(2, steps + 1))  # from step_1, on both ranks
+    said = got[0]["said"]
+    for step in range(steps, 1, -1):
+        line = next(x for x in said.splitlines() if f"skipping step_{step}: " in x)
+        assert f"step_{step}/manifest.json: malformed manifest" in line, line
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step_1'} at step 1" in said
+    want = f"{tmp_path / 'run' / 'checkpoints' / f'step_{steps}'}: rank 1's own check failed"
+    assert got[0]["one rank"] == got[1]["one rank"] == want

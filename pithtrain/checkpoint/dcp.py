@@ -41,7 +41,8 @@ sha256); a damaged one is reported with the file and the reason and the next old
 After a resume from step S, checkpoints of this run dir newer than S (damaged ones, or a
 timeline abandoned by `--resume=PATH` / `--no-resume`) are renamed `.abandoned-step_N` so that a
 later automatic resume cannot jump back to them; `.tmp-*` leftovers are deleted. If checkpoints
-exist but none is valid, resume stops with an error listing each problem (use --no-resume).
+exist but none is valid, resume stops with an error listing each problem. Every refusal names the
+way out first (FRESH: --no-resume or another log.run_dir).
 
 Safety: only tensors go through DCP (its non-tensor values are unpickled with weights_only=False,
 so none are written and a checkpoint whose index declares one is refused); hyper-parameters and
@@ -72,6 +73,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import threading
 import time
@@ -95,6 +97,8 @@ CRASH_HOOK = "PITHTRAIN_TEST_CRASH_IN_SAVE"
 # Model fields a resumed run may change (from the resumed step on): the balancing loss and bias
 # update, the z-loss, the initialisation's std. Neither the parameters nor the forward depend on them.
 TRAINING_ONLY = ("aux_loss_coeff", "bias_update_rate", "z_loss_coeff", "init_std")
+# The way out of every resume refusal, named before any other.
+FRESH = "start fresh with --no-resume (it sets the checkpoints aside) or choose another log.run_dir"
 
 
 class CheckpointError(RuntimeError):
@@ -240,8 +244,35 @@ def write_manifest(ckpt: Path, step: int, world: int = 1, timeout_s: float = 360
 def _share(files: dict, rank: int, world: int) -> list[str]:
     """This rank's files to hash at verification: largest first, dealt round robin (the same deal
     on every rank, from the manifest alone)."""
-    order = sorted(files, key=lambda n: (-int(files[n]["size"]), n))
+    order = sorted(files, key=lambda n: (-files[n]["size"], n))
     return order[rank::world]
+
+
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def _read_manifest(ckpt: Path) -> dict:
+    """manifest.json, checked whole before any file is: `files` maps plain file names to a size
+    (an int >= 0) and a sha256 (64 hex digits). Every rank reads the same file, so a malformed one
+    is the same CheckpointError on each, never a KeyError on the rank whose share holds the bad entry."""
+    mpath = ckpt / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(f"{mpath}: missing: the checkpoint was never committed (incomplete save)")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except ValueError as e:  # not JSON (a truncated file), or not UTF-8
+        raise CheckpointError(f"{mpath}: malformed manifest (not JSON: {e})") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{mpath}: malformed manifest (no 'files' mapping)")
+    for name, want in files.items():
+        size, sha = (want.get("size"), want.get("sha256")) if isinstance(want, dict) else (None, None)
+        why = ("not a file name of the checkpoint" if name in ("", ".", "..") or Path(name).name != name else
+               "size is not a whole number of bytes" if type(size) is not int or size < 0 else
+               "sha256 is not 64 hex digits" if not (isinstance(sha, str) and SHA256_HEX.fullmatch(sha)) else None)
+        if why:
+            raise CheckpointError(f"{mpath}: malformed manifest (entry {name[:100]!r}: {why})")
+    return manifest
 
 
 def verify(ckpt: Path, rank: int = 0, world: int = 1) -> dict:
@@ -249,15 +280,9 @@ def verify(ckpt: Path, rank: int = 0, world: int = 1) -> dict:
     then sha256); returns the manifest. With `world` > 1 this rank hashes its share only (the
     caller combines the ranks' verdicts: Checkpointer._verify). Files not in the manifest are
     printed, not loaded."""
-    mpath = ckpt / MANIFEST
-    if not mpath.is_file():
-        raise CheckpointError(f"{mpath}: missing: the checkpoint was never committed (incomplete save)")
-    try:
-        manifest = json.loads(mpath.read_text())
-        files = manifest["files"]
-        total = sum(int(w["size"]) for w in files.values())
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from None
+    manifest = _read_manifest(ckpt)
+    files = manifest["files"]
+    total = sum(w["size"] for w in files.values())
     for name, want in files.items():
         p = ckpt / name
         if not p.is_file():
@@ -267,12 +292,12 @@ def verify(ckpt: Path, rank: int = 0, world: int = 1) -> dict:
             raise CheckpointError(f"{p}: truncated or overwritten: {size} bytes, manifest says {want['size']}")
     share = _share(files, rank, world)
     what = "verifying" if world == 1 else f"verifying (rank {rank} of {world})"
-    done = _progress(ckpt, what, sum(int(files[n]["size"]) for n in share) if world > 1 else total,
+    done = _progress(ckpt, what, sum(files[n]["size"] for n in share) if world > 1 else total,
                      quiet=rank != 0)
     for name in share:
         if _sha256(ckpt / name) != files[name]["sha256"]:
             raise CheckpointError(f"{ckpt / name}: corrupt: sha256 does not match {MANIFEST}")
-        done(int(files[name]["size"]))
+        done(files[name]["size"])
     extra = sorted(p.name for p in ckpt.iterdir() if p.name not in files and p.name != MANIFEST)
     if extra and rank == 0:
         print(f"checkpoint: {ckpt}: ignoring files not in the manifest: {', '.join(extra)}", flush=True)
@@ -646,9 +671,7 @@ class Checkpointer:
         if error:
             raise CheckpointError(error)
         step = self.load(Path(found)) if found else 0
-        if self.rank == 0:
-            self._tidy(step)
-        self._barrier()
+        self._agree(self.root, lambda: self._tidy(step) if self.rank == 0 else None)
         if found:
             self.say(f"resumed from {found} at step {step} (data position {step})")
         if found and step >= self.cfg.train.steps:
@@ -662,17 +685,24 @@ class Checkpointer:
     def _verify(self, ckpt: Path):
         """Every rank hashes its share of `ckpt` at once; the first problem any rank found is
         raised on every rank (it names the file)."""
-        error = None
+        self._agree(ckpt, verify, ckpt, self.rank, _world())
+
+    def _agree(self, where: Path, check, *args):
+        """`check(*args)` on every rank; the first error any rank met is raised on all as a
+        CheckpointError (naming `where` unless it is one already). A rank that left alone would
+        leave the others waiting in the next collective until the timeout."""
+        error, result = None, None
         try:
-            verify(ckpt, self.rank, _world())
-        except (CheckpointError, OSError) as e:  # every rank must reach the all_gather
-            error = str(e)
+            result = check(*args)
+        except Exception as e:  # every rank must reach the all_gather
+            error = str(e) if isinstance(e, CheckpointError) else f"{where}: {type(e).__name__}: {e}"
         if self.pg is not None:
             errors = [None] * _world()
             dist.all_gather_object(errors, error, group=self.pg)
             error = next((e for e in errors if e), None)
         if error:
             raise CheckpointError(error)
+        return result
 
     def _choose(self, resume) -> Path | None:
         if resume is False:
@@ -686,9 +716,8 @@ class Checkpointer:
         for n in notes:
             self.say(n)
         if found is None and step_dirs(self.root):
-            raise CheckpointError(f"{self.root}: checkpoints exist but none is valid:"
-                                  + "".join(f"\n  {n}" for n in notes)
-                                  + "\n  (--no-resume starts fresh and sets them aside)")
+            raise CheckpointError(f"{self.root}: checkpoints exist but none is valid ({FRESH}):"
+                                  + "".join(f"\n  {n}" for n in notes))
         if found is None:
             self.say(f"no checkpoint in {self.root}; starting fresh")
         return found
@@ -714,14 +743,32 @@ class Checkpointer:
     def load(self, ckpt: Path) -> int:
         """Load a verified checkpoint into model, optimizer, scheduler and RNG; returns its step.
         Works across parallel layouts: DCP reads the chunks each rank's (D)Tensors need."""
+        tensors, _ = self._state()  # current (sharded) tensors: DCP loads into them in place
+        trainer = self._agree(ckpt, self._loadable, ckpt, tensors)  # all ranks enter DCP's load, or none
+        with _quiet():
+            dcp.load(tensors, storage_reader=SafeReader(ckpt), process_group=self.pg, no_dist=self.pg is None)
+        groups, schedule = self._recipe_hyperparameters(trainer)
+        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
+                       optim_state_dict={"state": tensors["optim"], "param_groups": groups})
+        self.scheduler.load_state_dict(schedule)
+        rng = tensors["rng"]
+        if f"rank{self.rank}.cpu" in rng:
+            torch.set_rng_state(rng[f"rank{self.rank}.cpu"])
+        if f"rank{self.rank}.cuda" in rng:
+            torch.cuda.set_rng_state(rng[f"rank{self.rank}.cuda"], self.device)
+        return int(trainer["step"])
+
+    def _loadable(self, ckpt: Path, tensors: dict) -> dict:
+        """The checks before DCP's load, on every rank (Checkpointer._agree): the checkpoint can
+        resume a run, holds this model, and every tensor this rank needs; returns trainer.json.
+        Drops the RNG states the checkpoint lacks from `tensors`."""
         trainer = json.loads((ckpt / TRAINER).read_text())
         if trainer.get("weights_only"):
             raise CheckpointError(f"{ckpt}: saved with checkpoint.weights_only (the model alone, no optimizer "
-                                  "state): it cannot resume a run; export it, or train from it with train.init_from "
-                                  "after `python -m pithtrain.checkpoint.export`")
+                                  f"state), so it cannot resume a run: {FRESH}; or export it (python -m "
+                                  "pithtrain.checkpoint.export) and train from it with train.init_from")
+        self._compare_recipe(ckpt)  # before the tokenizer: a different model is the refusal that holds
         self._check_tokenizer(ckpt, trainer.get("data"))
-        self._compare_recipe(ckpt)
-        tensors, _ = self._state()  # current (sharded) tensors: DCP loads into them in place
         md_keys = SafeReader(ckpt).read_metadata().state_dict_metadata
         rng = tensors["rng"]
         for k in [k for k in rng if f"rng.{k}" not in md_keys]:
@@ -730,17 +777,7 @@ class Checkpointer:
             self.say(f"saved with {trainer['world_size']} ranks, loading into {_world()} (resharded); "
                      "ranks without a saved RNG state keep their seeded one")
         _check_index(ckpt, _flat_keys(tensors))
-        with _quiet():
-            dcp.load(tensors, storage_reader=SafeReader(ckpt), process_group=self.pg, no_dist=self.pg is None)
-        groups, schedule = self._recipe_hyperparameters(trainer)
-        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
-                       optim_state_dict={"state": tensors["optim"], "param_groups": groups})
-        self.scheduler.load_state_dict(schedule)
-        if f"rank{self.rank}.cpu" in rng:
-            torch.set_rng_state(rng[f"rank{self.rank}.cpu"])
-        if f"rank{self.rank}.cuda" in rng:
-            torch.cuda.set_rng_state(rng[f"rank{self.rank}.cuda"], self.device)
-        return int(trainer["step"])
+        return trainer
 
     def _recipe_hyperparameters(self, trainer: dict) -> tuple[list[dict], dict]:
         """Optimizer param groups and scheduler state to load: the saved step counts with the
@@ -776,8 +813,8 @@ class Checkpointer:
         if not self.cfg.data.allow_tokenizer_change:
             raise CheckpointError(f"{ckpt}: trained on ids of tokenizer {what[0]}; the data now is "
                                   f"{self.cfg.data.path or 'stdlib'}, of {what[1]}: its ids mean other tokens. "
-                                  "Resume onto data of the checkpoint's tokenizer, or set "
-                                  "data.allow_tokenizer_change=true to continue on it anyway")
+                                  f"To train on this data, {FRESH}; or resume onto data of the checkpoint's "
+                                  "tokenizer (data.allow_tokenizer_change=true continues on these ids anyway)")
         self.say(f"tokenizer changed from {what[0]} to {what[1]} (data.allow_tokenizer_change)")
 
     def _compare_recipe(self, ckpt: Path):
@@ -799,7 +836,8 @@ class Checkpointer:
         model = [d for d in diffs if d[0].startswith("model.") and d[0][6:] not in TRAINING_ONLY]
         if model:
             raise CheckpointError(f"{ckpt}: saved with a different model: " + "; ".join(
-                f"{k}: {a!r} in the checkpoint, {b!r} now" for k, a, b in model))
+                f"{k}: {a!r} in the checkpoint, {b!r} now" for k, a, b in model)
+                + f". To train this model, {FRESH}; or resume with the checkpoint's recipe.yaml")
         if diffs:
             self.say("recipe differs from the checkpoint's (the current one is used): " + "; ".join(
                 f"{k}: {a!r} -> {b!r}" for k, a, b in diffs))
