@@ -332,6 +332,62 @@ def test_death_inside_save_keeps_previous_checkpoint(tmp_path, capsys):
     assert not (ck / ".tmp-step_4").exists() and (ck / "step_4").is_dir()
 
 
+SAVE_AGAIN = """
+import os, sys
+from pathlib import Path
+import torch
+from pithtrain.checkpoint import dcp
+from pithtrain.config import load_config
+from pithtrain.models import build_model
+from pithtrain.train import build_optimizer, lr_lambda
+rename = os.rename
+
+def die_between(src, dst):  # a second save of a step: the old one set aside, then killed
+    rename(src, dst)
+    if Path(dst).name.startswith(".replaced-"):
+        os._exit(70)
+
+os.rename = die_between
+cfg = load_config(None, sys.argv[2:])
+model = build_model(cfg.model, "cpu")
+opt = build_optimizer(model, cfg, torch.device("cpu"))
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+dcp.Checkpointer(cfg, model, opt, sched, torch.device("cpu")).save(int(sys.argv[1]))
+"""
+
+
+def test_a_death_between_the_two_renames_of_a_second_save_resumes_from_the_previous_one(ref, tmp_path, capsys):
+    """Saving step 20 again renames step_20 `.replaced-step_20`, then the new save's directory
+    step_20: a process killed in between leaves no step_20. Resume takes `.replaced-step_20` back
+    (complete: it verifies), says so, and restores exactly the first save of step 20."""
+    run = copy_run(ref, tmp_path)
+    args = RUN + variant.overrides() + [f"log.run_dir={run}"]
+    p = subprocess.run([sys.executable, "-c", SAVE_AGAIN, "20", *args], capture_output=True, text=True,
+                       timeout=180, env=SUB_ENV)
+    ck = run / "checkpoints"
+    assert p.returncode == 70, p.stderr[-2000:]
+    assert not (ck / "step_20").exists() and (ck / ".replaced-step_20").is_dir() and (ck / ".tmp-step_20").is_dir()
+    train(cfg_for(run))
+    said = capsys.readouterr().out
+    assert ("restored .replaced-step_20 -> step_20: the process stopped while step 20 was saved again, and this "
+            "is its previous save") in said
+    assert f"resumed from {ck / 'step_20'} at step 20" in said and "removed .tmp-step_20" in said
+    assert (ck / "latest").read_text().strip() == "step_20" and not (ck / ".replaced-step_20").exists()
+    assert_same(restored(ck / "step_20", run), restored(ref / "checkpoints" / "step_20", ref))
+    # a death after the second rename leaves a `.replaced-step_20` beside step_20: removed at the next
+    # resume; one newer than the resume point is set aside as a newer step_N is
+    for leftover in (".replaced-step_20", ".replaced-step_25"):
+        shutil.copytree(ck / "step_20", ck / leftover)
+    cfg = cfg_for(run)
+    model = build_model(cfg.model, "cpu")
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    Checkpointer(cfg, model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)), torch.device("cpu"))._tidy(20)
+    said = capsys.readouterr().out
+    assert "removed .replaced-step_20 (step_20 replaced it)" in said
+    assert "set aside .replaced-step_25 -> .abandoned-.replaced-step_25 (newer than the resume point, step 20)" in said
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith(".")) == [".abandoned-.replaced-step_25"]
+
+
 def damage(path: Path, how: str):
     data = bytearray(path.read_bytes())
     if how == "corrupt":

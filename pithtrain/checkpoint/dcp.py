@@ -40,7 +40,10 @@ that directory is complete, so it is used). Each candidate's manifest is verifie
 sha256); a damaged one is reported with the file and the reason and the next older one is tried.
 After a resume from step S, checkpoints of this run dir newer than S (damaged ones, or a
 timeline abandoned by `--resume=PATH` / `--no-resume`) are renamed `.abandoned-step_N` so that a
-later automatic resume cannot jump back to them; `.tmp-*` leftovers are deleted. If checkpoints
+later automatic resume cannot jump back to them; `.tmp-*` leftovers are deleted. A second save of
+a step renames the old step_N `.replaced-step_N` before its own rename takes the name: a death in
+between leaves no step_N, so resume renames `.replaced-step_N` back first (it was committed whole,
+and is verified like any other) and says so. If checkpoints
 exist but none is valid, resume stops with an error listing each problem. Every refusal names the
 way out first (FRESH: --no-resume or another log.run_dir).
 
@@ -126,6 +129,17 @@ def step_dirs(root: Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
     return sorted(found, key=step_of, reverse=True)
+
+
+REPLACED = re.compile(r"\.replaced-step_(\d+)(?:-\d+)?")
+
+
+def replaced_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(N, `.replaced-step_N`): the previous save of step N, which a second save of that step set
+    aside just before its own rename (Checkpointer._commit); left only by a death between the two."""
+    found = [(int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else ())
+             if p.is_dir() and (m := REPLACED.fullmatch(p.name))]
+    return sorted(found, key=lambda x: (x[0], x[1].name))
 
 
 def resolve(path: str | Path, check=None) -> Path:
@@ -712,6 +726,7 @@ class Checkpointer:
         check = self._verify_from_rank0
         if resume is not True:
             return resolve(resume, check)  # exactly what was asked for: a damaged one is an error
+        self._settle_replaced(None)  # a step_N that died being saved again: its previous save is a candidate
         found, notes = find_resumable(self.root, check)
         for n in notes:
             self.say(n)
@@ -722,12 +737,31 @@ class Checkpointer:
             self.say(f"no checkpoint in {self.root}; starting fresh")
         return found
 
+    def _settle_replaced(self, step: int | None):
+        """Each `.replaced-step_N` (replaced_dirs): renamed back to step_N when there is none (it was
+        committed whole; verification then takes or skips it like any step_N); once the resume
+        point `step` is chosen, set aside as abandoned when newer, removed when step_N exists."""
+        for n, p in replaced_dirs(self.root):
+            final = self.root / f"step_{n}"
+            if step is not None and n > step:
+                self.say(f"set aside {p.name} -> {self._set_aside(p, 'abandoned').name} "
+                         f"(newer than the resume point, step {step})")
+            elif not final.exists():
+                os.rename(p, final)
+                _fsync_dir(self.root)
+                self.say(f"restored {p.name} -> {final.name}: the process stopped while step {n} was saved "
+                         "again, and this is its previous save")
+            elif step is not None:
+                shutil.rmtree(p)
+                self.say(f"removed {p.name} (step_{n} replaced it)")
+
     def _tidy(self, step: int):
         """Set aside this run dir's checkpoints newer than the resume point, drop .tmp leftovers."""
         for p in step_dirs(self.root):
             if step_of(p) > step:
                 dest = self._set_aside(p, "abandoned")
                 self.say(f"set aside {p.name} -> {dest.name} (newer than the resume point, step {step})")
+        self._settle_replaced(step)
         for tmp in self.root.glob(".tmp-step_*") if self.root.is_dir() else []:
             shutil.rmtree(tmp, ignore_errors=True)
             self.say(f"removed {tmp.name} (a save that did not finish)")
