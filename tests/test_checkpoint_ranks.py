@@ -9,6 +9,7 @@ import os
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 import variant
@@ -122,8 +123,43 @@ def test_disk_estimate_for_qwen3_30b_warns_on_a_512_gb_disk(tmp_path, monkeypatc
     assert "warning: the run directory's filesystem has 512.0 GB free" in line
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(0, 0, 2e12))
     assert "warning" not in disk_estimate(cfg, total)
-    cfg.checkpoint.every, cfg.checkpoint.final = 0, False
+    cfg.checkpoint.every, cfg.checkpoint.every_minutes, cfg.checkpoint.final = 0, 0, False
     assert disk_estimate(cfg, total) is None
+
+
+@pytest.mark.parametrize("policy, saves", [
+    (["checkpoint.every=100"], 3),  # 10 saves, keep_last 2: two kept + the one being written
+    (["checkpoint.every=400", "checkpoint.keep_last=5"], 3),  # steps 400, 800 and the final 1000
+    (["checkpoint.every=0"], 1),  # the final save alone
+    (["checkpoint.every=0", "checkpoint.every_minutes=30"], 3),  # the clock's saves: as many as it makes
+    (["checkpoint.every=0", "checkpoint.every_minutes=30", "checkpoint.final=false"], 3),
+    (["checkpoint.every=0", "checkpoint.final=false"], 0),  # nothing saved: no line
+])
+def test_disk_estimate_counts_the_saves_the_policy_keeps(tmp_path, monkeypatch, policy, saves):
+    """It counted checkpoint.every's saves only: a run saving by the clock (the large recipes) was
+    one save, or none, where keep_last + 1 will exist."""
+    from pithtrain.checkpoint.dcp import disk_estimate
+    from pithtrain.config import load_config
+
+    cfg = load_config(None, ["train.steps=1000", "checkpoint.keep_last=2", f"log.run_dir={tmp_path}", *policy])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    line = disk_estimate(cfg, 10**9)  # 12 GB a save
+    if saves == 0:
+        assert line is None
+        return
+    assert f"peak {12 * saves:.2f} GB on disk ({saves} saves: keep_last=" in line, line
+    assert "host memory" not in line  # CPU: saves are synchronous
+
+
+def test_disk_estimate_says_an_asynchronous_save_stages_the_state_in_host_memory(tmp_path, monkeypatch):
+    from pithtrain.checkpoint.dcp import disk_estimate
+    from pithtrain.config import load_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = load_config(None, [f"log.run_dir={tmp_path}", "checkpoint.every=10"])
+    assert "an asynchronous save first copies it to host memory (12.00 GB over the ranks)" in disk_estimate(cfg, 10**9)
+    cfg.checkpoint.async_save = False
+    assert "host memory" not in disk_estimate(cfg, 10**9)
 
 
 def test_final_export_and_weights_only_hand_off(tmp_path):

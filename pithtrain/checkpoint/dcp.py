@@ -898,23 +898,33 @@ def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
 
 def disk_estimate(cfg, n_params: int) -> str | None:
     """A line for the start-up log: bytes per save (float32 weights and AdamW's two moments: 12
-    bytes a parameter), the peak (keep_last committed saves + the one being written in .tmp, +
-    the final export), and the free space of log.run_dir's filesystem, with a warning when less."""
+    bytes a parameter), the peak on disk under the save policy (keep_last committed saves + the
+    one being written in .tmp, as many as the run makes: checkpoint.every's, checkpoint.every_minutes'
+    -- the clock's, up to one a step -- and the final one; + the final export), and the free space of
+    log.run_dir's filesystem, with a warning when less. An asynchronous save (on CUDA) first copies
+    the state to host memory: said too. None when the run saves nothing."""
     c, steps = cfg.checkpoint, cfg.train.steps
-    saves = (steps // c.every if c.every else 0) + (1 if c.final and not (c.every and steps % c.every == 0) else 0)
+    saves = steps if c.every_minutes else (
+        (steps // c.every if c.every else 0) + (1 if c.final and not (c.every and steps % c.every == 0) else 0))
     if saves == 0:
         return None
     per_save = 12 * n_params
-    peak = (min(c.keep_last, saves - 1) + 1) * per_save
+    kept = min(c.keep_last, saves - 1) + 1
+    peak = kept * per_save
     if c.export_hf:
         peak += n_params * (2 if c.export_dtype == "bfloat16" else 4)
     where = Path(cfg.log.run_dir).absolute()
     while not where.exists():
         where = where.parent
     free = shutil.disk_usage(where).free
-    line = (f"checkpoint: {per_save / 1e9:.2f} GB per save (float32 weights + AdamW moments), peak "
-            f"{peak / 1e9:.2f} GB on disk with keep_last={c.keep_last} and the save being written"
-            f"{' and the export' if c.export_hf else ''}; {free / 1e9:.1f} GB free at {where}")
+    policy = " and ".join(w for w in (f"every {c.every} steps" if c.every else "",
+                                      f"every {c.every_minutes:g} minutes" if c.every_minutes else "",
+                                      "at the last step" if c.final else "") if w)
+    line = (f"checkpoint: {per_save / 1e9:.2f} GB per save (float32 weights + AdamW moments), saving {policy}; "
+            f"peak {peak / 1e9:.2f} GB on disk ({kept} saves: keep_last={c.keep_last} and the one being written"
+            f"{', and the export' if c.export_hf else ''}); {free / 1e9:.1f} GB free at {where}")
+    if c.async_save and cfg.train.device != "cpu" and torch.cuda.is_available():  # Checkpointer.use_async
+        line += f"; an asynchronous save first copies it to host memory ({per_save / 1e9:.2f} GB over the ranks)"
     if free < peak:
         line += (f"\nwarning: the run directory's filesystem has {free / 1e9:.1f} GB free, less than the "
                  f"{peak / 1e9:.2f} GB its checkpoints will take (lower checkpoint.keep_last or free space)")
