@@ -437,6 +437,24 @@ def _world() -> int:
     return dist.get_world_size() if _dist() else 1
 
 
+def agree(group, where: Path, check, *args):
+    """`check(*args)` on every rank of `group` (None: the default group); the first error any rank
+    met is raised on all as a CheckpointError (naming `where` unless it is one already). A rank
+    that left alone would leave the others waiting in their next collective until the timeout."""
+    error, result = None, None
+    try:
+        result = check(*args)
+    except Exception as e:  # every rank must reach the all_gather
+        error = str(e) if isinstance(e, CheckpointError) else f"{where}: {type(e).__name__}: {e}"
+    if _dist():
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise CheckpointError(error)
+    return result
+
+
 @contextlib.contextmanager
 def _quiet():
     """DCP warns on every single-process save/load; one process is our intent (no_dist), so hush it."""
@@ -685,7 +703,7 @@ class Checkpointer:
         if error:
             raise CheckpointError(error)
         step = self.load(Path(found)) if found else 0
-        self._agree(self.root, lambda: self._tidy(step) if self.rank == 0 else None)
+        agree(self.pg, self.root, lambda: self._tidy(step) if self.rank == 0 else None)
         if found:
             self.say(f"resumed from {found} at step {step} (data position {step})")
         if found and step >= self.cfg.train.steps:
@@ -699,24 +717,7 @@ class Checkpointer:
     def _verify(self, ckpt: Path):
         """Every rank hashes its share of `ckpt` at once; the first problem any rank found is
         raised on every rank (it names the file)."""
-        self._agree(ckpt, verify, ckpt, self.rank, _world())
-
-    def _agree(self, where: Path, check, *args):
-        """`check(*args)` on every rank; the first error any rank met is raised on all as a
-        CheckpointError (naming `where` unless it is one already). A rank that left alone would
-        leave the others waiting in the next collective until the timeout."""
-        error, result = None, None
-        try:
-            result = check(*args)
-        except Exception as e:  # every rank must reach the all_gather
-            error = str(e) if isinstance(e, CheckpointError) else f"{where}: {type(e).__name__}: {e}"
-        if self.pg is not None:
-            errors = [None] * _world()
-            dist.all_gather_object(errors, error, group=self.pg)
-            error = next((e for e in errors if e), None)
-        if error:
-            raise CheckpointError(error)
-        return result
+        agree(self.pg, ckpt, verify, ckpt, self.rank, _world())
 
     def _choose(self, resume) -> Path | None:
         if resume is False:
@@ -778,7 +779,7 @@ class Checkpointer:
         """Load a verified checkpoint into model, optimizer, scheduler and RNG; returns its step.
         Works across parallel layouts: DCP reads the chunks each rank's (D)Tensors need."""
         tensors, _ = self._state()  # current (sharded) tensors: DCP loads into them in place
-        trainer = self._agree(ckpt, self._loadable, ckpt, tensors)  # all ranks enter DCP's load, or none
+        trainer = agree(self.pg, ckpt, self._loadable, ckpt, tensors)  # all ranks enter DCP's load, or none
         with _quiet():
             dcp.load(tensors, storage_reader=SafeReader(ckpt), process_group=self.pg, no_dist=self.pg is None)
         groups, schedule = self._recipe_hyperparameters(trainer)
@@ -793,7 +794,7 @@ class Checkpointer:
         return int(trainer["step"])
 
     def _loadable(self, ckpt: Path, tensors: dict) -> dict:
-        """The checks before DCP's load, on every rank (Checkpointer._agree): the checkpoint can
+        """The checks before DCP's load, on every rank (agree): the checkpoint can
         resume a run, holds this model, and every tensor this rank needs; returns trainer.json.
         Drops the RNG states the checkpoint lacks from `tensors`."""
         trainer = json.loads((ckpt / TRAINER).read_text())
