@@ -918,11 +918,8 @@ def disk_estimate(cfg, n_params: int) -> str | None:
     while not where.exists():
         where = where.parent
     free = shutil.disk_usage(where).free
-    policy = " and ".join(w for w in (f"every {c.every} steps" if c.every else "",
-                                      f"every {c.every_minutes:g} minutes" if c.every_minutes else "",
-                                      "at the last step" if c.final else "") if w)
-    line = (f"checkpoint: {per_save / 1e9:.2f} GB per save (float32 weights + AdamW moments), saving {policy}; "
-            f"peak {peak / 1e9:.2f} GB on disk ({kept} saves: keep_last={c.keep_last} and the one being written"
+    line = (f"checkpoint: {per_save / 1e9:.2f} GB per save (float32 weights + AdamW moments), peak "
+            f"{peak / 1e9:.2f} GB on disk ({kept} saves: keep_last={c.keep_last} and the one being written"
             f"{', and the export' if c.export_hf else ''}); {free / 1e9:.1f} GB free at {where}")
     if c.async_save and cfg.train.device != "cpu" and torch.cuda.is_available():  # Checkpointer.use_async
         line += f"; an asynchronous save first copies it to host memory ({per_save / 1e9:.2f} GB over the ranks)"
