@@ -179,6 +179,44 @@ def test_async_save_snapshots_state(tmp_path):
     assert_same(state, before)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_async_save_with_a_background_copy_holds_the_state_before_the_next_optimizer_step(tmp_path, monkeypatch):
+    """A stager that copies the state in the background (DCP then answers staging and upload
+    futures, and only the upload's was kept): the optimizer step waits for the copy, so the
+    checkpoint holds the state the save was asked for, not the next step's."""
+    import concurrent.futures
+    import threading
+
+    from pithtrain.checkpoint import dcp as dcp_mod
+
+    class LateCopy(dcp_mod.FileSystemWriter):
+        def stage(self, state_dict):
+            done, copy = concurrent.futures.Future(), super().stage
+
+            def later():
+                time.sleep(0.5)
+                done.set_result(copy(state_dict))
+            threading.Thread(target=later).start()
+            return done
+
+    monkeypatch.setattr(dcp_mod, "FileSystemWriter", LateCopy)
+    cfg = cfg_for(tmp_path / "run", "train.steps=3")
+    model = build_model(cfg.model, "cpu")
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    ck = Checkpointer(cfg, model, opt, sched, torch.device("cpu"))
+    ck.use_async = True
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ck.save(3)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    ck.close()
+    _, state, _, _ = restored(tmp_path / "run/checkpoints/step_3", tmp_path / "run")
+    assert_same(state, before)
+    assert not all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the step moved them
+
+
 # ---------------------------------------------------------------------------------------------
 # Faults: SIGKILL mid-run, death inside a save, damaged files
 
@@ -294,6 +332,62 @@ def test_death_inside_save_keeps_previous_checkpoint(tmp_path, capsys):
     assert not (ck / ".tmp-step_4").exists() and (ck / "step_4").is_dir()
 
 
+SAVE_AGAIN = """
+import os, sys
+from pathlib import Path
+import torch
+from pithtrain.checkpoint import dcp
+from pithtrain.config import load_config
+from pithtrain.models import build_model
+from pithtrain.train import build_optimizer, lr_lambda
+rename = os.rename
+
+def die_between(src, dst):  # a second save of a step: the old one set aside, then killed
+    rename(src, dst)
+    if Path(dst).name.startswith(".replaced-"):
+        os._exit(70)
+
+os.rename = die_between
+cfg = load_config(None, sys.argv[2:])
+model = build_model(cfg.model, "cpu")
+opt = build_optimizer(model, cfg, torch.device("cpu"))
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+dcp.Checkpointer(cfg, model, opt, sched, torch.device("cpu")).save(int(sys.argv[1]))
+"""
+
+
+def test_a_death_between_the_two_renames_of_a_second_save_resumes_from_the_previous_one(ref, tmp_path, capsys):
+    """Saving step 20 again renames step_20 `.replaced-step_20`, then the new save's directory
+    step_20: a process killed in between leaves no step_20. Resume takes `.replaced-step_20` back
+    (complete: it verifies), says so, and restores exactly the first save of step 20."""
+    run = copy_run(ref, tmp_path)
+    args = RUN + variant.overrides() + [f"log.run_dir={run}"]
+    p = subprocess.run([sys.executable, "-c", SAVE_AGAIN, "20", *args], capture_output=True, text=True,
+                       timeout=180, env=SUB_ENV)
+    ck = run / "checkpoints"
+    assert p.returncode == 70, p.stderr[-2000:]
+    assert not (ck / "step_20").exists() and (ck / ".replaced-step_20").is_dir() and (ck / ".tmp-step_20").is_dir()
+    train(cfg_for(run))
+    said = capsys.readouterr().out
+    assert ("restored .replaced-step_20 -> step_20: the process stopped while step 20 was saved again, and this "
+            "is its previous save") in said
+    assert f"resumed from {ck / 'step_20'} at step 20" in said and "removed .tmp-step_20" in said
+    assert (ck / "latest").read_text().strip() == "step_20" and not (ck / ".replaced-step_20").exists()
+    assert_same(restored(ck / "step_20", run), restored(ref / "checkpoints" / "step_20", ref))
+    # a death after the second rename leaves a `.replaced-step_20` beside step_20: removed at the next
+    # resume; one newer than the resume point is set aside as a newer step_N is
+    for leftover in (".replaced-step_20", ".replaced-step_25"):
+        shutil.copytree(ck / "step_20", ck / leftover)
+    cfg = cfg_for(run)
+    model = build_model(cfg.model, "cpu")
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    Checkpointer(cfg, model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)), torch.device("cpu"))._tidy(20)
+    said = capsys.readouterr().out
+    assert "removed .replaced-step_20 (step_20 replaced it)" in said
+    assert "set aside .replaced-step_25 -> .abandoned-.replaced-step_25 (newer than the resume point, step 20)" in said
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith(".")) == [".abandoned-.replaced-step_25"]
+
+
 def damage(path: Path, how: str):
     data = bytearray(path.read_bytes())
     if how == "corrupt":
@@ -353,6 +447,29 @@ def test_no_valid_checkpoint_is_an_error_not_a_fresh_start(ref, tmp_path, capsys
     assert main(RUN + variant.overrides() + [f"log.run_dir={run}"]) == 2
     err = capsys.readouterr().err
     assert "none is valid" in err and all(f"skipping {d}" in err for d in ("step_10", "step_20"))
+    assert "none is valid (start fresh with --no-resume" in err.splitlines()[0]  # the way out, first
+
+
+def test_resume_refusals_name_the_way_out_first_on_one_line(ref, tmp_path, monkeypatch, capsys):
+    """The data walkthrough's trap (issue 50): a run dir trained on another tokenizer and another
+    model. The refusal is the model's (following a tokenizer hint would only meet it next), and
+    each refusal names --no-resume and another log.run_dir before any other way, on one line."""
+    from pithtrain.checkpoint import dcp as dcp_mod
+
+    run = copy_run(ref, tmp_path)
+    real = dcp_mod.tokenizer_of
+    monkeypatch.setattr(dcp_mod, "tokenizer_of", lambda data: {**real(data), "tokenizer_sha256": "f" * 64})
+    fresh = "start fresh with --no-resume (it sets the checkpoints aside) or choose another log.run_dir"
+    assert main(RUN + variant.overrides() + [f"log.run_dir={run}", "model.vocab_size=320"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(rf"error: \S+/step_20: saved with a different model: model.vocab_size: \d+ in the checkpoint, "
+                        rf"320 now. To train this model, {re.escape(fresh)}; or resume with the checkpoint's "
+                        r"recipe.yaml", err), err
+    assert main(RUN + variant.overrides() + [f"log.run_dir={run}"]) == 2  # the same model: the tokenizer's
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(
+        rf"its ids mean other tokens. To train on this data, {re.escape(fresh)}; or resume onto data of the "
+        r"checkpoint's tokenizer \(data.allow_tokenizer_change=true continues on these ids anyway\)$", err), err
 
 
 def test_no_resume_starts_fresh(ref, tmp_path, capsys):

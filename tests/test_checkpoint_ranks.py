@@ -9,6 +9,7 @@ import os
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 import variant
@@ -122,8 +123,43 @@ def test_disk_estimate_for_qwen3_30b_warns_on_a_512_gb_disk(tmp_path, monkeypatc
     assert "warning: the run directory's filesystem has 512.0 GB free" in line
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(0, 0, 2e12))
     assert "warning" not in disk_estimate(cfg, total)
-    cfg.checkpoint.every, cfg.checkpoint.final = 0, False
+    cfg.checkpoint.every, cfg.checkpoint.every_minutes, cfg.checkpoint.final = 0, 0, False
     assert disk_estimate(cfg, total) is None
+
+
+@pytest.mark.parametrize("policy, saves", [
+    (["checkpoint.every=100"], 3),  # 10 saves, keep_last 2: two kept + the one being written
+    (["checkpoint.every=400", "checkpoint.keep_last=5"], 3),  # steps 400, 800 and the final 1000
+    (["checkpoint.every=0"], 1),  # the final save alone
+    (["checkpoint.every=0", "checkpoint.every_minutes=30"], 3),  # the clock's saves: as many as it makes
+    (["checkpoint.every=0", "checkpoint.every_minutes=30", "checkpoint.final=false"], 3),
+    (["checkpoint.every=0", "checkpoint.final=false"], 0),  # nothing saved: no line
+])
+def test_disk_estimate_counts_the_saves_the_policy_keeps(tmp_path, monkeypatch, policy, saves):
+    """It counted checkpoint.every's saves only: a run saving by the clock (the large recipes) was
+    one save, or none, where keep_last + 1 will exist."""
+    from pithtrain.checkpoint.dcp import disk_estimate
+    from pithtrain.config import load_config
+
+    cfg = load_config(None, ["train.steps=1000", "checkpoint.keep_last=2", f"log.run_dir={tmp_path}", *policy])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    line = disk_estimate(cfg, 10**9)  # 12 GB a save
+    if saves == 0:
+        assert line is None
+        return
+    assert f"peak {12 * saves:.2f} GB on disk ({saves} saves: keep_last=" in line, line
+    assert "host memory" not in line  # CPU: saves are synchronous
+
+
+def test_disk_estimate_says_an_asynchronous_save_stages_the_state_in_host_memory(tmp_path, monkeypatch):
+    from pithtrain.checkpoint.dcp import disk_estimate
+    from pithtrain.config import load_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = load_config(None, [f"log.run_dir={tmp_path}", "checkpoint.every=10"])
+    assert "an asynchronous save first copies it to host memory (12.00 GB over the ranks)" in disk_estimate(cfg, 10**9)
+    cfg.checkpoint.async_save = False
+    assert "host memory" not in disk_estimate(cfg, 10**9)
 
 
 def test_final_export_and_weights_only_hand_off(tmp_path):
@@ -166,3 +202,199 @@ def test_final_export_and_weights_only_hand_off(tmp_path):
     assert one == sorted(f.name for f in (tmp_path / "two").iterdir())
     for f in one:
         assert (tmp_path / "one" / f).read_bytes() == (tmp_path / "two" / f).read_bytes(), f
+
+
+# ---------------------------------------------------------------------------------------------
+# The asynchronous save on 2 gloo ranks (issue 52): its collectives run on DCP's background thread
+# while the main thread's step boundary and evaluation agree on notices
+
+
+ASYNC_STEPS, ASYNC_SEEDS = 4, (0, 1, 2)
+
+
+def _init_gloo(rank: int, world: int, port: int, timeout_s: float = 20.0):
+    """A gloo group whose collectives (and every group made after it) fail after `timeout_s`: a
+    mismatched collective fails the test instead of hanging it."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    c10d.default_pg_timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=c10d.default_pg_timeout)
+    return dist
+
+
+def _async_worker(rank: int, world: int, port: int, tmp: str):
+    """Every step saves asynchronously (the CUDA path, forced on CPU as tests/test_checkpoint.py's
+    async-then-fail test does); each rank's shards take a random time to write, so one rank's
+    background exchange comes before its step boundary and another's after. Per seed, one rank
+    gets SIGTERM while a save is being written; the run stops at an agreed step, resumes, and
+    every loss equals the uninterrupted run's."""
+    import functools
+    import random
+    import signal
+    import time
+
+    import pithtrain.checkpoint.dcp as dcp_mod
+    import pithtrain.data
+    from pithtrain.checkpoint.dcp import step_dirs, verify
+    from pithtrain.config import load_config
+    from pithtrain.reliability import Ended
+    from pithtrain.train import train
+
+    pithtrain.data.stdlib_tokens = functools.lru_cache(pithtrain.data.stdlib_tokens)  # read once per process
+    dist = _init_gloo(rank, world, port)
+    init, write = dcp_mod.Checkpointer.__init__, dcp_mod.FileSystemWriter.write_data
+    trial = {"rng": random.Random(f"ref-{rank}"), "notice": None}
+
+    def async_init(self, *args):
+        init(self, *args)
+        self.use_async = True
+
+    def slow_write(self, *args, **kwargs):  # DCP's background thread
+        time.sleep(trial["rng"].choice((0.0, 0.05, 0.2)))
+        if trial["notice"] == Path(str(self.path)).name:
+            trial["notice"] = None
+            os.kill(os.getpid(), signal.SIGTERM)
+        return write(self, *args, **kwargs)
+
+    dcp_mod.Checkpointer.__init__, dcp_mod.FileSystemWriter.write_data = async_init, slow_write
+    extra = ["parallel.fsdp=2", "train.device=cpu", "log.every=1", "log.tensorboard=false", "checkpoint.every=1",
+             "checkpoint.keep_last=2", "train.eval_every=2", "train.eval_batches=2", f"train.steps={ASYNC_STEPS}"]
+
+    def cfg(run):
+        return load_config(None, TINY + variant.overrides() + extra + [f"log.run_dir={run}"])
+
+    ref, _ = train(cfg(f"{tmp}/ref"))
+    out = {"ref": [h["loss"] for h in ref], "trials": []}
+    for seed in ASYNC_SEEDS:
+        pick = random.Random(seed)  # the same on every rank: which rank, which save
+        victim, at = pick.randrange(world), pick.randint(1, ASYNC_STEPS - 2)
+        trial["rng"] = random.Random(f"{seed}-{rank}")  # each rank its own write times
+        trial["notice"] = f".tmp-step_{at}" if rank == victim else None
+        run = f"{tmp}/seed{seed}"
+        try:
+            train(cfg(run))
+            code = 0
+        except Ended as e:
+            code = e.code
+        kept = step_dirs(Path(run) / "checkpoints")
+        stopped = int(kept[0].name.removeprefix("step_"))
+        if rank == 0:
+            verify(kept[0])
+        rest, _ = train(cfg(run))
+        out["trials"].append({"seed": seed, "at": at, "code": code, "stopped": stopped,
+                              "resumed": [h["step"] for h in rest]})
+        if rank == 0:
+            recs = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+            out["trials"][-1]["losses"] = [r["loss"] for r in sorted(recs, key=lambda r: r["step"])]
+    Path(tmp, f"async.{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def test_async_saves_every_step_with_notices_during_them_agree_and_resume_bit_exact(tmp_path):
+    mp.spawn(_async_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    got = [json.loads((tmp_path / f"async.{r}.json").read_text()) for r in range(2)]
+    assert got[0]["trials"][0]["resumed"] == got[1]["trials"][0]["resumed"]
+    for t0, t1 in zip(got[0]["trials"], got[1]["trials"]):
+        assert t0["code"] == t1["code"] == 143 and t0["stopped"] == t1["stopped"], (t0, t1)
+        # the notice came while step `at`'s save was written: the step boundary after `at` + 1 or
+        # `at` + 2 (the rank's write may outlast a step) saw it, on both ranks alike
+        assert t0["at"] + 1 <= t0["stopped"] <= t0["at"] + 2, t0
+        assert t0["resumed"] == list(range(t0["stopped"] + 1, ASYNC_STEPS + 1)), t0
+        assert t0["losses"] == got[0]["ref"], t0  # bit for bit
+
+
+# ---------------------------------------------------------------------------------------------
+# A malformed manifest, or a check only one rank fails, on 2 gloo ranks (issue 52): every rank
+# raises the same CheckpointError, and resume skips the checkpoint by name
+
+
+def _malform(ckpt: Path, how: str):
+    """Rewrite `ckpt`'s manifest.json as `how` says (rank 0, before the others resume)."""
+    from pithtrain.checkpoint.dcp import MANIFEST, _share
+
+    path = ckpt / MANIFEST
+    text = path.read_text()
+    m = json.loads(text)
+    files = m["files"]
+    if how == "truncated":
+        path.write_text(text[: len(text) // 2])
+        return
+    if how.startswith("no sha256, rank "):  # a file only that rank hashes at verification
+        del files[_share(files, int(how[-1]), 2)[0]]["sha256"]
+    elif how == "no size":
+        del files["trainer.json"]["size"]
+    elif how == "sha256 a number":
+        files["recipe.yaml"]["sha256"] = 12345
+    elif how == "size a string":
+        files["recipe.yaml"]["size"] = str(files["recipe.yaml"]["size"])
+    elif how == "files a list":
+        m["files"] = list(files)
+    elif how == "a name outside":
+        files["../x"] = files.pop("recipe.yaml")
+    path.write_text(json.dumps(m))
+
+
+MALFORMED = ("truncated", "no sha256, rank 1", "no sha256, rank 0", "no size", "sha256 a number", "size a string",
+             "files a list", "a name outside")
+
+
+def _malformed_worker(rank: int, world: int, port: int, tmp: str):
+    import pithtrain.checkpoint.dcp as dcp_mod
+    from pithtrain.checkpoint.dcp import CheckpointError
+    from pithtrain.config import load_config
+    from pithtrain.train import train
+
+    dist = _init_gloo(rank, world, port)
+    run, steps = Path(tmp, "run"), len(MALFORMED) + 1
+    args = TINY + variant.overrides() + ["parallel.fsdp=2", "train.device=cpu", "log.tensorboard=false",
+                                         f"train.steps={steps}", f"log.run_dir={run}"]
+    train(load_config(None, args + ["checkpoint.every=1", f"checkpoint.keep_last={steps}"]))
+    dist.barrier()
+    if rank == 0:  # step_1 stays whole; each newer one has its manifest malformed another way
+        for step, how in zip(range(steps, 1, -1), MALFORMED):
+            _malform(run / "checkpoints" / f"step_{step}", how)
+    dist.barrier()
+    out = {}
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        hist, _ = train(load_config(None, args))
+    out["resumed"], out["said"] = [h["step"] for h in hist], said.getvalue()
+    # a check of the checkpoint that fails on rank 1 alone (as a missing tensor only one pipeline
+    # stage holds would): both ranks raise it, none waits in DCP's load for the other
+    real = dcp_mod._check_index
+
+    def only_rank_1(ckpt, keys):
+        if rank == 1:
+            raise CheckpointError(f"{ckpt}: rank 1's own check failed")
+        return real(ckpt, keys)
+
+    dcp_mod._check_index = only_rank_1
+    try:
+        train(load_config(None, args + [f"train.steps={steps + 1}"]))
+        out["one rank"] = "no error"
+    except CheckpointError as e:
+        out["one rank"] = str(e)
+    finally:
+        dcp_mod._check_index = real
+    Path(tmp, f"malformed.{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def test_a_malformed_manifest_or_one_ranks_failed_check_is_the_same_error_on_every_rank(tmp_path):
+    mp.spawn(_malformed_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    got = [json.loads((tmp_path / f"malformed.{r}.json").read_text()) for r in range(2)]
+    steps = len(MALFORMED) + 1
+    assert got[0]["resumed"] == got[1]["resumed"] == list(range(2, steps + 1))  # from step_1, on both ranks
+    said = got[0]["said"]
+    for step in range(steps, 1, -1):
+        line = next(x for x in said.splitlines() if f"skipping step_{step}: " in x)
+        assert f"step_{step}/manifest.json: malformed manifest" in line, line
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step_1'} at step 1" in said
+    want = f"{tmp_path / 'run' / 'checkpoints' / f'step_{steps}'}: rank 1's own check failed"
+    assert got[0]["one rank"] == got[1]["one rank"] == want

@@ -542,8 +542,9 @@ def test_resuming_onto_shards_of_another_tokenizer_is_refused_unless_the_recipe_
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and re.search(
         r"step_1: trained on ids of tokenizer \S+/tok \(sha256 [0-9a-f]{12}\); the data now is \S+/b, of \S+/tok2 "
-        r"\(sha256 [0-9a-f]{12}\): its ids mean other tokens. Resume onto data of the checkpoint's tokenizer, or "
-        r"set data.allow_tokenizer_change=true to continue on it anyway", err), err
+        r"\(sha256 [0-9a-f]{12}\): its ids mean other tokens. To train on this data, start fresh with --no-resume "
+        r".* or choose another log.run_dir; or resume onto data of the checkpoint's tokenizer "
+        r"\(data.allow_tokenizer_change=true continues on these ids anyway\)", err), err
     assert main(run + ["train.steps=2", f"data.path={tmp_path / 'b'}", "data.allow_tokenizer_change=true"]) == 0
     out = capsys.readouterr().out
     assert "checkpoint: tokenizer changed from" in out and "resumed from" in out and "step      2" in out

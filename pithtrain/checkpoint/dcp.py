@@ -40,8 +40,12 @@ that directory is complete, so it is used). Each candidate's manifest is verifie
 sha256); a damaged one is reported with the file and the reason and the next older one is tried.
 After a resume from step S, checkpoints of this run dir newer than S (damaged ones, or a
 timeline abandoned by `--resume=PATH` / `--no-resume`) are renamed `.abandoned-step_N` so that a
-later automatic resume cannot jump back to them; `.tmp-*` leftovers are deleted. If checkpoints
-exist but none is valid, resume stops with an error listing each problem (use --no-resume).
+later automatic resume cannot jump back to them; `.tmp-*` leftovers are deleted. A second save of
+a step renames the old step_N `.replaced-step_N` before its own rename takes the name: a death in
+between leaves no step_N, so resume renames `.replaced-step_N` back first (it was committed whole,
+and is verified like any other) and says so. If checkpoints
+exist but none is valid, resume stops with an error listing each problem. Every refusal names the
+way out first (FRESH: --no-resume or another log.run_dir).
 
 Safety: only tensors go through DCP (its non-tensor values are unpickled with weights_only=False,
 so none are written and a checkpoint whose index declares one is refused); hyper-parameters and
@@ -53,7 +57,9 @@ tampering: whoever can write a checkpoint can rewrite its manifest.
 
 Saving is asynchronous (dcp.async_save: state staged to CPU memory, written by a thread) when
 checkpoint.async_save is set and the run is on CUDA; the commit then runs in a thread on rank 0
-once the write is done. On CPU saving is synchronous. Multi-process runs need a file system
+once the write is done. DCP's exchanges for it run on that thread over a gloo group of their own
+(`save_pg`), never the one the main thread's step boundary uses (`pg`), and the next optimizer
+step waits for the staging copy. On CPU saving is synchronous. Multi-process runs need a file system
 shared by all ranks (each rank writes its own shards into the same directory).
 
 Test hook (the only one): PITHTRAIN_TEST_CRASH_IN_SAVE=N makes the process os._exit(70) while
@@ -70,6 +76,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import threading
 import time
@@ -93,6 +100,8 @@ CRASH_HOOK = "PITHTRAIN_TEST_CRASH_IN_SAVE"
 # Model fields a resumed run may change (from the resumed step on): the balancing loss and bias
 # update, the z-loss, the initialisation's std. Neither the parameters nor the forward depend on them.
 TRAINING_ONLY = ("aux_loss_coeff", "bias_update_rate", "z_loss_coeff", "init_std")
+# The way out of every resume refusal, named before any other.
+FRESH = "start fresh with --no-resume (it sets the checkpoints aside) or choose another log.run_dir"
 
 
 class CheckpointError(RuntimeError):
@@ -120,6 +129,17 @@ def step_dirs(root: Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
     return sorted(found, key=step_of, reverse=True)
+
+
+REPLACED = re.compile(r"\.replaced-step_(\d+)(?:-\d+)?")
+
+
+def replaced_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(N, `.replaced-step_N`): the previous save of step N, which a second save of that step set
+    aside just before its own rename (Checkpointer._commit); left only by a death between the two."""
+    found = [(int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else ())
+             if p.is_dir() and (m := REPLACED.fullmatch(p.name))]
+    return sorted(found, key=lambda x: (x[0], x[1].name))
 
 
 def resolve(path: str | Path, check=None) -> Path:
@@ -238,8 +258,35 @@ def write_manifest(ckpt: Path, step: int, world: int = 1, timeout_s: float = 360
 def _share(files: dict, rank: int, world: int) -> list[str]:
     """This rank's files to hash at verification: largest first, dealt round robin (the same deal
     on every rank, from the manifest alone)."""
-    order = sorted(files, key=lambda n: (-int(files[n]["size"]), n))
+    order = sorted(files, key=lambda n: (-files[n]["size"], n))
     return order[rank::world]
+
+
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def _read_manifest(ckpt: Path) -> dict:
+    """manifest.json, checked whole before any file is: `files` maps plain file names to a size
+    (an int >= 0) and a sha256 (64 hex digits). Every rank reads the same file, so a malformed one
+    is the same CheckpointError on each, never a KeyError on the rank whose share holds the bad entry."""
+    mpath = ckpt / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(f"{mpath}: missing: the checkpoint was never committed (incomplete save)")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except ValueError as e:  # not JSON (a truncated file), or not UTF-8
+        raise CheckpointError(f"{mpath}: malformed manifest (not JSON: {e})") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{mpath}: malformed manifest (no 'files' mapping)")
+    for name, want in files.items():
+        size, sha = (want.get("size"), want.get("sha256")) if isinstance(want, dict) else (None, None)
+        why = ("not a file name of the checkpoint" if name in ("", ".", "..") or Path(name).name != name else
+               "size is not a whole number of bytes" if type(size) is not int or size < 0 else
+               "sha256 is not 64 hex digits" if not (isinstance(sha, str) and SHA256_HEX.fullmatch(sha)) else None)
+        if why:
+            raise CheckpointError(f"{mpath}: malformed manifest (entry {name[:100]!r}: {why})")
+    return manifest
 
 
 def verify(ckpt: Path, rank: int = 0, world: int = 1) -> dict:
@@ -247,15 +294,9 @@ def verify(ckpt: Path, rank: int = 0, world: int = 1) -> dict:
     then sha256); returns the manifest. With `world` > 1 this rank hashes its share only (the
     caller combines the ranks' verdicts: Checkpointer._verify). Files not in the manifest are
     printed, not loaded."""
-    mpath = ckpt / MANIFEST
-    if not mpath.is_file():
-        raise CheckpointError(f"{mpath}: missing: the checkpoint was never committed (incomplete save)")
-    try:
-        manifest = json.loads(mpath.read_text())
-        files = manifest["files"]
-        total = sum(int(w["size"]) for w in files.values())
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from None
+    manifest = _read_manifest(ckpt)
+    files = manifest["files"]
+    total = sum(w["size"] for w in files.values())
     for name, want in files.items():
         p = ckpt / name
         if not p.is_file():
@@ -265,12 +306,12 @@ def verify(ckpt: Path, rank: int = 0, world: int = 1) -> dict:
             raise CheckpointError(f"{p}: truncated or overwritten: {size} bytes, manifest says {want['size']}")
     share = _share(files, rank, world)
     what = "verifying" if world == 1 else f"verifying (rank {rank} of {world})"
-    done = _progress(ckpt, what, sum(int(files[n]["size"]) for n in share) if world > 1 else total,
+    done = _progress(ckpt, what, sum(files[n]["size"] for n in share) if world > 1 else total,
                      quiet=rank != 0)
     for name in share:
         if _sha256(ckpt / name) != files[name]["sha256"]:
             raise CheckpointError(f"{ckpt / name}: corrupt: sha256 does not match {MANIFEST}")
-        done(int(files[name]["size"]))
+        done(files[name]["size"])
     extra = sorted(p.name for p in ckpt.iterdir() if p.name not in files and p.name != MANIFEST)
     if extra and rank == 0:
         print(f"checkpoint: {ckpt}: ignoring files not in the manifest: {', '.join(extra)}", flush=True)
@@ -396,6 +437,24 @@ def _world() -> int:
     return dist.get_world_size() if _dist() else 1
 
 
+def agree(group, where: Path, check, *args):
+    """`check(*args)` on every rank of `group` (None: the default group); the first error any rank
+    met is raised on all as a CheckpointError (naming `where` unless it is one already). A rank
+    that left alone would leave the others waiting in their next collective until the timeout."""
+    error, result = None, None
+    try:
+        result = check(*args)
+    except Exception as e:  # every rank must reach the all_gather
+        error = str(e) if isinstance(e, CheckpointError) else f"{where}: {type(e).__name__}: {e}"
+    if _dist():
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise CheckpointError(error)
+    return result
+
+
 @contextlib.contextmanager
 def _quiet():
     """DCP warns on every single-process save/load; one process is our intent (no_dist), so hush it."""
@@ -419,10 +478,17 @@ class Checkpointer:
         self.root = checkpoints_dir(cfg.log.run_dir)
         self.rank = _rank()
         self.use_async = cfg.checkpoint.async_save and device.type == "cuda"
-        # DCP's own collectives (plan exchange, write results) and our barriers go over gloo, so
-        # an async save's background thread never shares a NCCL communicator with training.
+        # Collectives on one group pair up in the order each rank issues them, so no group is used
+        # by two threads: `pg` (gloo: no NCCL communicator shared with training) serves the main
+        # thread (train.py's step boundary, our barriers, broadcasts, verification, loading, a
+        # synchronous save); an asynchronous save's plan and write-result exchanges, which DCP runs
+        # on its background thread while the main thread trains, go over `save_pg`, made at the first
+        # asynchronous save (every rank saves the same steps).
         self.pg = dist.new_group(backend="gloo") if _dist() else None
+        self.save_pg = None
         self._pending = None  # (future, thread) of an async save in flight
+        self._staging = None  # an async save's copy of the state to CPU, when its stager copies in the background
+        optimizer.register_step_pre_hook(self._staged)  # that copy is complete before the weights change
         self._error: list[BaseException] = []
         self.saved_at = time.monotonic()  # when the last save began (checkpoint.every_minutes)
 
@@ -519,10 +585,15 @@ class Checkpointer:
             (tmp / RECIPE).write_text(self.cfg.to_yaml())
         writer = FileSystemWriter(tmp)  # sync_files=True: each shard is fsynced by its writer
         if self.use_async:
+            if self.pg is not None and self.save_pg is None:
+                self.save_pg = dist.new_group(backend="gloo")
             with _quiet():
-                fut = dcp.async_save(tensors, storage_writer=writer, process_group=self.pg,
-                                     no_dist=self.pg is None)
-            fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse with async staging
+                fut = dcp.async_save(tensors, storage_writer=writer, process_group=self.save_pg,
+                                     no_dist=self.save_pg is None)
+            # a stager that copies in the background answers (staging, upload) futures: the optimizer
+            # step waits for the first (_staged); FileSystemWriter copies before returning
+            self._staging = getattr(fut, "staging_completion", None)
+            fut = getattr(fut, "upload_completion", fut)
             # every rank hashes its files once written; rank 0's future ends after every rank's
             # write results are in, and its commit waits for the other ranks' hashes
             thread = threading.Thread(target=self._finish_async, args=(fut, tmp, step), daemon=True)
@@ -546,6 +617,12 @@ class Checkpointer:
         except BaseException as e:  # re-raised on the training thread by wait()/after_step()
             shutil.rmtree(tmp, ignore_errors=True)  # a partial save keeps its space (_save_failed)
             self._error.append(e)
+
+    def _staged(self, *_):
+        """Optimizer step pre-hook: an asynchronous save's copy of the state is complete."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.result()
 
     def wait(self):
         """Block until an asynchronous save in flight is written and committed."""
@@ -626,9 +703,7 @@ class Checkpointer:
         if error:
             raise CheckpointError(error)
         step = self.load(Path(found)) if found else 0
-        if self.rank == 0:
-            self._tidy(step)
-        self._barrier()
+        agree(self.pg, self.root, lambda: self._tidy(step) if self.rank == 0 else None)
         if found:
             self.say(f"resumed from {found} at step {step} (data position {step})")
         if found and step >= self.cfg.train.steps:
@@ -642,17 +717,7 @@ class Checkpointer:
     def _verify(self, ckpt: Path):
         """Every rank hashes its share of `ckpt` at once; the first problem any rank found is
         raised on every rank (it names the file)."""
-        error = None
-        try:
-            verify(ckpt, self.rank, _world())
-        except (CheckpointError, OSError) as e:  # every rank must reach the all_gather
-            error = str(e)
-        if self.pg is not None:
-            errors = [None] * _world()
-            dist.all_gather_object(errors, error, group=self.pg)
-            error = next((e for e in errors if e), None)
-        if error:
-            raise CheckpointError(error)
+        agree(self.pg, ckpt, verify, ckpt, self.rank, _world())
 
     def _choose(self, resume) -> Path | None:
         if resume is False:
@@ -662,16 +727,34 @@ class Checkpointer:
         check = self._verify_from_rank0
         if resume is not True:
             return resolve(resume, check)  # exactly what was asked for: a damaged one is an error
+        self._settle_replaced(None)  # a step_N that died being saved again: its previous save is a candidate
         found, notes = find_resumable(self.root, check)
         for n in notes:
             self.say(n)
         if found is None and step_dirs(self.root):
-            raise CheckpointError(f"{self.root}: checkpoints exist but none is valid:"
-                                  + "".join(f"\n  {n}" for n in notes)
-                                  + "\n  (--no-resume starts fresh and sets them aside)")
+            raise CheckpointError(f"{self.root}: checkpoints exist but none is valid ({FRESH}):"
+                                  + "".join(f"\n  {n}" for n in notes))
         if found is None:
             self.say(f"no checkpoint in {self.root}; starting fresh")
         return found
+
+    def _settle_replaced(self, step: int | None):
+        """Each `.replaced-step_N` (replaced_dirs): renamed back to step_N when there is none (it was
+        committed whole; verification then takes or skips it like any step_N); once the resume
+        point `step` is chosen, set aside as abandoned when newer, removed when step_N exists."""
+        for n, p in replaced_dirs(self.root):
+            final = self.root / f"step_{n}"
+            if step is not None and n > step:
+                self.say(f"set aside {p.name} -> {self._set_aside(p, 'abandoned').name} "
+                         f"(newer than the resume point, step {step})")
+            elif not final.exists():
+                os.rename(p, final)
+                _fsync_dir(self.root)
+                self.say(f"restored {p.name} -> {final.name}: the process stopped while step {n} was saved "
+                         "again, and this is its previous save")
+            elif step is not None:
+                shutil.rmtree(p)
+                self.say(f"removed {p.name} (step_{n} replaced it)")
 
     def _tidy(self, step: int):
         """Set aside this run dir's checkpoints newer than the resume point, drop .tmp leftovers."""
@@ -679,6 +762,7 @@ class Checkpointer:
             if step_of(p) > step:
                 dest = self._set_aside(p, "abandoned")
                 self.say(f"set aside {p.name} -> {dest.name} (newer than the resume point, step {step})")
+        self._settle_replaced(step)
         for tmp in self.root.glob(".tmp-step_*") if self.root.is_dir() else []:
             shutil.rmtree(tmp, ignore_errors=True)
             self.say(f"removed {tmp.name} (a save that did not finish)")
@@ -694,14 +778,32 @@ class Checkpointer:
     def load(self, ckpt: Path) -> int:
         """Load a verified checkpoint into model, optimizer, scheduler and RNG; returns its step.
         Works across parallel layouts: DCP reads the chunks each rank's (D)Tensors need."""
+        tensors, _ = self._state()  # current (sharded) tensors: DCP loads into them in place
+        trainer = agree(self.pg, ckpt, self._loadable, ckpt, tensors)  # all ranks enter DCP's load, or none
+        with _quiet():
+            dcp.load(tensors, storage_reader=SafeReader(ckpt), process_group=self.pg, no_dist=self.pg is None)
+        groups, schedule = self._recipe_hyperparameters(trainer)
+        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
+                       optim_state_dict={"state": tensors["optim"], "param_groups": groups})
+        self.scheduler.load_state_dict(schedule)
+        rng = tensors["rng"]
+        if f"rank{self.rank}.cpu" in rng:
+            torch.set_rng_state(rng[f"rank{self.rank}.cpu"])
+        if f"rank{self.rank}.cuda" in rng:
+            torch.cuda.set_rng_state(rng[f"rank{self.rank}.cuda"], self.device)
+        return int(trainer["step"])
+
+    def _loadable(self, ckpt: Path, tensors: dict) -> dict:
+        """The checks before DCP's load, on every rank (agree): the checkpoint can
+        resume a run, holds this model, and every tensor this rank needs; returns trainer.json.
+        Drops the RNG states the checkpoint lacks from `tensors`."""
         trainer = json.loads((ckpt / TRAINER).read_text())
         if trainer.get("weights_only"):
             raise CheckpointError(f"{ckpt}: saved with checkpoint.weights_only (the model alone, no optimizer "
-                                  "state): it cannot resume a run; export it, or train from it with train.init_from "
-                                  "after `python -m pithtrain.checkpoint.export`")
+                                  f"state), so it cannot resume a run: {FRESH}; or export it (python -m "
+                                  "pithtrain.checkpoint.export) and train from it with train.init_from")
+        self._compare_recipe(ckpt)  # before the tokenizer: a different model is the refusal that holds
         self._check_tokenizer(ckpt, trainer.get("data"))
-        self._compare_recipe(ckpt)
-        tensors, _ = self._state()  # current (sharded) tensors: DCP loads into them in place
         md_keys = SafeReader(ckpt).read_metadata().state_dict_metadata
         rng = tensors["rng"]
         for k in [k for k in rng if f"rng.{k}" not in md_keys]:
@@ -710,17 +812,7 @@ class Checkpointer:
             self.say(f"saved with {trainer['world_size']} ranks, loading into {_world()} (resharded); "
                      "ranks without a saved RNG state keep their seeded one")
         _check_index(ckpt, _flat_keys(tensors))
-        with _quiet():
-            dcp.load(tensors, storage_reader=SafeReader(ckpt), process_group=self.pg, no_dist=self.pg is None)
-        groups, schedule = self._recipe_hyperparameters(trainer)
-        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
-                       optim_state_dict={"state": tensors["optim"], "param_groups": groups})
-        self.scheduler.load_state_dict(schedule)
-        if f"rank{self.rank}.cpu" in rng:
-            torch.set_rng_state(rng[f"rank{self.rank}.cpu"])
-        if f"rank{self.rank}.cuda" in rng:
-            torch.cuda.set_rng_state(rng[f"rank{self.rank}.cuda"], self.device)
-        return int(trainer["step"])
+        return trainer
 
     def _recipe_hyperparameters(self, trainer: dict) -> tuple[list[dict], dict]:
         """Optimizer param groups and scheduler state to load: the saved step counts with the
@@ -756,8 +848,8 @@ class Checkpointer:
         if not self.cfg.data.allow_tokenizer_change:
             raise CheckpointError(f"{ckpt}: trained on ids of tokenizer {what[0]}; the data now is "
                                   f"{self.cfg.data.path or 'stdlib'}, of {what[1]}: its ids mean other tokens. "
-                                  "Resume onto data of the checkpoint's tokenizer, or set "
-                                  "data.allow_tokenizer_change=true to continue on it anyway")
+                                  f"To train on this data, {FRESH}; or resume onto data of the checkpoint's "
+                                  "tokenizer (data.allow_tokenizer_change=true continues on these ids anyway)")
         self.say(f"tokenizer changed from {what[0]} to {what[1]} (data.allow_tokenizer_change)")
 
     def _compare_recipe(self, ckpt: Path):
@@ -779,7 +871,8 @@ class Checkpointer:
         model = [d for d in diffs if d[0].startswith("model.") and d[0][6:] not in TRAINING_ONLY]
         if model:
             raise CheckpointError(f"{ckpt}: saved with a different model: " + "; ".join(
-                f"{k}: {a!r} in the checkpoint, {b!r} now" for k, a, b in model))
+                f"{k}: {a!r} in the checkpoint, {b!r} now" for k, a, b in model)
+                + f". To train this model, {FRESH}; or resume with the checkpoint's recipe.yaml")
         if diffs:
             self.say("recipe differs from the checkpoint's (the current one is used): " + "; ".join(
                 f"{k}: {a!r} -> {b!r}" for k, a, b in diffs))
@@ -806,14 +899,19 @@ def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
 
 def disk_estimate(cfg, n_params: int) -> str | None:
     """A line for the start-up log: bytes per save (float32 weights and AdamW's two moments: 12
-    bytes a parameter), the peak (keep_last committed saves + the one being written in .tmp, +
-    the final export), and the free space of log.run_dir's filesystem, with a warning when less."""
+    bytes a parameter), the peak on disk under the save policy (keep_last committed saves + the
+    one being written in .tmp, as many as the run makes: checkpoint.every's, checkpoint.every_minutes'
+    -- the clock's, up to one a step -- and the final one; + the final export), and the free space of
+    log.run_dir's filesystem, with a warning when less. An asynchronous save (on CUDA) first copies
+    the state to host memory: said too. None when the run saves nothing."""
     c, steps = cfg.checkpoint, cfg.train.steps
-    saves = (steps // c.every if c.every else 0) + (1 if c.final and not (c.every and steps % c.every == 0) else 0)
+    saves = steps if c.every_minutes else (
+        (steps // c.every if c.every else 0) + (1 if c.final and not (c.every and steps % c.every == 0) else 0))
     if saves == 0:
         return None
     per_save = 12 * n_params
-    peak = (min(c.keep_last, saves - 1) + 1) * per_save
+    kept = min(c.keep_last, saves - 1) + 1
+    peak = kept * per_save
     if c.export_hf:
         peak += n_params * (2 if c.export_dtype == "bfloat16" else 4)
     where = Path(cfg.log.run_dir).absolute()
@@ -821,8 +919,10 @@ def disk_estimate(cfg, n_params: int) -> str | None:
         where = where.parent
     free = shutil.disk_usage(where).free
     line = (f"checkpoint: {per_save / 1e9:.2f} GB per save (float32 weights + AdamW moments), peak "
-            f"{peak / 1e9:.2f} GB on disk with keep_last={c.keep_last} and the save being written"
-            f"{' and the export' if c.export_hf else ''}; {free / 1e9:.1f} GB free at {where}")
+            f"{peak / 1e9:.2f} GB on disk ({kept} saves: keep_last={c.keep_last} and the one being written"
+            f"{', and the export' if c.export_hf else ''}); {free / 1e9:.1f} GB free at {where}")
+    if c.async_save and cfg.train.device != "cpu" and torch.cuda.is_available():  # Checkpointer.use_async
+        line += f"; an asynchronous save first copies it to host memory ({per_save / 1e9:.2f} GB over the ranks)"
     if free < peak:
         line += (f"\nwarning: the run directory's filesystem has {free / 1e9:.1f} GB free, less than the "
                  f"{peak / 1e9:.2f} GB its checkpoints will take (lower checkpoint.keep_last or free space)")
