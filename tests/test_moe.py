@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+from moe_path import dispatched
 
 from pithtrain.models.common import (GroupedExperts, LocalDispatcher, expert_order, grouped_mm, grouped_mm_loop,
-                                     set_aux_loss_scale)
+                                     mlp_output, set_aux_loss_scale)
 from pithtrain.models.qwen3_moe import MoE, Qwen3MoeConfig
 
 
@@ -39,7 +40,7 @@ def test_moe_grouped_equals_loop_forward_backward(top_k):
         moe.zero_grad()
         moe.experts.mm = mm
         xx = x.clone().requires_grad_()
-        y = moe(xx)
+        y = mlp_output(moe, xx)
         y.backward(g)
         return y.detach(), xx.grad, [p.grad.clone() for p in moe.parameters()]
 
@@ -62,7 +63,7 @@ def test_dispatch_matches_dense_mixture():
     x = torch.randn(T, D)
     idx = torch.stack([torch.randperm(E)[:A] for _ in range(T)])
     w = torch.rand(T, A)
-    y = LocalDispatcher()(x, idx, w, ex)
+    y = dispatched(LocalDispatcher(), x, idx, w, ex)
     ref = torch.zeros(T, D)
     for t in range(T):
         for a in range(A):
@@ -89,7 +90,7 @@ def test_aux_loss_router_gradient_is_the_hand_written_loss_gradient(balance, mic
         torch.nn.init.normal_(p, std=0.2)
     set_aux_loss_scale(moe, 1.0 / micro_batches)
     x = torch.randn(B, S, D)
-    y = moe(x)
+    y = mlp_output(moe, x)
     y.backward(torch.zeros_like(y))
 
     w = moe.gate.weight.detach().clone().requires_grad_()
@@ -129,14 +130,14 @@ def test_experts_compute_in_the_autocast_dtype_locally_and_behind_expert_paralle
     with torch.autocast("cpu", dtype=torch.bfloat16):
         x_XD, _, counts, _ = LocalDispatcher().dispatch(x, idx, w, 8)
         assert experts(x_XD, counts).dtype == torch.bfloat16
-        y_local = LocalDispatcher()(x, idx, w, experts)
+        y_local = dispatched(LocalDispatcher(), x, idx, w, experts)
     # the same as handing the experts bf16 rows outside autocast (weights cast, or quantised, alike)
-    torch.testing.assert_close(y_local, LocalDispatcher()(x.bfloat16(), idx, w.bfloat16(), experts),
+    torch.testing.assert_close(y_local, dispatched(LocalDispatcher(), x.bfloat16(), idx, w.bfloat16(), experts),
                                rtol=0, atol=0)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            y_ep = ExpertParallelDispatcher(dist.group.WORLD, 0, 1, 8)(x, idx, w, experts)
+            y_ep = dispatched(ExpertParallelDispatcher(dist.group.WORLD, 0, 1, 8), x, idx, w, experts)
     finally:
         dist.destroy_process_group()
     assert y_ep.dtype == torch.bfloat16

@@ -10,6 +10,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from moe_path import dispatched
 from torch import nn
 
 from pithtrain.distributed.parallel_dims import ParallelDims
@@ -62,7 +63,7 @@ def test_dropped_slots_are_not_dispatched_nor_computed():
     mm = ex.mm
     ex.mm = lambda x_XD, w_EDF, offs_E: seen.append(x_XD.shape[0]) or mm(x_XD, w_EDF, offs_E)
     xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = LocalDispatcher(drops=True)(xl, idx, wl, ex)
+    y = dispatched(LocalDispatcher(drops=True), xl, idx, wl, ex)
     (y * g).sum().backward()
     assert seen == [n, n] and ex.rows_computed == n  # both GEMMs, and the witness: computed slots only
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -86,7 +87,7 @@ def test_without_drops_the_dispatcher_refuses_a_dropped_id():
     the per-expert count instead of being computed as something else."""
     idx, w = routing(6)
     with pytest.raises(RuntimeError, match="out of bounds"):
-        LocalDispatcher()(torch.randn(6, D), idx, w, experts())
+        dispatched(LocalDispatcher(), torch.randn(6, D), idx, w, experts())
 
 
 def widen_router(moe, width: int, cfg):
@@ -163,7 +164,7 @@ def _ep_worker(rank: int, world: int, port: int, tmp: str):
             local.w2_EFD.copy_(full.w2_EFD[rank * El:(rank + 1) * El])
         d = ExpertParallelDispatcher(dist.group.WORLD, rank, world, E, dedup=dedup)
         xl, wl = x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
-        y = d(xl, idx[mine], wl, local)
+        y = dispatched(d, xl, idx[mine], wl, local)
         (y * g[mine]).sum().backward()
         torch.testing.assert_close(y, ref[mine], rtol=1e-5, atol=1e-5)
         assert not wl.grad[~computed_slots(idx[mine], E)].any()

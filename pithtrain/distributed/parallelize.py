@@ -55,7 +55,7 @@ from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
 from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.models import to_empty
 from pithtrain.models.balance import Balance
-from pithtrain.models.common import GroupedExperts, Rotary, _local, attention, decoder_layers
+from pithtrain.models.common import GroupedExperts, Rotary, attention, local, decoder_layers
 from pithtrain.models.init import init_block_seeded, model_blocks
 
 
@@ -139,7 +139,7 @@ def bf16_weights(model: nn.Module, on: bool = True):
     slots = [(mod, name, p) for mod in model.modules() for name, p in mod._parameters.items()
              if p is not None and p.dtype == torch.float32 and (not fsdp or getattr(mod, "outside_fsdp", False))]
     for _, _, p in slots:  # tied parameters share one copy
-        b, local = getattr(p, "bf16", None), _local(p)  # a DTensor master (experts): its local block
+        b, local = getattr(p, "bf16", None), local(p)  # a DTensor master (experts): its local block
         if (b is None or b.shape != local.shape or b.device != p.device or b.requires_grad != p.requires_grad
                 or b.master() is not p):
             b = p.bf16 = nn.Parameter(local.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
@@ -165,11 +165,11 @@ def _into_master(b: torch.Tensor) -> None:
     master = b.master()
     if master.grad is None:
         g = b.grad.to(master.dtype)
-        master.grad = (DTensor.from_local(g, master.device_mesh, master.placements, run_check=False,
+        master.grad = (DTensor.fromlocal(g, master.device_mesh, master.placements, run_check=False,
                                           shape=master.shape, stride=master.stride())
                        if isinstance(master, DTensor) else g)
     else:
-        _local(master.grad).add_(b.grad)
+        local(master.grad).add_(b.grad)
     b.grad = None
 
 
@@ -237,7 +237,7 @@ def _copy_block(name: str, twin: nn.Module, block: nn.Module):
         src = src_params[pname]
         if isinstance(p, DTensor):
             src = distribute_tensor(src.detach(), p.device_mesh, p.placements, src_data_rank=None)
-            src, p = src.to_local(), p.to_local()
+            src, p = src.tolocal(), p.tolocal()
         assert p.shape == src.shape, (f"{name}.{pname}", p.shape, src.shape)
         p.copy_(src)
     src_buffers = dict(twin.named_buffers())

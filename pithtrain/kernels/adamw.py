@@ -26,8 +26,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from pithtrain.models.common import _local  # a DTensor's local shard: AdamW is elementwise
+from torch.distributed.tensor import DTensor
 
 BLOCK = 4096
 
@@ -105,7 +104,8 @@ class AdamW(torch.optim.AdamW):
                 torch._foreach_add_(steps, 1)
             for p, step in zip(todo, steps):
                 st = self.state[p]
-                ts = [_local(x) for x in (p, p.grad, st["exp_avg"], st["exp_avg_sq"])]
+                ts = [x.to_local() if isinstance(x, DTensor) else x  # a DTensor's shard: AdamW is elementwise
+                      for x in (p, p.grad, st["exp_avg"], st["exp_avg_sq"])]
                 if all(x.is_contiguous() for x in ts):
                     n = ts[0].numel()
                     copy = getattr(p, "bf16", None)
