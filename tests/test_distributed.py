@@ -42,7 +42,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import variant
-from moe_path import dispatched
+from run_path import dispatched
 
 from pithtrain.config import ConfigError, config_from_dict, load_config
 from pithtrain.metrics import flops_per_token

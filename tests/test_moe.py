@@ -2,10 +2,17 @@
 
 import pytest
 import torch
-from moe_path import dispatched
+from run_path import dispatched
 
-from pithtrain.models.common import (GroupedExperts, LocalDispatcher, expert_order, grouped_mm, grouped_mm_loop,
-                                     mlp_output, set_aux_loss_scale)
+from pithtrain.models.common import (
+    GroupedExperts,
+    LocalDispatcher,
+    expert_order,
+    grouped_mm,
+    grouped_mm_loop,
+    mlp_output,
+    set_aux_loss_scale,
+)
 from pithtrain.models.qwen3_moe import MoE, Qwen3MoeConfig
 
 
@@ -149,3 +156,48 @@ def test_expert_order_is_the_stable_argsort_of_the_expert_ids(E):
     """One-byte keys up to 256 experts (one radix pass on the GPU), the ids themselves beyond."""
     idx = torch.randint(0, E, (2048,))
     assert torch.equal(expert_order(idx, E), torch.argsort(idx, stable=True))
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "gpt_oss"])
+def test_a_change_to_a_family_block_reaches_the_training_step(family, monkeypatch):
+    """A MoE block has no forward of its own: the training step (build.build_run + train.train_step,
+    what train.py and the bench run) calls every method the family's MoE and attention classes
+    define, and a change to the router changes the step's loss. A variant written into a method the
+    step never calls (a `forward` beside the layer's phases, say) fails here, naming it."""
+    import importlib
+    import inspect
+
+    from test_distributed import FAMILIES
+
+    from pithtrain.build import build_run
+    from pithtrain.config import config_from_dict
+    from pithtrain.distributed.parallel_dims import ParallelDims
+    from pithtrain.train import train_step
+
+    module = importlib.import_module(f"pithtrain.models.{family}")
+    called, halve = set(), [False]
+    for cls in (module.MoE, module.Attention):
+        for name, fn in list(vars(cls).items()):
+            if inspect.isfunction(fn) and not name.startswith("__"):
+                def spy(*args, _fn=fn, _name=f"{cls.__name__}.{name}", **kwargs):
+                    called.add(_name)
+                    out = _fn(*args, **kwargs)
+                    if _name == "MoE.route" and halve[0]:  # a variant's change to the router's weights
+                        out = (*out[:2], out[2] * 0.5, out[3])
+                    return out
+                monkeypatch.setattr(cls, name, spy)
+    defined = {f"{c.__name__}.{n}" for c in (module.MoE, module.Attention) for n, f in vars(c).items()
+               if inspect.isfunction(f) and not n.startswith("__")}
+    assert "MoE.route" in defined and "MoE.forward" not in defined
+    cfg = config_from_dict({"model": FAMILIES[family], "train": dict(micro_batch_size=2, seq_len=16, grad_accum=2),
+                            "checkpoint": dict(final=False)})
+    x = torch.randint(0, cfg.model.vocab_size, (2, 2, 17), generator=torch.Generator().manual_seed(0))
+    mbs = [(b[:, :-1], b[:, 1:], None, None) for b in x]
+    losses = []
+    for halve[0] in (False, True):
+        torch.manual_seed(cfg.train.seed)
+        run = build_run(cfg, torch.device("cpu"), ParallelDims.from_config(cfg, 1, 0))
+        losses.append(train_step(run, mbs, 2 * 2 * 16).loss)
+    assert called == defined, f"never called by the training step: {sorted(defined - called)}"
+    assert losses[0] != losses[1], losses

@@ -10,13 +10,13 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from moe_path import dispatched
+from run_path import dispatched
 from torch import nn
 
 from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.distributed.reductions import balance_after_step
 from pithtrain.models import build_model
-from pithtrain.models.balance import Balance
+from pithtrain.models.balance import Balance, reset_step_stats
 from pithtrain.models.common import DROPPED, GroupedExperts, LocalDispatcher, computed_slots, dispatch_plan
 from pithtrain.models.qwen3_moe import Qwen3MoeConfig
 
@@ -135,7 +135,8 @@ def test_a_router_wider_than_the_ffn_experts_sizes_load_and_metrics():
     for layer, load in zip(model.layers, loads):
         want = 0.1 * torch.sign(load.double().mean() - load.double())
         torch.testing.assert_close(layer.mlp.balance.bias_E, want.float())
-        assert layer.mlp.experts.rows_computed == 0 and not layer.mlp.balance.stats.any()
+    reset_step_stats(model)  # the train step's, after the balancing update
+    assert all(layer.mlp.experts.rows_computed == 0 and not layer.mlp.balance.stats.any() for layer in model.layers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,10 +233,11 @@ def test_flops_take_the_computed_slots_and_stay_static_without_them():
 def test_a_run_whose_router_drops_slots_logs_mfu_of_what_was_computed(tmp_path, monkeypatch):
     """Every other token's second slot DROPPED: the step's metrics say 1.5 slots were computed per
     token (the experts' witness), and MFU counts those FLOPs, not top_k's."""
+    import pithtrain.build as build_mod
+    import pithtrain.train as train_mod
     from pithtrain.config import load_config
     from pithtrain.metrics import flops_per_token
-    import pithtrain.train as train_mod
-    build = train_mod.build_model
+    build = build_mod.build_model
 
     def dropping(route):
         def call(x_TD):
@@ -251,7 +253,7 @@ def test_a_run_whose_router_drops_slots_logs_mfu_of_what_was_computed(tmp_path, 
             layer.mlp.route, layer.mlp.dispatcher = dropping(layer.mlp.route), LocalDispatcher(drops=True)
         return model
 
-    monkeypatch.setattr(train_mod, "build_model", build_dropping)
+    monkeypatch.setattr(build_mod, "build_model", build_dropping)
     cfg = load_config(None, ["train.steps=2", "train.micro_batch_size=2", "train.seq_len=32", "log.every=1",
                              "model.hidden_size=32", "model.num_layers=2", "data.max_bytes=20000",
                              "log.peak_tflops=1", "checkpoint.final=false", f"log.run_dir={tmp_path}"])

@@ -13,15 +13,13 @@ import contextlib
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.models.balance import Balance
-
 
 # ---------------------------------------------------------------------------------------------
 # Token embedding, norm and rotary embeddings
@@ -199,9 +197,10 @@ def attention(q_BHSd, k_BKSd, v_BKSe, *, scale: float, window: int | None = None
     Hugging Face's convention), learned sinks (an extra logit per head that takes softmax mass) and
     document masking (keys of the query's own document only).
     GQA: K may divide H. With `fa4`, half-precision attention runs on flash-attn-4 (kernels/fa4.py;
-    documents through its varlen interface, `docs.cu_seqlens`). Otherwise the plain case uses SDPA, trying the backends `sdpa_first` first
-    (cuDNN's fused kernel takes GQA as is, and d_qk != d_v as in DeepSeek's MLA, where SDPA's own
-    order falls back to the slower memory-efficient kernel), else in SDPA's own order.
+    documents through its varlen interface, `docs.cu_seqlens`). Otherwise the plain case uses SDPA,
+    trying the backends `sdpa_first` first (cuDNN's fused kernel takes GQA as is, and d_qk != d_v
+    as in DeepSeek's MLA, where SDPA's own order falls back to the slower memory-efficient
+    kernel), else in SDPA's own order.
     Windows / sinks / documents go to `flex` (a kernels.flex.FlexAttention; document masks come
     built in `docs.block_masks`), else to the eager reference. use_kernels binds `sdpa_first`,
     `flex` and `fa4` per model (each attention module's `attention` is this function, bound)."""
@@ -647,10 +646,12 @@ def mlp_output(mlp: nn.Module, x_BSD):
     return run_phases(mlp_phases(mlp), {"h1": torch.zeros_like(x_BSD), "x": x_BSD})["out"]
 
 
-def use_kernels(model: nn.Module, use: dict) -> nn.Module:
+def use_kernels(model: nn.Module, use: dict, copies=None) -> nn.Module:
     """Resolve a run's kernel choice (kernels.configure: name -> on) into `model`'s own swappable
     attributes, in place: the fused operator where `use` says so, the reference elsewhere. Before
-    parallelize (context parallel then replaces the attention call) and before compile."""
+    parallelize (context parallel then replaces the attention call) and before compile. `copies`:
+    the run's bf16 weight copies (precision.WeightCopies, or None), whose masters the in-place
+    weight gradients write (kernels/wgrad.py)."""
     flex = None
     if use["flex"]:
         from pithtrain.kernels.flex import FlexAttention
@@ -658,11 +659,12 @@ def use_kernels(model: nn.Module, use: dict) -> nn.Module:
     model.rotary.flex, model.rotary.fa4 = flex, use["fa4"]
     bound = functools.partial(attention, sdpa_first=SDPA_CUDNN_FIRST if use["cudnn_sdpa"] else None, flex=flex,
                               fa4=use["fa4"])
-    model.cross_entropy = functools.partial(cross_entropy_sum, fused=use["linear_ce"], in_place=use["wgrad_ends"])
+    model.cross_entropy = functools.partial(cross_entropy_sum, fused=use["linear_ce"], in_place=use["wgrad_ends"],
+                                            copies=copies)
     for m in model.modules():
         if isinstance(m, Embedding):
             from pithtrain.kernels import wgrad
-            m.lookup = wgrad.embedding if use["wgrad_ends"] else F.embedding
+            m.lookup = functools.partial(wgrad.embedding, copies=copies) if use["wgrad_ends"] else F.embedding
         call = getattr(m, "attention", None)
         if attention in (call, getattr(call, "func", None)):  # not context parallel's
             m.attention = bound
@@ -672,13 +674,13 @@ def use_kernels(model: nn.Module, use: dict) -> nn.Module:
             m.mm = grouped_mm
             if use["fp8"] and use["deepgemm"]:  # each its own FP8 weight cache
                 from pithtrain.kernels import deepgemm
-                m.mm = deepgemm.FP8GroupedMM(deepgemm.load(), in_place=use["wgrad"])
+                m.mm = deepgemm.FP8GroupedMM(deepgemm.load(), in_place=use["wgrad"], copies=copies)
             elif use["fp8"]:
                 from pithtrain.kernels.fp8_linear import FP8GroupedMM
                 m.mm = FP8GroupedMM()
             elif use["wgrad"]:
-                from pithtrain.kernels.wgrad import grouped_mm as accumulating_grouped_mm
-                m.mm = functools.partial(accumulating_grouped_mm, reference=grouped_mm)
+                from pithtrain.kernels.wgrad import grouped_mm as in_place_mm
+                m.mm = functools.partial(in_place_mm, reference=grouped_mm, copies=copies)
             m.swiglu, m.bias_add = swiglu, add_expert_bias
             if use["swiglu"]:
                 from pithtrain.kernels.swiglu import swiglu as fused_swiglu
@@ -722,17 +724,18 @@ def head_loss(model, h_BSD, labels_BS):
 # Loss
 
 
-def cross_entropy_sum(h_TD, weight_VD, labels_T, chunk: int = 4096, fused: bool = False, in_place: bool = False):
+def cross_entropy_sum(h_TD, weight_VD, labels_T, chunk: int = 4096, fused: bool = False, in_place: bool = False,
+                      copies=None):
     """Sum of token cross-entropies (labels == -100 ignored), with logits made `chunk` rows at a
     time under activation checkpointing, so (T, V) logits never exist at once in fp32.
     `fused` (use_kernels binds it into the model's `cross_entropy`) and gradients wanted: each
     chunk once, its gradients made in the forward pass (kernels/linear_ce.py), saving the
     recomputed LM-head matmul; `in_place` there: the head's weight gradient accumulates in place
-    over micro-batches (kernels/wgrad.py)."""
+    over micro-batches (kernels/wgrad.py; into the master of a bf16 copy in `copies`)."""
     wants_grad = torch.is_grad_enabled() and (h_TD.requires_grad or weight_VD.requires_grad)
     if fused and wants_grad:
         from pithtrain.kernels.linear_ce import linear_cross_entropy_sum
-        return linear_cross_entropy_sum(h_TD, weight_VD, labels_T, chunk, in_place)
+        return linear_cross_entropy_sum(h_TD, weight_VD, labels_T, chunk, in_place, copies)
     total = h_TD.new_zeros((), dtype=torch.float32)
     for s in range(0, h_TD.shape[0], chunk):
         total = total + torch.utils.checkpoint.checkpoint(
