@@ -15,20 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
-from pithtrain.models.common import (
-    DecoderLayer,
-    Embedding,
-    GroupedExperts,
-    LocalDispatcher,
-    RMSNorm,
-    Rotary,
-    SwiGLUMLP,
-    apply_rope,
-    attention,
-    causal_lm_forward,
-    cross_entropy_sum,
-    init_normal,
-)
+from pithtrain.models.common import (DecoderLayer, Embedding, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
+                                     SwiGLUMLP, apply_rope, attention, causal_lm_forward, cross_entropy_sum,
+                                     init_normal)
 from pithtrain.models.hub import hub_name, native_name, per_expert_to_stacked, stacked_to_per_expert
 from pithtrain.models.init import init_by_block
 
