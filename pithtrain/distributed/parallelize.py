@@ -12,7 +12,7 @@ Order (each step relies on the previous ones):
                        each MoE block's `dispatcher` becomes the all-to-all one (dims.ep_dispatch:
                        ep > 1, or one GPU on the FSDP path).
   2. context parallel  each attention module's `attention` call (models.common.attention; a
-                       variant's own is refused, naming the module) becomes ContextParallelAttention,
+                       variant's own is refused before, by build.check_run) becomes ContextParallelAttention,
                        each MoE block's `balance.stats_sum` an all-reduce over the cp ranks.
   3. activation checkpointing, 4. compile   (pithtrain/compile.py; module names unchanged).
   5. FSDP2             routed experts first, on the expert mesh (edp, efsdp) with Shard(1): split
