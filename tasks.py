@@ -7,7 +7,7 @@
     invoke plan --model=qwen3-30b-a3b --gpu=h100 --gpus=8    # per-rank memory plan, before launch
 
 Runtime. `--gpu` names the hardware and so the image (h100/h200 -> hopper, b200/b300 -> blackwell,
-auto -> ask nvidia-smi) and adds the GPU's recipe overrides (pithtrain/config.py:GPU_OVERRIDES).
+auto -> ask nvidia-smi) and adds the GPU's recipe overrides (pithtrain/gpus.py).
 With `--gpu`, commands run in that pinned image through the compose files (`--runtime=docker`);
 without it, or when already inside the image, they run here (`--runtime=native`). `--dry-run`
 prints the exact commands instead of running them. The command lines themselves are built by
@@ -138,7 +138,8 @@ def _emit(c, lines: list[str], dry_run: bool):
 
 # torchrun passes these on to its workers, and waits this long for a save before SIGKILL
 # (images/Dockerfile sets the same inside the image; docs/reliability.md)
-TORCHRUN_ENV = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}
+TORCHRUN_ENV = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}
 
 
 def _run_trainer(c, lines: list[str], dry_run: bool, echo: bool = True):
@@ -600,11 +601,18 @@ def stats(c, path="pithtrain"):
 def test(c, k="", gpu=False, quick=False):
     """Run the test suite (CPU by default; --quick: the inner loop; --gpu on a CUDA machine).
 
-    The CPU suite and --quick run on two pytest workers (pytest-xdist; a file's tests stay in one
-    worker, so its module fixtures are built once); the 15 slowest tests are printed, so a slow one
-    is seen. With -k, one process: a few tests start faster than two workers that collect them all."""
+    The CPU suite and --quick lint first (ruff: pyflakes, import order, lines of at most 120; its
+    settings in pyproject.toml; where ruff is installed, as the dev extra installs it), then run on
+    two pytest workers (pytest-xdist; a file's tests stay in one worker, so its module fixtures are
+    built once); the 15 slowest tests are printed, so a slow one is seen. With -k, one process: a
+    few tests start faster than two workers that collect them all."""
     if gpu and quick:
         raise Exit("error: --quick is a CPU tier: give --quick or --gpu", 2)
+    if not gpu and not k and importlib.util.find_spec("ruff"):
+        with c.cd(str(ROOT)):
+            lint = _py(c, "-m ruff check pithtrain tasks.py tools scripts tests", warn=True)
+        if lint.exited:
+            sys.exit(lint.exited)
     args = ["-m", "gpu"] if gpu else ["-m", "quick and not gpu"] if quick else []
     if k:
         args += ["-k", k]

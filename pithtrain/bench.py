@@ -9,13 +9,15 @@ where installed) on the identical configuration, in one process, one table.
     invoke bench
 
 The step timed is train.py's own (train.train_step: forward of each micro-batch, backward of loss /
-tokens, the recipe's global clip, AdamW (kernels/adamw.py) on fp32 master weights, bf16 compute on the step's bf16 weight copy, the
-balancing update, the LR schedule) on train.py's model path (use_kernels, parallelize); the
+tokens, the recipe's global clip, AdamW (kernels/adamw.py) on fp32 master weights, bf16 compute on
+the step's bf16 weight copy, the balancing update, the LR schedule) on train.py's build
+(build.build_run: kernels, parallelize, the run's precision); the
 peers' is forward, backward, clip to 1.0, fused AdamW around their own model classes in bf16
 (torchtitan's with its per-block torch.compile and its loss).
 A variant is '+'-joined words: `ref` (PyTorch reference operators, kernels=torch) or `fused`
 (kernels=auto); `compile` (train.compile); `ac-full` / `ac-sel` (activation checkpointing);
-`bf16` (a comparison with the peers, not a training setting: bf16 parameters and AdamW state);
+`bf16` (a comparison with the peers, not a training setting: the training state "bf16",
+precision.STATES: bf16 parameters and AdamW state);
 `fp8` (train.fp8: blockwise FP8 expert GEMMs, on DeepGEMM where installed (kernels/deepgemm.py), else
 Triton (kernels/fp8_linear.py); `--fp8` adds `<first variant>+fp8`, so bf16 and FP8 are timed in the
 same run); `no-NAME` turns one fused operator off (names: pithtrain.kernels.NAMES; `no-deepgemm`:
@@ -23,13 +25,12 @@ FP8 on Triton). `--doc-len N`: document masking on random documents of mean leng
 sides only).
 Timing: CUDA events around each step after warm-up; the median of the timed steps.
 MFU = tokens/s x model FLOPs per token (pithtrain.metrics.flops_per_token) / the GPU's dense bf16
-peak (pithtrain.metrics.PEAK_TFLOPS: 989e12 on H100/H200).
+peak (pithtrain/gpus.py, metrics.peak_tflops: 989e12 on H100/H200).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import gc
 import importlib
@@ -42,15 +43,14 @@ import traceback
 import torch
 
 from pithtrain import kernels
+from pithtrain.build import Run, build_run
 from pithtrain.config import load_config
 from pithtrain.distributed.parallel_dims import ParallelDims
-from pithtrain.distributed.parallelize import parallelize
 from pithtrain.kernels import fp8_linear, wgrad
 from pithtrain.metrics import flops_per_token, param_counts, peak_tflops
 from pithtrain.models import build_model
-from pithtrain.models.common import set_aux_loss_scale, use_kernels
 from pithtrain.plan import plan
-from pithtrain.train import build_optimizer, lr_lambda, train_step
+from pithtrain.train import train_step
 
 MODELS = ["deepseek-v2-lite", "qwen3-30b-a3b", "gpt-oss-20b"]  # recipe names
 HF_ATTENTION = {"gpt_oss": "eager"}  # transformers 5.17 has no SDPA path for sinks
@@ -160,10 +160,11 @@ def refused_by_plan(cfg, gpu_gib: float, gpu: str = "") -> str | None:
 
 
 def pithtrain_step(cfg, variant: dict, device, doc_len: int = 0):
-    """train.py's own step (train.train_step) on train.py's model path: kernels bound by
-    use_kernels, checkpointing and compile by parallelize (one process), fp32 master weights and
-    AdamW state, bf16 compute (parallelize.bf16_weights), the recipe's clip, the LR schedule and the balancing update.
-    Only `bf16` departs from it: parameters (and so AdamW state) in bf16, as the peers run.
+    """train.py's own step (train.train_step) on train.py's build (build.build_run: kernels,
+    checkpointing and compile, one process), fp32 master weights and AdamW state, bf16 compute on
+    the bf16 copy (precision.py), the recipe's clip, the LR schedule and the balancing update.
+    Only `bf16` departs from it: parameters (and so AdamW state) in bf16, as the peers run (the
+    training state "bf16"); the weights are drawn on the GPU (their values do not change the time).
     doc_len: document masking on documents of that mean length (random_documents), else none."""
     t = cfg.train
     t.kernels, t.compile, t.activation_checkpoint, t.fp8 = (variant["kernels"], variant["compile"],
@@ -173,33 +174,22 @@ def pithtrain_step(cfg, variant: dict, device, doc_len: int = 0):
                               torch.cuda.get_device_name(device))
         if why:
             raise PlanRefused(why)
-    use = kernels.configure(t.kernels, device, fp8=t.fp8, off=variant["off"])
-    print("bench:   " + kernels.describe(use), flush=True)
-    torch.manual_seed(0)
-    model = use_kernels(build_model(cfg.model, device), use)
-    if variant["bf16"]:  # a comparison with the peers, not a training setting; buffers (RoPE) stay fp32
-        for p in model.parameters():
-            p.data = p.data.to(torch.bfloat16)
-    model.train()
     torch._dynamo.reset()  # each variant compiles its own model from a clean cache
-    dims = ParallelDims.from_config(cfg, 1, 0)
-    parallelize(model, dims, t, device)  # one process: checkpointing, then compile
-    return model, step_of(model, cfg, dims, device, use, random_documents(cfg, device, doc_len) if doc_len else None)
+    torch.manual_seed(0)
+    run = build_run(cfg, device, ParallelDims.from_config(cfg, 1, 0), state="bf16" if variant["bf16"] else "float32",
+                    off=tuple(variant["off"]), draws="device")
+    print("bench:   " + kernels.describe(run.use), flush=True)
+    return run.model, step_of(run, random_documents(cfg, device, doc_len) if doc_len else None)
 
 
-def step_of(model, cfg, dims, device, use: dict, docs=None):
-    """step(accum) -> loss: train.train_step of the built `model` (AdamW, the LR schedule, bf16
-    autocast on CUDA) on one fixed random batch, `accum` micro-batches a step (scripts/calibrate.py
-    times one model at several, and builds its one-rank FSDP model itself)."""
-    opt = build_optimizer(model, cfg, device, use)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    x, y = random_batch(cfg, device)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+def step_of(run: Run, docs=None):
+    """step(accum) -> loss: train.train_step of a built run (its precision, AdamW, the LR
+    schedule) on one fixed random batch, `accum` micro-batches a step (scripts/calibrate.py times
+    one run at several, and builds its one-GPU FSDP run too)."""
+    x, y = random_batch(run.cfg, run.device)
 
-    def step(accum: int = cfg.train.grad_accum):
-        set_aux_loss_scale(model, 1.0 / accum)
-        return train_step(model, opt, sched, [(x, y, None, docs)] * accum, y.numel() * accum, cfg, dims,
-                          autocast).loss
+    def step(accum: int = run.cfg.train.grad_accum):
+        return train_step(run, [(x, y, None, docs)] * accum, y.numel() * accum).loss
 
     return step
 

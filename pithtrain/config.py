@@ -31,17 +31,6 @@ from pithtrain import ConfigError  # defined with the package: data.py raises it
 RECIPES_DIR = Path(__file__).parent / "recipes"
 DEFAULT_RECIPE = RECIPES_DIR / "default.yaml"
 
-# What each GPU (`invoke train --gpu`, `invoke plan --gpu`) changes in a recipe, appended after the
-# recipe's own values (the recipe file stays the whole truth of a model; these are the per-GPU
-# numerics). Blackwell trains FP8 as in the paper's 1x8 B200 run (pithtrain/kernels/fp8_linear.py; Hopper: add
-# train.fp8=true by hand, it is slower there for now).
-GPU_OVERRIDES = {
-    "h100": ["train.device=cuda", "train.dtype=bfloat16"],
-    "h200": ["train.device=cuda", "train.dtype=bfloat16"],
-    "b200": ["train.device=cuda", "train.dtype=bfloat16", "train.fp8=true"],
-    "b300": ["train.device=cuda", "train.dtype=bfloat16", "train.fp8=true"],
-}
-
 # Model fields a recipe owns even with train.init_from (training-only options); the hub's config.json owns the rest.
 # balance, bias_update_rate, z_loss_coeff: models/balance.py.
 RECIPE_MODEL_FIELDS = ("aux_loss_coeff", "balance", "bias_update_rate", "z_loss_coeff")
@@ -167,8 +156,8 @@ LAYOUT_KEYS = ("pp", "dp", "fsdp", "cp", "ep")
 @dataclass
 class ParallelConfig:
     """`parallel: auto` (or `{auto: true, ep: 2}`): the sizes left unset are chosen at start-up
-    from the world size, the model and the GPU's memory (pithtrain/plan.py:auto_layout); the ones
-    given are kept. Without auto an unset size is 1."""
+    from the world size, the model and the GPU's memory (pithtrain/plan.py:resolve: a new Config
+    with them; this one keeps None); the ones given are kept. Without auto an unset size is 1."""
     auto: bool = False
     pp: int | None = None
     dp: int | None = None  # replicated data parallel (outer)
@@ -244,7 +233,7 @@ class CheckpointConfig:
 class LogConfig:
     every: int = 10
     run_dir: str = "runs/default"
-    peak_tflops: float = 0.0  # 0: look up the GPU in metrics.PEAK_TFLOPS; CPU has none
+    peak_tflops: float = 0.0  # 0: the GPU's in pithtrain/gpus.py (metrics.peak_tflops); CPU has none
     tensorboard: bool = True  # event files in <run_dir>/tensorboard (`tensorboard --logdir <run_dir>`)
     wandb: str | None = None  # a Weights & Biases project to log to (needs the wandb package)
 
@@ -505,23 +494,14 @@ def _suggest(key, options) -> str:
 
 
 def _cross_checks(cfg: Config, fail):
+    """The recipe's sections against each other and the data files, at load (no layout, no
+    device: what needs those is build.check_run's, after plan.resolve)."""
     from pithtrain.data import DATA_VOCAB_SIZE, check_token_ids, read_meta, tokenizer_fingerprint
 
     model = cfg.model  # with train.init_from, the checkpoint's (config_from_dict)
     field = ("train.init_from's config.json {}" if cfg.train.init_from else "model.{}").format
     if cfg.data.source == "stdlib" and model.vocab_size < DATA_VOCAB_SIZE:
         fail(field("vocab_size"), f"the byte-level stdlib data needs >= {DATA_VOCAB_SIZE}, got {model.vocab_size}")
-    par = cfg.parallel
-    if par.auto:  # auto fills the sizes left unset (None) at start-up: with what these features allow
-        if cfg.data.document_mask:
-            par.cp, par.pp = par.cp or 1, par.pp or 1
-        if cfg.train.eval_every:
-            par.pp = par.pp or 1
-    if cfg.data.document_mask and (par.cp > 1 or par.pp > 1):
-        fail("data.document_mask", f"not supported with {'parallel.cp > 1' if par.cp > 1 else 'parallel.pp > 1'} "
-                                   "(set data.document_mask=false or use fsdp / dp / ep)")
-    if cfg.train.eval_every and par.pp > 1:
-        fail("train.eval_every", "evaluation is not supported with parallel.pp > 1 (set train.eval_every=0)")
     if cfg.data.val_path and (cfg.data.source != "shards" or not cfg.train.eval_every):
         fail("data.val_path", "is read only by evaluation on shards: set data.source=shards and train.eval_every")
     hub_tok = Path(cfg.train.init_from or "") / "tokenizer.json"
@@ -546,7 +526,8 @@ def _cross_checks(cfg: Config, fail):
         if want and meta[key].get("tokenizer_sha256") != want:
             fail(f"data.{key}", f"{getattr(cfg.data, key)!r} was tokenized with {meta[key].get('tokenizer')}, "
                                 f"not with {hub_tok if hub_tok.is_file() else meta['path'].get('tokenizer')} "
-                                "(meta.json tokenizer_sha256 differs); re-run `invoke prepare-data` with that tokenizer")
+                                "(meta.json tokenizer_sha256 differs); re-run `invoke prepare-data` with that "
+                                "tokenizer")
     if cfg.data.document_mask and cfg.data.source == "shards" and meta["path"].get("eos_id") is None:
         fail("data.document_mask", f"{cfg.data.path!r} has no document separator (meta.json eos_id); "
                                    "re-create it with `invoke prepare-data` and a tokenizer that has an EOS token")

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-# Dense bf16 datasheet peaks (TFLOP/s) used as the MFU denominator (docs/bench.md).
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "B200": 2250.0, "B300": 2250.0}
+from pithtrain.gpus import GPUS, gpu_key
 
 
 def matmul_params(model_cfg) -> tuple[int, int]:
@@ -69,20 +68,17 @@ def param_counts(model: torch.nn.Module, model_cfg) -> tuple[int, int]:
 
 
 def peak_tflops(device: torch.device, override: float = 0.0) -> float | None:
+    """MFU's denominator: log.peak_tflops when set, else the GPU's dense bf16 datasheet peak
+    (pithtrain/gpus.py; docs/bench.md); None on CPU or an unknown GPU."""
     if override > 0:
         return override
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, v in PEAK_TFLOPS.items():
-        if key in name:
-            return v
-    return None
+    key = gpu_key(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    return GPUS[key].peak_tflops if key else None
 
 
-class phase:
-    """A start-up phase's line, `pithtrain: <name>: 1.2s` when it is done (`announce`: also a line
-    when it starts, for phases that can take minutes). Use as `with phase(...)` or call .done()."""
+class StartupTimer:
+    """A start-up step's line, `pithtrain: <name>: 1.2s` when it is done (`announce`: also a line
+    when it starts, for steps that can take minutes). Use as `with StartupTimer(...)` or call .done()."""
 
     def __init__(self, name: str, enabled: bool = True, announce: bool = False):
         self.name, self.enabled, self.t0 = name, enabled, time.perf_counter()

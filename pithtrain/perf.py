@@ -30,7 +30,7 @@ Modelled on top of it (`predict`):
                    layer's forward (full) or its MLP part (selective) to its backward. Another GPU
                    than the calibration's: the part of a phase its FLOPs at GEMM_EFFICIENCY of the
                    peak explain scales with the peak, the rest with memory bandwidth.
-    collectives    the bytes the code sends, over GPUS' links at LINK_EFFICIENCY plus ALPHA per
+    collectives    the bytes the code sends, over the GPU's links (pithtrain/gpus.py) at LINK_EFFICIENCY plus ALPHA per
                    call: FSDP2's all-gathers (bf16, before forward and again before backward) and
                    reduce-scatters (train.reduce_dtype) of every layer and micro-batch, hidden
                    under the layer's compute (FSDP prefetches the next layer) but for what exceeds
@@ -51,14 +51,11 @@ import json
 import math
 from pathlib import Path
 
+from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.distributed.schedule import build_schedule, num_virtual_stages, rank_stages, simulate, split_layers
+from pithtrain.gpus import GPUS
 
 COSTS = Path(__file__).resolve().parent / "costs_h200.json"  # scripts/calibrate.py writes it
-# Per GPU: dense bf16 peak (TFLOP/s), HBM bandwidth (TB/s), NVLink and network line rate per GPU
-# and direction (GB/s), GPUs per node. Datasheets: H100 SXM 989 / 3.35 / NVLink 4 450; H200 989 /
-# 4.8 / 450; B200 2250 / 8.0 / NVLink 5 900 (B300: the same dense bf16); one 400 Gb/s HCA per GPU.
-GPUS = {"h100": (989.0, 3.35, 450.0, 50.0, 8), "h200": (989.0, 4.8, 450.0, 50.0, 8),
-        "b200": (2250.0, 8.0, 900.0, 50.0, 8), "b300": (2250.0, 8.0, 900.0, 50.0, 8)}
 # NCCL reaches ~370 of NVLink 4's 450 GB/s in all-gather, reduce-scatter and all-to-all (NCCL's
 # maintainers in NVIDIA/nccl-tests#212) and 46-48 of an NDR HCA's 50 GB/s (NVIDIA/nccl-tests#290).
 LINK_EFFICIENCY = {"nvlink": 0.82, "ib": 0.92}
@@ -101,17 +98,20 @@ def layer_flops(m, i: int, seq: int) -> tuple[float, float]:
     return 2 * active + scores, 2 * active / (4 * active + 2.5 * scores)
 
 
+def dims_of(lay: dict) -> ParallelDims:
+    """The layout's sizes as ParallelDims, whose arithmetic (efsdp, edp, experts_alone) the model uses."""
+    return ParallelDims(**{k: lay[k] for k in ("pp", "dp", "fsdp", "cp", "ep")})
+
+
 def local_params(cfg, lay: dict) -> float:
     """Parameters one rank holds (its optimizer's share): dense ones over fsdp x cp, routed experts
     over ep x efsdp, a pipeline stage's share of the layers."""
-    m = cfg.model
-    shard = lay["fsdp"] * lay["cp"]
-    efsdp = shard // lay["ep"] if shard % lay["ep"] == 0 else 1
+    m, d = cfg.model, dims_of(lay)
     dense, experts = 2 * m.vocab_size * m.hidden_size, 0
     for i in range(m.num_layers):
         ex = expert_params(m, i)
         dense, experts = dense + m.layer_params(i)[0] - ex, experts + ex
-    return (dense / shard + experts / (lay["ep"] * efsdp)) / lay["pp"]
+    return (dense / (d.fsdp * d.cp) + experts / (d.ep * d.efsdp)) / d.pp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,9 +121,9 @@ def local_params(cfg, lay: dict) -> float:
 def link(gpu: str, span: int) -> tuple[float, float]:
     """(bytes/s, seconds per call) of a collective over `span` consecutive ranks: NVLink inside a
     node, the network once it spans nodes."""
-    _, _, nvlink, ib, per_node = GPUS[gpu]
-    kind = "nvlink" if span <= per_node else "ib"
-    return (nvlink if kind == "nvlink" else ib) * 1e9 * LINK_EFFICIENCY[kind], ALPHA[kind]
+    g = GPUS[gpu]
+    kind = "nvlink" if span <= g.per_node else "ib"
+    return (g.nvlink_gbs if kind == "nvlink" else g.network_gbs) * 1e9 * LINK_EFFICIENCY[kind], ALPHA[kind]
 
 
 def ring_time(gpu: str, nbytes: float, ranks: int, span: int) -> float:
@@ -146,8 +146,8 @@ def remote_rows_per_token(E: int, k: int, ep: int) -> float:
 def on_gpu(secs: float, flops: float, measured_on: str, gpu: str) -> float:
     """Seconds on `gpu` of work measured on `measured_on`: the part its FLOPs at GEMM_EFFICIENCY of
     the peak explain scales with the peak, the rest with memory bandwidth."""
-    peak0, bw0 = GPUS[measured_on][:2]
-    peak, bw = GPUS[gpu][:2]
+    peak0, bw0 = GPUS[measured_on].peak_tflops, GPUS[measured_on].hbm_tbs
+    peak, bw = GPUS[gpu].peak_tflops, GPUS[gpu].hbm_tbs
     bound = min(secs, flops / (GEMM_EFFICIENCY * peak0 * 1e12))
     return bound * peak0 / peak + (secs - bound) * bw0 / bw
 
@@ -205,10 +205,10 @@ def end_costs(cfg, fam: dict, path: str, gpu: str, T: float) -> dict:
 def comm_costs(cfg, lay: dict, gpu: str, fam: dict, T: float) -> dict:
     """{layer: {"fsdp", "a2a", "cp"}} seconds of communication per layer and micro-batch."""
     m, t = cfg.model, cfg.train
-    pp, dp, fsdp, cp, ep = (lay[k] for k in ("pp", "dp", "fsdp", "cp", "ep"))
+    d = dims_of(lay)
+    pp, dp, cp, ep, efsdp = d.pp, d.dp, d.cp, d.ep, d.efsdp
     D, A, E = m.hidden_size, getattr(m, "top_k", 0), getattr(m, "num_experts", 1)
-    shard, stage = fsdp * cp, dp * fsdp * cp
-    efsdp = shard // ep if shard % ep == 0 else 1
+    shard, stage = d.fsdp * cp, dp * d.fsdp * cp
     rbytes = 4 if t.reduce_dtype == "float32" else 2
     rows = T * (fam["balance"]["remote_rows_per_token"].get(str(ep)) or remote_rows_per_token(E, A, ep)) if A else 0
     out = {}
@@ -248,9 +248,8 @@ def predict(cfg, lay: dict, gpu: str, costs: dict | None = None, path: str | Non
     schedule = lay.get("pp_schedule", cfg.parallel.pp_schedule)
     overlap = bool(lay.get("pp_overlap", cfg.parallel.pp_overlap)) and pp > 1 and lay["ep"] > 1
     world, M = pp * dp * fsdp * cp, t.grad_accum
-    shard = fsdp * cp
-    alone = (shard // lay["ep"] if shard % lay["ep"] == 0 else 1) == 1 and dp * shard == lay["ep"]
-    path = path or ("train" if dp * shard == 1 else "fsdp" if alone else "fsdp_sharded")
+    d = dims_of(lay)
+    path = path or ("train" if not d.fsdp_enabled else "fsdp" if d.experts_alone else "fsdp_sharded")
     if path == "fsdp" and path not in fam["paths"]:  # measured before FSDP left such experts out: its
         path = "fsdp_sharded"  # costs are those of the experts inside FSDP (the prediction says which)
     T = t.micro_batch_size * t.seq_len / cp
@@ -263,8 +262,8 @@ def predict(cfg, lay: dict, gpu: str, costs: dict | None = None, path: str | Non
         """(compute F, compute BW, exposed FSDP + CP, all-to-all, W share of BW) of one micro-batch
         through `layers` (+ the embedding / head it holds)."""
         lc = costs_mb[which]
-        f = sum(lc[i][0] for i in layers) + (ends["embed"][0] if first_end else 0) + (ends["head"][0] if last_end else 0)
-        b = sum(lc[i][1] for i in layers) + (ends["embed"][1] if first_end else 0) + (ends["head"][1] if last_end else 0)
+        f, b = ((sum(lc[i][k] for i in layers) + (ends["embed"][k] if first_end else 0)
+                 + (ends["head"][k] if last_end else 0)) for k in (0, 1))
         exposed = sum(max(0.0, comm[i]["fsdp"] - lc[i][0] - lc[i][1]) + comm[i]["cp"] for i in layers)
         if layers and dp * fsdp * cp > 1:  # the first gather of a micro-batch has nothing to hide under
             exposed += min(comm[layers[0]]["fsdp"] / 3, lc[layers[0]][0])

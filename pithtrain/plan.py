@@ -4,21 +4,22 @@
     invoke plan --model qwen3-30b-a3b --gpu h100 --gpus 8
 
 Per rank: parameters, gradients, AdamW state, activations, communication buffers and the peak,
-against the GPU's memory (GPU_GIB). `train.py` runs the same plan on CUDA before it builds the
-model and refuses a layout whose plan does not fit; `parallel: auto` takes the first candidate
-layout (auto_layout) whose plan fits.
+against the GPU's memory (pithtrain/gpus.py). `train.py` resolves its layout here (`resolve_launch`:
+a new Config, the recipe's untouched; `parallel: auto` takes the fastest candidate layout whose
+plan fits, auto_layout) and on CUDA refuses a layout whose plan does not fit (build.check_run).
 
-Parameters, gradients, optimizer state: exact. The model is built on the meta device and put
-through the real pipeline pruning and `parallelize` under a fake process group (the "fake" backend
-with torch's FakeStore, as TorchTitan's memory estimator does), once for the first rank of each
-pipeline stage: the other ranks of a stage hold the same shapes or, with uneven FSDP shards,
-smaller ones (FSDP2 pads every shard to the first rank's size). The local shape of each parameter
-is this rank's share: float32 master weights (4 B), float32 gradients (4 B: FSDP reduces into the
-float32 sharded gradient), AdamW's two float32 moments (8 B).
+Parameters, gradients, optimizer state: exact. The model is built on the meta device by the
+run's own build (build.build_run: kernels, pipeline pruning, `parallelize`) under a fake process
+group (the "fake" backend with torch's FakeStore, as TorchTitan's memory estimator does), once for
+the first rank of each pipeline stage: the other ranks of a stage hold the same shapes or, with
+uneven FSDP shards, smaller ones (FSDP2 pads every shard to the first rank's size). The local
+shape of each parameter is this rank's share, at the bytes of the run's training state
+(precision.STATES; float32: masters 4 B, gradients 4 B (FSDP reduces into the float32 sharded
+gradient), AdamW's two moments 8 B).
 
 Activations: an analytic count of the tensors autograd saves per token on the CUDA bf16 path,
 with c the compute bytes (2; the residual stream is bf16 too, as every weight is: FSDP's bf16
-gathers, or without FSDP the bf16 copy, parallelize.bf16_weights):
+gathers, or without FSDP the bf16 copy, precision.WeightCopies):
     RMSNorm of width D                2 c D        its input and the normalised input
     nn.Linear (attention, router, MLP) c in         its bf16 input
     attention core                    c H (2 d_qk + 2 d_v) + 4 H d_qk    q, k, v (k, v counted
@@ -44,8 +45,8 @@ Peak: the larger of
                      forward) + one 4096-row chunk of bf16 logits + comm
     backward         static + all gradients + one layer's activations (its backward transients)
                      + the other in-flight micro-batches' activations + comm
-with static = parameters + optimizer state (present from the first step on) + without FSDP under
-bf16 the bf16 copy of the weights (2 B per parameter, kept across steps) + with train.fp8 the
+with static = parameters + optimizer state (present from the first step on) + where the run's
+precision keeps one, the bf16 copy of the weights (2 B per parameter, kept across steps) + with train.fp8 the
 FP8 weight cache (2 B per unsharded expert weight element, pithtrain/kernels/fp8_linear.py) + the
 cuBLAS workspaces (WORKSPACE: 32 MiB per handle on Hopper, one for the forward's thread and one
 for autograd's, allocated through the caching allocator; measured on the H200). The in-flight
@@ -58,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 
@@ -67,18 +69,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pithtrain import perf
-from pithtrain.config import GPU_OVERRIDES
+from pithtrain.build import build_run
 from pithtrain.config import LAYOUT_KEYS, Config, ConfigError, load_config
 from pithtrain.distributed import pipeline
 from pithtrain.distributed.parallel_dims import ParallelDims
-from pithtrain.distributed.parallelize import moe_blocks, parallelize
-from pithtrain.models import build_model
+from pithtrain.distributed.parallelize import moe_blocks
+from pithtrain.gpus import GPUS, gpu_key
 from pithtrain.models.common import GroupedExperts, RMSNorm, SwiGLUMLP
+from pithtrain.precision import Precision
 
 GIB = 2 ** 30
-# Memory per GPU as torch.cuda.get_device_properties().total_memory reports it, in GiB
-# (H100 SXM 80 GB, H200 141 GB, B200 180 GB, B300 288 GB of HBM).
-GPU_GIB = {"h100": 79.6, "h200": 140.4, "b200": 179.1, "b300": 268.0}
 FIT_FRACTION = 0.92  # the rest: CUDA context, NCCL, allocator fragmentation
 LOSS_CHUNK = 4096  # rows of logits at a time (models.common.cross_entropy_sum)
 WORKSPACE = 2 * 32 * 2 ** 20  # cuBLAS: 32 MiB per handle (Hopper), the forward's and autograd's threads
@@ -105,14 +105,13 @@ def fake_world(world_size: int, rank: int):
         dist.destroy_process_group()
 
 
-def rank_model(cfg: Config, dims: ParallelDims) -> tuple[nn.Module, list | None]:
-    """This rank's piece of the model on meta, exactly as train.py builds it (run in fake_world)."""
-    model = build_model(cfg.model, init=False)
-    chunks = pipeline.prepare(model, cfg, dims) if dims.pp_enabled else None
+def rank_model(cfg: Config, dims: ParallelDims) -> tuple[nn.Module, list | None, Precision]:
+    """This rank's piece of the model on meta, built as train.py builds it (build.build_run; run
+    in fake_world), its pipeline chunks and the run's precision on a GPU."""
     if dims.distributed:
         dims.build_meshes("cpu")
-    parallelize(model, dims, cfg.train, torch.device("meta"))
-    return model, chunks
+    run = build_run(cfg, torch.device("meta"), dims)
+    return run.model, run.chunks, Precision.of(cfg.train, torch.device("cuda"), dims)
 
 
 def local_numel(p: torch.Tensor) -> int:
@@ -177,12 +176,13 @@ def in_flight(cfg: Config, dims: ParallelDims, chunk_bytes: list[int]) -> int:
 # One rank's plan
 
 
-def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks) -> dict:
+def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks, precision: Precision) -> dict:
     t, m = cfg.train, cfg.model
-    c = 4 if t.dtype == "float32" else 2
+    c = precision.compute.itemsize
     fsdp = dims.fsdp_enabled
-    pbytes = c  # the compute weights' dtype (parallelize.mp_policy, parallelize.bf16_weights)
-    rbytes = 4 if t.reduce_dtype == "float32" else 2
+    pbytes = c  # the compute weights' dtype (FSDP's gathers, the bf16 copies: precision.py)
+    rbytes = precision.reduce.itemsize
+    state = precision.bytes_per_param()
     params = list({id(p): p for p in model.parameters()}.values())
     n = sum(local_numel(p) for p in params)
     T = t.micro_batch_size * t.seq_len // dims.cp
@@ -216,20 +216,20 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks) -> dict
     cache = sum(2 * p.numel() // dims.ep for x in layers.values() for b in moe_blocks(x)
                 for p in b.experts.parameters()) if t.fp8 else 0
     head_grad = m.vocab_size * D * pbytes if head else 0  # linear_ce's dW, made in the forward
-    grads = 4 * n
+    grads = state["grads"] * n
     held = grads + head_grad if t.grad_accum > 1 else head_grad
     logits = c * min(LOSS_CHUNK, T) * V if head else 0
-    # parallelize.bf16_weights: the bf16 weights (kept across steps); under FSDP the experts it leaves out
-    alone = sum(local_numel(p) for x in layers.values() for b in moe_blocks(x) for p in b.experts.parameters())
-    copy = (2 * n if not fsdp else 2 * alone if dims.experts_alone else 0) if c == 2 else 0
-    static = 4 * n + 8 * n + copy + cache + WORKSPACE
+    # the precision's bf16 copies (kept across steps): every weight, or the experts FSDP leaves out
+    experts = sum(local_numel(p) for x in layers.values() for b in moe_blocks(x) for p in b.experts.parameters())
+    copy = state["copy"] * {"all": n, "experts": experts, "none": 0}[precision.copy]
+    static = state["weights"] * n + state["optimizer"] * n + copy + cache + WORKSPACE
     largest = max(whole.values(), default=0)
     fwd = static + acts + held + logits + comm
     bwd = static + grads + max(acts - max(chunk_bytes), 0) + largest + comm
     fsdp_traffic = {k: fsdp_bytes(model, dims, t.grad_accum, pb, rb)
                     for k, (pb, rb) in (("float32", (4, 4)), ("policy", (pbytes, rbytes)))}
-    return {"rank": dims.rank, "stage": dims.pp_rank, "params": 4 * n, "grads": grads,
-            "optimizer": 8 * n, "activations": acts, "comm": comm, "fp8_cache": cache,
+    return {"rank": dims.rank, "stage": dims.pp_rank, "params": state["weights"] * n, "grads": grads,
+            "optimizer": state["optimizer"] * n, "activations": acts, "comm": comm, "fp8_cache": cache,
             "bf16_copy": copy, "workspace": WORKSPACE, "peak": max(fwd, bwd),
             "fsdp_bytes_per_step": fsdp_traffic}
 
@@ -260,7 +260,8 @@ def fsdp_bytes(model: nn.Module, dims: ParallelDims, micro_batches: int, pbytes:
 
 def plan(cfg: Config, world_size: int, gpu_gib: float, gpu: str = "") -> dict:
     """The plan of cfg's layout on `world_size` GPUs of `gpu_gib` GiB (ConfigError if the layout
-    is invalid): one entry per pipeline stage, the peak of the largest."""
+    is invalid): one entry per pipeline stage, the peak of the largest; where it does not fit, the
+    one-line "refusal" build.check_run raises."""
     ranks = []
     pp = ParallelDims.from_config(cfg, world_size, 0).pp
     for stage in range(pp):
@@ -268,26 +269,32 @@ def plan(cfg: Config, world_size: int, gpu_gib: float, gpu: str = "") -> dict:
         with fake_world(world_size, dims.rank):
             ranks.append(rank_plan(cfg, dims, *rank_model(cfg, dims)))
     peak = max(x["peak"] for x in ranks) / GIB
-    return {"gpu": gpu, "gpu_gib": gpu_gib, "usable_gib": FIT_FRACTION * gpu_gib, "world_size": world_size,
-            "layout": {k: getattr(cfg.parallel, k) for k in LAYOUT_KEYS},
-            "activation_checkpoint": cfg.train.activation_checkpoint, "ranks": ranks,
-            "peak_gib": peak, "fits": peak <= FIT_FRACTION * gpu_gib}
+    result = {"gpu": gpu, "gpu_gib": gpu_gib, "usable_gib": FIT_FRACTION * gpu_gib, "world_size": world_size,
+              "layout": {k: getattr(cfg.parallel, k) for k in LAYOUT_KEYS},
+              "activation_checkpoint": cfg.train.activation_checkpoint, "ranks": ranks,
+              "peak_gib": peak, "fits": peak <= FIT_FRACTION * gpu_gib}
+    if not result["fits"]:
+        result["refusal"] = refusal(cfg, result, world_size)
+    return result
 
 
 def candidates(cfg: Config, world_size: int) -> list[dict]:
     """Every layout `parallel: auto` may choose: pp a divisor of the world the step's micro-batches
-    can fill (pp <= train.grad_accum and the layers), cp as given (else 1), every dp x fsdp split of
-    the rest and every ep dividing the experts; for a pipeline both schedules and DualPipeV's
-    overlap where ep > 1 and nothing is recomputed. Sizes (and pp_schedule, pp_overlap) the recipe
-    gives are kept; parallel_dims.validate then rejects what cannot run (DualPipeV with fewer than
-    2 pp micro-batches, ...)."""
+    can fill (pp <= train.grad_accum and the layers; 1 under document masking or evaluation, which
+    a pipeline does not run), cp as given (else 1), every dp x fsdp split of the rest and every ep
+    dividing the experts; for a pipeline both schedules and DualPipeV's overlap where ep > 1 and
+    nothing is recomputed. Sizes (and pp_schedule, pp_overlap) the recipe gives are kept;
+    parallel_dims.validate then rejects what cannot run (DualPipeV with fewer than 2 pp
+    micro-batches, ...)."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     given = {k: getattr(p, k) for k in LAYOUT_KEYS if getattr(p, k) is not None}
 
     def divisors(n):
         return [d for d in range(1, n + 1) if n % d == 0]
+    pps = ([given["pp"]] if "pp" in given else [1] if cfg.data.document_mask or t.eval_every
+           else [d for d in divisors(world_size) if d <= min(m.num_layers, t.grad_accum)])
     out = []
-    for pp in [given["pp"]] if "pp" in given else [d for d in divisors(world_size) if d <= min(m.num_layers, t.grad_accum)]:
+    for pp in pps:
         cp = given.get("cp", 1)
         if world_size % (pp * cp):
             continue
@@ -310,61 +317,58 @@ def candidates(cfg: Config, world_size: int) -> list[dict]:
     return out
 
 
-def _set(cfg: Config, lay: dict):
-    for k, v in lay.items():
-        setattr(cfg.parallel, k, v)
+def with_layout(cfg: Config, lay: dict) -> Config:
+    """cfg in layout `lay` (its sizes, pp_schedule, pp_overlap): a new Config sharing cfg's other
+    sections; cfg itself is not changed."""
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **layout_of(lay)))
 
 
 def ranked(cfg: Config, world_size: int, gpu: str, costs: dict | None = None) -> list[dict]:
     """The valid candidates, each with its perf.predict (`costs`: the cost file's), fastest
-    (tokens/s per GPU) first."""
-    out, before = [], layout_of(vars(cfg.parallel))
+    (tokens/s per GPU) first. A family the cost file has not measured: prediction None, and the
+    fewest parameters per rank first (perf.local_params: the choice by memory alone)."""
+    costs = costs or perf.load_costs()
+    measured = cfg.model.family in costs["families"]
+    out = []
     for lay in candidates(cfg, world_size):
-        _set(cfg, lay)
+        c = with_layout(cfg, lay)
         try:
-            ParallelDims.from_config(cfg, world_size, 0)
+            ParallelDims.from_config(c, world_size, 0)
         except ConfigError:
             continue
-        out.append({**lay, "prediction": perf.predict(cfg, lay, gpu, costs)})
-    _set(cfg, before)  # the recipe's sizes again (unset ones None): the caller chooses
+        out.append({**lay, "prediction": perf.predict(c, lay, gpu, costs) if measured else None})
+    if not measured:
+        return sorted(out, key=lambda c: perf.local_params(cfg, c))
     return sorted(out, key=lambda c: -c["prediction"]["tokens_per_s_per_gpu"])
 
 
 def auto_layout(cfg: Config, world_size: int, gpu_gib: float | None, gpu: str = "",
-                max_plans: int | None = None) -> dict | None:
-    """Fill cfg.parallel's unset sizes with the fastest valid candidate (perf.predict on `gpu`, or
-    on the cost file's GPU) whose memory plan fits `gpu_gib` GiB, planning in order of speed until
-    one fits (else the smallest peak); returns that plan with its "prediction" and the ranking as
-    "candidates" (the planned ones carry peak_gib and fits). Without gpu_gib nothing is planned:
-    the fastest valid candidate is taken and None returned. `max_plans`: plan at most that many."""
+                max_plans: int | None = None) -> tuple[dict, dict | None]:
+    """`parallel: auto`'s layout for cfg's unset sizes: the fastest valid candidate (perf.predict
+    on `gpu`, or on the cost file's GPU; ranked) whose memory plan fits `gpu_gib` GiB, planning in
+    order of speed until one fits (else the smallest peak). Returns (the layout, that plan with its
+    "prediction" and the ranking as "candidates": the planned ones carry peak_gib and fits);
+    without gpu_gib nothing is planned: (the fastest valid candidate, None). `max_plans`: plan at
+    most that many. cfg is not changed (with_layout makes the resolved Config)."""
     options = ranked(cfg, world_size, gpu_key(gpu) or perf.load_costs()["gpu"])
     if not options:
         raise ConfigError(f"{cfg.source}: parallel: auto found no valid layout for {world_size} processes "
                           f"(tried {candidates(cfg, world_size)}); give the sizes explicitly")
     if gpu_gib is None:
-        _set(cfg, layout_of(options[0]))
-        return None
+        return layout_of(options[0]), None
     best = None
     for c in options[:max_plans]:
-        _set(cfg, layout_of(c))
-        result = plan(cfg, world_size, gpu_gib, gpu)
+        result = plan(with_layout(cfg, c), world_size, gpu_gib, gpu)
         c["peak_gib"], c["fits"] = result["peak_gib"], result["fits"]
         if best is None or result["fits"] or result["peak_gib"] < best[1]["peak_gib"]:
             best = (c, result)
         if result["fits"]:
             break
-    _set(cfg, layout_of(best[0]))
-    return {**best[1], "prediction": best[0]["prediction"], "candidates": options}
+    return layout_of(best[0]), {**best[1], "prediction": best[0]["prediction"], "candidates": options}
 
 
 def layout_of(c: dict) -> dict:
     return {k: c[k] for k in (*LAYOUT_KEYS, "pp_schedule", "pp_overlap")}
-
-
-def gpu_key(name: str) -> str | None:
-    """perf.GPUS's key for a GPU name (`--gpu h100`, or CUDA's "NVIDIA H100 80GB HBM3"), else None."""
-    words = name.lower().replace("-", " ").split()
-    return next((w for w in words if w in perf.GPUS), None)
 
 
 def describe(result: dict) -> str:
@@ -388,35 +392,51 @@ def refusal(cfg: Config, result: dict, world_size: int) -> str:
             f"{over:.1f} GiB (`invoke plan` shows each part); try {', or '.join(hints)}")
 
 
-def check_launch(cfg: Config, device: torch.device, world_size: int, rank: int = 0):
-    """train.py, before any process group or model exists: resolve `parallel: auto` and, on CUDA,
-    refuse a layout whose plan does not fit this GPU; rank 0 prints the layout and plan in one line."""
+# ---------------------------------------------------------------------------------------------
+# The layout of a run
+
+
+def resolve(cfg: Config, world_size: int, gpu: str = "", gpu_gib: float | None = None) -> tuple[Config, dict | None]:
+    """cfg's layout on `world_size` GPUs: (cfg with `parallel: auto`'s sizes chosen (auto_layout; a
+    new Config, cfg unchanged) or cfg itself, the plan of that layout against `gpu_gib` GiB, or
+    None without it). A layout that does not fit is build.check_run's to refuse."""
+    if cfg.parallel.auto:
+        lay, result = auto_layout(cfg, world_size, gpu_gib, gpu)
+        return with_layout(cfg, lay), result
+    return cfg, None if gpu_gib is None else plan(cfg, world_size, gpu_gib, gpu)
+
+
+def resolve_launch(cfg: Config, device: torch.device, world_size: int) -> tuple[Config, dict | None]:
+    """train.py, before any process group or model exists: resolve on this device's GPU (its
+    memory and name; on CPU nothing is planned)."""
     gpu_gib = torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None
     if gpu_gib is not None and dist.is_initialized():
         print("pithtrain: memory plan skipped: this process already has a process group (the plan "
               "needs its own fake one)", flush=True)
         gpu_gib = None
-    name = torch.cuda.get_device_name(device) if gpu_gib else ""
-    if cfg.parallel.auto:
-        result = auto_layout(cfg, world_size, gpu_gib, name)
-    elif gpu_gib is not None:
-        result = plan(cfg, world_size, gpu_gib, name)
-    else:
-        return
-    if result is not None and not result["fits"]:
-        raise ConfigError(refusal(cfg, result, world_size))
-    if rank == 0:
-        lay = " ".join(f"{k}={getattr(cfg.parallel, k)}" for k in LAYOUT_KEYS)
-        key = gpu_key(name)
-        said = ""
-        if key and cfg.model.family in perf.load_costs()["families"]:
-            pred = (result or {}).get("prediction") or perf.predict(cfg, layout_of(vars(cfg.parallel)), key)
-            said = f"; predicted {pred['tokens_per_s_per_gpu'] / 1e3:.1f}K tokens/s per GPU (pithtrain/perf.py)"
-            if result and "candidates" in result:
-                said += f", the fastest of {len(result['candidates'])} valid layouts whose plan fits"
-        print(f"pithtrain: parallel {'auto' if cfg.parallel.auto else 'layout'}: {lay} " + (
-              f"(memory plan: peak {result['peak_gib']:.1f} GiB of {result['usable_gib']:.1f} usable{said})"
-              if result else "(no GPU memory to plan against)"), flush=True)
+    return resolve(cfg, world_size, torch.cuda.get_device_name(device) if gpu_gib else "", gpu_gib)
+
+
+def launch_line(cfg: Config, result: dict | None) -> str | None:
+    """The line rank 0 prints for a resolved layout (`parallel: auto`, or any layout on CUDA):
+    the sizes, the memory plan, the prediction; for a family the cost file has not measured, that
+    auto chose by memory alone."""
+    if result is None and not cfg.parallel.auto:
+        return None
+    lay = " ".join(f"{k}={getattr(cfg.parallel, k)}" for k in LAYOUT_KEYS)
+    family, said = cfg.model.family, ""
+    measured = family in perf.load_costs()["families"]
+    if result and measured and (key := gpu_key(result["gpu"])):
+        pred = result.get("prediction") or perf.predict(cfg, layout_of(vars(cfg.parallel)), key)
+        said = f"; predicted {pred['tokens_per_s_per_gpu'] / 1e3:.1f}K tokens/s per GPU (pithtrain/perf.py)"
+        if "candidates" in result:
+            said += f", the fastest of {len(result['candidates'])} valid layouts whose plan fits"
+    if cfg.parallel.auto and not measured:
+        said += (f"; chosen by memory alone (fewest parameters per rank): the cost file has no {family!r}, "
+                 "`python scripts/calibrate.py --models RECIPE` measures it")
+    return (f"pithtrain: parallel {'auto' if cfg.parallel.auto else 'layout'}: {lay} " + (
+            f"(memory plan: peak {result['peak_gib']:.1f} GiB of {result['usable_gib']:.1f} usable{said})"
+            if result else f"(no GPU memory to plan against{said})"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,12 +458,15 @@ def table(result: dict) -> str:
         lines.append(f"predicted on {pr['gpu']}: {pr['tokens_per_s_per_gpu'] / 1e3:.1f}K tokens/s per GPU, step "
                      f"{pr['step_s']:.2f} s (" + ", ".join(f"{k} {v:.2f}" for k, v in pr["parts_s"].items()) + " s)")
     if result.get("candidates"):
-        lines.append("layouts, fastest first (predicted tokens/s per GPU; peak GiB where planned):")
+        lines.append("layouts, fastest first (predicted tokens/s per GPU; peak GiB where planned):" if
+                     result["candidates"][0]["prediction"] else "layouts, fewest parameters per rank first "
+                     "(the cost file has not measured this family; peak GiB where planned):")
         for c in result["candidates"]:
             lay = " ".join(f"{k}={c[k]}" for k in LAYOUT_KEYS) + (
                 f" {c['pp_schedule']}{' overlap' if c['pp_overlap'] else ''}" if c["pp"] > 1 else "")
             mem = f"{c['peak_gib']:.1f} GiB, fits {'yes' if c['fits'] else 'no'}" if "peak_gib" in c else "not planned"
-            lines.append(f"  {lay:<44} {c['prediction']['tokens_per_s_per_gpu'] / 1e3:7.1f}K   {mem}")
+            speed = f"{c['prediction']['tokens_per_s_per_gpu'] / 1e3:7.1f}K" if c["prediction"] else "      -"
+            lines.append(f"  {lay:<44} {speed}   {mem}")
     lines.append(f"fits: {'yes' if result['fits'] else 'no'}")
     return "\n".join(lines)
 
@@ -460,7 +483,7 @@ def nearest_fit(recipe, overrides: list[str], gpu: str, world: int) -> str:
     for extra, n in tries:
         try:
             c = load_config(recipe, [*overrides, *extra])
-            r = auto_layout(c, n, GPU_GIB[gpu], gpu, max_plans=2)  # the two fastest of each
+            r = auto_layout(c, n, GPUS[gpu].memory_gib, gpu, max_plans=2)[1]  # the two fastest of each
         except ConfigError:
             continue
         if r["fits"]:
@@ -473,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pithtrain.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="recipe file or embedded recipe name (default: the tiny default)")
-    p.add_argument("--gpu", required=True, choices=sorted(GPU_GIB))
+    p.add_argument("--gpu", required=True, choices=sorted(GPUS))
     p.add_argument("--gpus", type=int, default=1, help="GPUs per node")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--set", action="append", default=[], help="section.key=value (repeatable)")
@@ -482,20 +505,17 @@ def main(argv: list[str] | None = None) -> int:
     world = args.gpus * args.nodes
     try:
         # What `invoke train --gpu` runs: the recipe, the GPU's overrides, then the user's.
-        cfg = load_config(args.model, [*GPU_OVERRIDES[args.gpu], *args.set])
-        if cfg.parallel.auto:
-            result = auto_layout(cfg, world, GPU_GIB[args.gpu], args.gpu)
-        else:
-            result = plan(cfg, world, GPU_GIB[args.gpu], args.gpu)
-            if cfg.model.family in perf.load_costs()["families"]:
-                result["prediction"] = perf.predict(cfg, layout_of(vars(cfg.parallel)), args.gpu)
+        cfg, result = resolve(load_config(args.model, [*GPUS[args.gpu].overrides, *args.set]), world, args.gpu,
+                              GPUS[args.gpu].memory_gib)
+        if "prediction" not in result and cfg.model.family in perf.load_costs()["families"]:
+            result["prediction"] = perf.predict(cfg, layout_of(vars(cfg.parallel)), args.gpu)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=1) if args.json else table(result))
     if not result["fits"]:  # a plan that does not fit is a failed plan: say what would
-        print(f"error: {refusal(cfg, result, world)}; nearest that fits: "
-              f"{nearest_fit(args.model, [*GPU_OVERRIDES[args.gpu], *args.set], args.gpu, world)}", file=sys.stderr)
+        print(f"error: {result['refusal']}; nearest that fits: "
+              f"{nearest_fit(args.model, [*GPUS[args.gpu].overrides, *args.set], args.gpu, world)}", file=sys.stderr)
         return 1
     return 0
 

@@ -33,29 +33,21 @@ import torch
 import torch.distributed as dist
 
 from pithtrain import bench, kernels, perf
+from pithtrain.build import build_run
 from pithtrain.config import load_config
-from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
 from pithtrain.distributed.parallel_dims import ParallelDims
-from pithtrain.distributed.parallelize import materialize, moe_blocks, parallelize
+from pithtrain.gpus import gpu_key
 from pithtrain.models import build_model
 from pithtrain.models.common import GroupedExperts, decoder_layers, use_kernels
 
 CAL_LAYERS = {"qwen3_moe": 2, "deepseek_v2": 3, "gpt_oss": 2}
 _TINY = "model.vocab_size=512 model.hidden_size=64 model.num_heads=4 model.num_experts=8 model.top_k=2".split()
 TINY = {"qwen3_moe": _TINY + "model.num_kv_heads=2 model.head_dim=16 model.moe_intermediate_size=32".split(),
-        "deepseek_v2": _TINY + ("model.kv_lora_rank=16 model.qk_nope_head_dim=16 model.qk_rope_head_dim=8 model.v_head_dim=16 "
+        "deepseek_v2": _TINY + ("model.kv_lora_rank=16 model.qk_nope_head_dim=16 model.qk_rope_head_dim=8 "
+                                "model.v_head_dim=16 "
                                 "model.intermediate_size=64 model.moe_intermediate_size=32").split(),
-        "gpt_oss": _TINY + "model.num_kv_heads=2 model.head_dim=16 model.intermediate_size=32 model.sliding_window=16".split()}
-
-
-class OneRankFSDP(ParallelDims):
-    """FSDP2 on a one-rank mesh: an FSDP layout's per-GPU compute (hooks, casts, gathers and
-    reduce-scatters as local copies) on one GPU. Its experts are its own (efsdp = edp = 1: FSDP
-    leaves them out, as on fsdp=8 ep=8), or with `sharded` inside FSDP, as on layouts that shard
-    or replicate them (efsdp or edp > 1)."""
-    sharded = False
-    fsdp_enabled = property(lambda self: True)
-    experts_alone = property(lambda self: not self.sharded)
+        "gpt_oss": _TINY + ("model.num_kv_heads=2 model.head_dim=16 model.intermediate_size=32 "
+                            "model.sliding_window=16").split()}
 
 
 class Marks:
@@ -155,33 +147,26 @@ def free():
 
 def make(cfg, path: str, device):
     """(model, step(accum)) on a path: train.py's one-GPU step (train), its bf16-parameter twin
-    (bench), or train.py's build (use_kernels, parallelize, materialise) on a one-rank FSDP mesh
-    with the experts behind the expert-parallel dispatcher (fsdp; fsdp_sharded)."""
+    (bench), or train.py's build (build.build_run) on one GPU on the FSDP path (ParallelDims
+    .one_gpu_fsdp: FSDP2 on one-rank meshes, its hooks, casts, gathers and reduce-scatters as
+    copies, the experts behind the expert-parallel dispatcher), the experts left out of FSDP as a
+    rank's own experts are (fsdp) or inside it (fsdp_sharded)."""
     cuda = device.type == "cuda"
     if not path.startswith("fsdp"):
         variant = bench.parse_variant("fused+compile" + ("+bf16" if path == "bench" else ""))
         return bench.pithtrain_step(cfg, {**variant, "compile": cuda}, device)
     t = cfg.train
     t.kernels, t.compile, t.activation_checkpoint, t.fp8 = "auto", cuda, "none", False
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
-    dims = OneRankFSDP(world_size=1)
-    dims.sharded = path == "fsdp_sharded"
-    dims.build_meshes(device.type)
-    use = kernels.configure("auto", device, fsdp=True, bf16=cuda, experts_alone=dims.experts_alone)
+    dims = ParallelDims(one_gpu_fsdp="experts_sharded" if path == "fsdp_sharded" else "experts_alone").init(device)
     torch._dynamo.reset()
-    model = use_kernels(build_model(cfg.model, init=False), use)
-    model.train()
-    parallelize(model, dims, t, device)
-    for m in moe_blocks(model):
-        m.dispatcher = ExpertParallelDispatcher(dims.ep_group, 0, 1, m.experts.num_experts, fused=m.dispatcher.fused)
-    materialize(model, build_model(cfg.model, init=False), device, t.seed)
-    return model, bench.step_of(model, cfg, dims, device, use)
+    run = build_run(cfg, device, dims)
+    return run.model, bench.step_of(run)
 
 
 def experts_curve(cfg, device, args, fp8: bool) -> dict:
     """{ep: {F, BW}} of the experts phase alone, E / ep experts, T x top_k balanced rows."""
-    m, use = cfg.model, kernels.configure("auto", device, fp8=fp8, bf16=device.type == "cuda")
+    m, cuda = cfg.model, device.type == "cuda"
+    use = kernels.configure("auto", device, fp8=fp8, bf16=cuda, fsdp=False, experts_alone=False, cp=False)
     rows = cfg.train.micro_batch_size * cfg.train.seq_len * m.top_k
     ref = next(mod for mod in use_kernels(build_model(m, device, init=False), use).modules()
                if isinstance(mod, GroupedExperts))
@@ -246,14 +231,16 @@ def model_costs(name: str, cfg, device, args, old: dict) -> dict:
             ids = [i for i in range(n) if perf.layer_kind(m, i) == kind]
             ph = {phase: med(mean(r[0][1]["layers"][i]["phases"][phase] for i in ids) for r in runs)
                   for phase in runs[0][0][1]["layers"][ids[0]]["phases"]}
-            c["layers"][kind] = {w: {k: med(mean(r[0][mb]["layers"][i][k] for i in ids) for r in runs) for k in ("F", "BW")}
+            c["layers"][kind] = {w: {k: med(mean(r[0][mb]["layers"][i][k] for i in ids) for r in runs)
+                                     for k in ("F", "BW")}
                                  for w, mb in (("first", 0), ("later", 1))}
             c["layers"][kind]["phases_F"] = {k: v / sum(ph.values()) for k, v in ph.items()}
         del model, step
         free()
         print(f"calibrate: {name} {path} ({time.perf_counter() - t0:.0f} s): " + ", ".join(
             f"{k} F {1e3 * v['later']['F']:.2f} BW {1e3 * v['later']['BW']:.2f} ms" for k, v in c["layers"].items())
-            + f", head {1e3 * c['head']['F']:.2f} + {1e3 * c['head']['BW']:.2f} ms, tail {1e9 * c['tail_per_param']:.3f} ns/param",
+            + f", head {1e3 * c['head']['F']:.2f} + {1e3 * c['head']['BW']:.2f} ms, "
+            f"tail {1e9 * c['tail_per_param']:.3f} ns/param",
             flush=True)
     fam["experts"] = experts_curve(cfg, device, args, fp8=False)
     fam["experts_fp8"] = fam["experts"] if args.cpu else experts_curve(cfg, device, args, fp8=True)
@@ -282,18 +269,22 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=perf.COSTS)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--paths", type=items, default="bench,train,fsdp,fsdp_sharded", help="paths to measure (others are kept)")
-    p.add_argument("--checks", type=items, default="bench:4,bench:12,train:4,fsdp:4,fsdp_sharded:4", help="path:layers, comma-separated")
+    p.add_argument("--paths", type=items, default="bench,train,fsdp,fsdp_sharded",
+                   help="paths to measure (others are kept)")
+    p.add_argument("--checks", type=items, default="bench:4,bench:12,train:4,fsdp:4,fsdp_sharded:4",
+                   help="path:layers, comma-separated")
     p.add_argument("--accums", type=items, default="1,8", help="micro-batches per step of each check, comma-separated")
     p.add_argument("--cpu", action="store_true", help="tiny widths on CPU (the test's dry run)")
     args = p.parse_args(argv)
     device, seq, mb = torch.device("cpu" if args.cpu else "cuda"), 64 if args.cpu else 4096, 2
     data = json.loads(args.out.read_text()) if args.out.is_file() else {"families": {}}
-    gpu = "cpu" if args.cpu else torch.cuda.get_device_name().split()[-1].lower()
+    gpu = "cpu" if args.cpu else torch.cuda.get_device_name()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    data.update(date=datetime.date.today().isoformat(), commit=commit, gpu=gpu if gpu in perf.GPUS else "h200",
-                device=gpu, torch=torch.__version__, triton=kernels.HAVE_TRITON and __import__("triton").__version__,
-                fa4=kernels.configure("auto", device).get("fa4", False))
+    facts = dict(fp8=False, bf16=not args.cpu, fsdp=False, experts_alone=False, cp=False)
+    data.update(date=datetime.date.today().isoformat(), commit=commit, gpu=gpu_key(gpu) or "h200",
+                device=gpu_key(gpu) or gpu.lower(), torch=torch.__version__,
+                triton=kernels.HAVE_TRITON and __import__("triton").__version__,
+                fa4=kernels.configure("auto", device, **facts)["fa4"])
     checks = []
     for name in args.models:
         family = load_config(name).model.family
@@ -323,7 +314,8 @@ def main(argv=None) -> int:
         checks += mine
         data["checks"] = [c for c in data.get("checks", []) if c["model"] != name] + mine
         args.out.write_text(json.dumps(data, indent=1) + "\n")
-    print("| model | path | layers | mb | measured ms | predicted ms | predicted / measured |\n| --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | path | layers | mb | measured ms | predicted ms | predicted / measured |\n"
+          "| --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(map(line, checks)))
     if dist.is_initialized():  # the fsdp paths' one-rank group
         dist.destroy_process_group()

@@ -137,9 +137,11 @@ def main() -> int:
     (Path(args.out) / "parity.json").write_text(json.dumps(result, indent=1))
     print(f"baseline: 1 process, {result['baseline_tokens_per_s']:.0f} tok/s; losses {base[0]['loss']:.4f} -> "
           f"{base[-1]['loss']:.4f}; bf16 reduction-order floor {noise:.2e}, band {band:.2e}")
-    print(f"| layout | max rel. loss diff over {args.steps} steps | tokens/s | peak mem GB | verdict |\n| --- | --- | --- | --- | --- |")
+    print(f"| layout | max rel. loss diff over {args.steps} steps | tokens/s | peak mem GB | verdict |\n"
+          "| --- | --- | --- | --- | --- |")
     for r in rows:
-        cells = [f"{r['max_rel_loss_diff']:.2e}", f"{r['tokens_per_s']:.0f}", f"{r['peak_mem_gb']:.1f}"] if "losses" in r else ["-"] * 3
+        cells = ([f"{r['max_rel_loss_diff']:.2e}", f"{r['tokens_per_s']:.0f}", f"{r['peak_mem_gb']:.1f}"]
+                 if "losses" in r else ["-"] * 3)
         print(f"| {r['layout']} | {' | '.join(cells)} | {r['status']} |")
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1

@@ -29,7 +29,8 @@ from pathlib import Path
 
 from multi_gpu_parity import launch, overlap_as_labelled  # the sibling script (python puts scripts/ on the path)
 
-LAYOUT = ("parallel.pp=4 parallel.fsdp=2 parallel.ep=2 train.seq_len=2048 train.micro_batch_size=4 train.grad_accum=128 "
+LAYOUT = ("parallel.pp=4 parallel.fsdp=2 parallel.ep=2 train.seq_len=2048 train.micro_batch_size=4 "
+          "train.grad_accum=128 "
           "train.dtype=bfloat16 train.lr=3e-4 train.warmup_steps=10 log.every=1 checkpoint.final=false").split()
 # --smoke: the same layout and schedules with tiny widths (8 layers: 2 per stage), on CPU.
 SMOKE = ("model.num_layers=8 model.hidden_size=64 model.num_heads=2 model.kv_lora_rank=32 model.qk_nope_head_dim=16 "
@@ -43,7 +44,8 @@ def summary(name: str, recs: list[dict]) -> dict:
     mfu = [r["mfu"] for r in recs[-10:] if r.get("mfu") is not None]
     return {"run": name, "steps": len(recs), "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / 8,
             "mfu": statistics.median(mfu) if mfu else None, "peak_mem_gb_per_rank": recs[-1].get("mem_gb_ranks"),
-            "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"], "finite": all(math.isfinite(r["loss"]) for r in recs)}
+            "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"],
+            "finite": all(math.isfinite(r["loss"]) for r in recs)}
 
 
 def prediction(overrides: list[str], smoke: bool) -> float | None:
@@ -53,12 +55,13 @@ def prediction(overrides: list[str], smoke: bool) -> float | None:
 
     from pithtrain import perf
     from pithtrain.config import load_config
-    from pithtrain.plan import auto_layout, gpu_key, layout_of
+    from pithtrain.gpus import gpu_key
+    from pithtrain.plan import layout_of, resolve
     key = gpu_key(torch.cuda.get_device_name()) if torch.cuda.is_available() and not smoke else None
     if key is None:
         return None
-    cfg = load_config("deepseek-v2-lite", [*LAYOUT, *overrides])
-    auto_layout(cfg, 8, None, key)  # the sizes LAYOUT leaves to `parallel: auto` (dp, cp), as train.py does
+    # the sizes LAYOUT leaves to `parallel: auto` (dp, cp), as train.py resolves them
+    cfg = resolve(load_config("deepseek-v2-lite", [*LAYOUT, *overrides]), 8, key)[0]
     return perf.predict(cfg, layout_of(vars(cfg.parallel)), key)["tokens_per_s_per_gpu"]
 
 
@@ -92,11 +95,13 @@ def main() -> int:
         rows.append({**summary(name, recs), "predicted_per_gpu": prediction(overrides, args.smoke),
                      "overlapped_all_to_all_per_rank": n})
         if not as_labelled:
-            print(f"paper_config: {name}: overlapped all-to-all phases per rank {n}: not what the label says", flush=True)
+            print(f"paper_config: {name}: overlapped all-to-all phases per rank {n}: not what the label says",
+                  flush=True)
         loss_fell = name != "dualpipev-loss" or rows[-1]["finite"] and rows[-1]["loss_last"] < rows[-1]["loss_first"]
         ok &= as_labelled and loss_fell  # and the loss run's loss must fall and stay finite
     (Path(args.out) / "paper.json").write_text(json.dumps({"smoke": args.smoke, "runs": rows}, indent=1))
-    print("| run | steps | tokens/s | tokens/s/GPU | predicted/GPU (ratio) | MFU | peak GB per rank | loss first -> last |\n"
+    print("| run | steps | tokens/s | tokens/s/GPU | predicted/GPU (ratio) | MFU | peak GB per rank | "
+          "loss first -> last |\n"
           "| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if r.get("failed"):
@@ -107,7 +112,8 @@ def main() -> int:
         pred = (f"{r['predicted_per_gpu']:.0f} ({r['predicted_per_gpu'] / r['tokens_per_s_per_gpu']:.2f})"
                 if r["predicted_per_gpu"] else "n/a")
         print(f"| {r['run']} | {r['steps']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | {pred} | "
-              f"{mfu} | {mem} | {r['loss_first']:.3f} -> {r['loss_last']:.3f}{'' if r['finite'] else ' (non-finite)'} |")
+              f"{mfu} | {mem} | {r['loss_first']:.3f} -> {r['loss_last']:.3f}"
+              f"{'' if r['finite'] else ' (non-finite)'} |")
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pithtrain.config import GPU_OVERRIDES
+from pithtrain.gpus import GPUS
 from tools import appliance as ap
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,7 +52,7 @@ def test_one_dockerfile_serves_both_targets():
     assert sorted(p.relative_to(REPO).as_posix() for p in REPO.glob("images/**/Dockerfile*")) == [
         "images/Dockerfile", "images/Dockerfile.dockerignore"]
     assert TARGETS == ["blackwell", "hopper"]
-    assert set(ap.GPU_TARGET.values()) == set(TARGETS) and set(GPU_OVERRIDES) == set(ap.GPU_TARGET)
+    assert set(ap.GPU_TARGET.values()) == set(TARGETS) and set(GPUS) == set(ap.GPU_TARGET)
 
 
 def test_hadolint_passes():
@@ -102,7 +102,8 @@ def test_dockerfiles_build_deepgemm_with_the_script_at_the_pins(target, tmp_path
     assert "${DEEPGEMM_PATCHES?" in script  # required too (may be empty)
     # The build is stamped into the package version as doctor expects: the script's own stamping
     # lines, run on a file like DeepGEMM's __init__.py.
-    stamping = [line for line in script.splitlines() if line.startswith(("STAMP=", "for c in $DEEPGEMM_PATCHES; do STAMP", "sed -i -E"))]
+    stamping = [line for line in script.splitlines()
+                if line.startswith(("STAMP=", "for c in $DEEPGEMM_PATCHES; do STAMP", "sed -i -E"))]
     assert len(stamping) == 3
     init = tmp_path / "deep_gemm" / "__init__.py"
     init.parent.mkdir()
@@ -433,8 +434,9 @@ def test_other_tasks_dry_run():
 def test_every_task_argument_has_help():
     import inspect
 
-    import tasks
     from invoke import Task
+
+    import tasks
 
     found = 0
     for name in dir(tasks):

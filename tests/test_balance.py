@@ -30,7 +30,7 @@ from pithtrain.config import ConfigError, config_from_dict, load_config  # noqa:
 from pithtrain.distributed.parallel_dims import ParallelDims  # noqa: E402
 from pithtrain.distributed.reductions import balance_after_step  # noqa: E402
 from pithtrain.models import build_model  # noqa: E402
-from pithtrain.models.balance import Balance, BalanceConfig  # noqa: E402
+from pithtrain.models.balance import Balance, BalanceConfig, reset_step_stats  # noqa: E402
 from pithtrain.models.common import set_aux_loss_scale  # noqa: E402
 
 ONE = ParallelDims()  # one process: no collectives
@@ -128,7 +128,8 @@ def test_deepseek_sequence_loss_gradients_match_transformers_plus_the_paper_loss
         g_ours = ours.layers[i].mlp.gate.weight.grad
         g_ref = ref_grads[f"model.layers.{i}.mlp.gate.weight"].grad
         assert rel(g_ours, g_ref) < 1e-5, i
-    assert rel(ours.layers[1].self_attn.o_proj.weight.grad, ref_grads["model.layers.1.self_attn.o_proj.weight"].grad) < 1e-5
+    assert rel(ours.layers[1].self_attn.o_proj.weight.grad,
+               ref_grads["model.layers.1.self_attn.o_proj.weight"].grad) < 1e-5
 
 
 def test_each_model_scales_its_own_balancing_gradient():
@@ -184,12 +185,13 @@ def test_bias_update_sign_and_size():
     torch.testing.assert_close(unit.bias_E, torch.tensor([-0.01, 0.01, 0.0, 0.0]))
     unit.update(torch.tensor([10, 2, 7, 5]))
     torch.testing.assert_close(unit.bias_E, torch.tensor([-0.02, 0.02, -0.01, 0.01]))
-    # through the trainer's call: the step's statistics are the load, then they restart
+    # through the trainer's calls: the step's statistics are the load, then the step restarts them
     model = build_model(tiny_qwen(num_layers=1, balance="bias", bias_update_rate=0.5, num_experts=4))
     unit = model.layers[0].mlp.balance
     unit.stats[:4] = torch.tensor([1, 3, 2, 2])
     balance_after_step(model, ONE, model.cfg, metrics=False)
     torch.testing.assert_close(unit.bias_E, torch.tensor([0.5, -0.5, 0.0, 0.0]))
+    reset_step_stats(model)
     assert not unit.stats.any()
 
 
@@ -272,7 +274,6 @@ def test_routing_metrics_per_layer_and_dropped_slots():
     assert m["imbalance"] == 4.0
     assert m["experts_per_token"] == {"mean": (16 * 2 + 4 + 20) / 32, "min": 0, "max": 2}
     assert m["dropped_slot_share"] == pytest.approx(1 - (16 * 2 + 4 + 20) / 64)
-    assert not a.stats.any() and not b.stats.any()
 
 
 # ---------------------------------------------------------------------------------------------

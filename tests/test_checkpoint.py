@@ -18,11 +18,12 @@ import pytest
 import torch
 import variant
 
-from pithtrain.checkpoint.dcp import CheckpointError, Checkpointer, SafeReader, resolve, verify
+from pithtrain.build import build_optimizer, lr_lambda
+from pithtrain.checkpoint.dcp import Checkpointer, CheckpointError, SafeReader, resolve, verify
 from pithtrain.config import load_config
 from pithtrain.data import TokenBatches
 from pithtrain.models import build_model
-from pithtrain.train import build_optimizer, lr_lambda, main, train
+from pithtrain.train import main, train
 
 # conftest.tiny_overrides without the run dir, for the module-scoped reference run
 TINY = ["train.micro_batch_size=4", "train.seq_len=64", "train.warmup_steps=5",
@@ -510,7 +511,8 @@ def test_export_loads_in_transformers_with_same_logits(ref, tmp_path):
         train(load_config(None, RUN + ["train.steps=1", f"log.run_dir={ref}"]))
 
     out = subprocess.run([sys.executable, "-m", "pithtrain.checkpoint.export", "--ckpt", str(ref),
-                          "--out", str(tmp_path / "hf"), "--dtype", "float32"], capture_output=True, text=True, timeout=180,
+                          "--out", str(tmp_path / "hf"), "--dtype", "float32"], capture_output=True, text=True,
+                         timeout=180,
                          env=SUB_ENV)
     assert out.returncode == 0, out.stderr[-2000:]
     ours = load_checkpoint_model(resolve(ref))
@@ -543,7 +545,8 @@ def _reshard_worker(rank: int, world: int, port: int, tmp: str, ref_ckpt: str):
     out = {}
     for phase, run, extra, resume in (("saved", "run4", RESHARD, False),
                                       ("loaded", "run4b", ["train.steps=20"], ref_ckpt)):
-        hist, model = train(load_config(None, RUN + variant.overrides() + layout + extra + [f"log.run_dir={tmp}/{run}"]),
+        hist, model = train(load_config(None, RUN + variant.overrides() + layout + extra
+                                        + [f"log.run_dir={tmp}/{run}"]),
                      resume=resume)
         params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                   for n, p in model.named_parameters()}

@@ -52,7 +52,8 @@ def _hash_worker(rank: int, world: int, port: int, tmp: str):
 
     dcp_mod._sha256 = spy
     run = f"{tmp}/run"
-    cfg = load_config(None, TINY + variant.overrides() + LAYOUT + ["train.steps=5", "checkpoint.every=1", "checkpoint.keep_last=5",
+    cfg = load_config(None, TINY + variant.overrides() + LAYOUT + ["train.steps=5", "checkpoint.every=1",
+                                                                   "checkpoint.keep_last=5",
                                              f"log.run_dir={run}"])
     train(cfg, resume=False)
     saved = {"hashed": list(hashed), "seconds": seconds[0]}
@@ -67,7 +68,8 @@ def _hash_worker(rank: int, world: int, port: int, tmp: str):
     dist.barrier()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        train(load_config(None, TINY + variant.overrides() + LAYOUT + ["train.steps=5", f"log.run_dir={run}"]), resume=True)
+        train(load_config(None, TINY + variant.overrides() + LAYOUT + ["train.steps=5", f"log.run_dir={run}"]),
+              resume=True)
     said = out.getvalue()
     Path(tmp, f"hash.{rank}.json").write_text(json.dumps({"save": saved, "resume": hashed, "said": said}))
     dist.destroy_process_group()
@@ -367,21 +369,21 @@ def _malformed_worker(rank: int, world: int, port: int, tmp: str):
     out["resumed"], out["said"] = [h["step"] for h in hist], said.getvalue()
     # a check of the checkpoint that fails on rank 1 alone (as a missing tensor only one pipeline
     # stage holds would): both ranks raise it, none waits in DCP's load for the other
-    real = dcp_mod._check_index
+    real = dcp_mod.check_index
 
     def only_rank_1(ckpt, keys):
         if rank == 1:
             raise CheckpointError(f"{ckpt}: rank 1's own check failed")
         return real(ckpt, keys)
 
-    dcp_mod._check_index = only_rank_1
+    dcp_mod.check_index = only_rank_1
     try:
         train(load_config(None, args + [f"train.steps={steps + 1}"]))
         out["one rank"] = "no error"
     except CheckpointError as e:
         out["one rank"] = str(e)
     finally:
-        dcp_mod._check_index = real
+        dcp_mod.check_index = real
     Path(tmp, f"malformed.{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 

@@ -7,8 +7,18 @@ import pytest
 import torch
 
 from pithtrain.config import ConfigError, load_config
-from pithtrain.data import (BOS, DATA_VOCAB_SIZE, EOS, ShardedTokens, TokenBatches, build_batches, prepare_data,
-                            rows, shard_tokens, stdlib_tokens)
+from pithtrain.data import (
+    BOS,
+    DATA_VOCAB_SIZE,
+    EOS,
+    ShardedTokens,
+    TokenBatches,
+    build_batches,
+    prepare_data,
+    rows,
+    shard_tokens,
+    stdlib_tokens,
+)
 
 
 def test_stdlib_tokens_are_bytes_with_document_markers():
@@ -66,10 +76,10 @@ def test_every_layout_reads_the_single_rank_batch(dp, fsdp, cp, grad_accum, mbs)
     x, y, seen = torch.full_like(ref_x, -1), torch.full_like(ref_y, -1), torch.zeros_like(ref_x)
     for rank in range(world):
         dims = ParallelDims(dp=dp, fsdp=fsdp, cp=cp, world_size=world, rank=rank)
-        assert mbs * grad_accum * dims.batch_size == G  # train.py's global batch
+        assert mbs * grad_accum * dims.data_parallel_size == G  # train.py's global batch
         x_GS, y_GS = TokenBatches(t, S, G, seed=7).batch(step)
         for micro in range(grad_accum):
-            r = rows(micro, dims.batch_rank, dims.batch_size, mbs)
+            r = rows(micro, dims.data_parallel_rank, dims.data_parallel_size, mbs)
             x_BS, y_BS, pos_BS = split_batch(x_GS[r], y_GS[r], dims)
             pos_BS = torch.arange(S).expand_as(x_BS) if pos_BS is None else pos_BS
             assert x_BS.shape == (mbs, S // cp)
@@ -154,7 +164,8 @@ def test_too_few_shard_tokens_names_the_directory(tmp_path):
     build_batches(cfg.data, 64, 4, 0)  # evaluation off: nothing held out, one window of 65 fits
     with pytest.raises(ConfigError, match=r"only 60 tokens, too few for train.seq_len 64 \(one window each "
                                           r"for training needs >= 66\)"):
-        build_batches(load_config(None, ["data.source=shards", f"data.path={write_shards(tmp_path / 't', [np.arange(60)])}",
+        build_batches(load_config(None, ["data.source=shards",
+                                         f"data.path={write_shards(tmp_path / 't', [np.arange(60)])}",
                                          "train.seq_len=64"]).data, 64, 4, 0)
 
 
@@ -257,7 +268,8 @@ def test_a_run_on_a_small_vocabulary_trains_and_exports_with_its_checkpoints_tok
     assert export_main(["--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 128
     assert (tmp_path / "hf/tokenizer.json").read_bytes() == (tokenizer_dir / "tokenizer.json").read_bytes()
-    assert json.loads((tmp_path / "hf/tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    tok_cfg = json.loads((tmp_path / "hf/tokenizer_config.json").read_text())
+    assert tok_cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
     # the stdlib bytes: no tokenizer, said so
     assert train_main([*run, "train.steps=1", f"log.run_dir={tmp_path / 'run3'}"]) == 0
     capsys.readouterr()

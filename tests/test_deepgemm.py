@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from run_path import one_gpu_kernels
 
 from pithtrain import kernels
 from pithtrain.kernels import deepgemm, fp8_linear
@@ -105,20 +106,20 @@ def test_configure_picks_deepgemm_for_fp8_on_hopper_and_keeps_in_place_gradients
     monkeypatch.setattr(kernels, "_deepgemm", lambda: True)
     cap = [(9, 0)]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
-    on = kernels.configure("auto", "cuda", fp8=True)
+    on = one_gpu_kernels("auto", "cuda", fp8=True)
     assert on["fp8"] and on["deepgemm"] and on["wgrad"]
-    triton_fp8 = kernels.configure("auto", "cuda", fp8=True, off=("deepgemm",))  # the bench's no-deepgemm
+    triton_fp8 = one_gpu_kernels("auto", "cuda", fp8=True, off=("deepgemm",))  # the bench's no-deepgemm
     assert triton_fp8["fp8"] and not triton_fp8["deepgemm"] and not triton_fp8["wgrad"]
-    no_fp8 = kernels.configure("auto", "cuda", fp8=True, off=("fp8",))  # the bench's no-fp8: nothing FP8 runs
+    no_fp8 = one_gpu_kernels("auto", "cuda", fp8=True, off=("fp8",))  # the bench's no-fp8: nothing FP8 runs
     assert not no_fp8["fp8"] and not no_fp8["deepgemm"] and no_fp8["wgrad"]
-    bf16 = kernels.configure("auto", "cuda")
+    bf16 = one_gpu_kernels("auto", "cuda")
     assert not bf16["deepgemm"] and bf16["wgrad"]
-    assert not kernels.configure("auto", "cuda", fp8=True, fsdp=True)["wgrad"]
+    assert not one_gpu_kernels("auto", "cuda", fp8=True, fsdp=True)["wgrad"]
     cap[0] = (10, 0)  # Blackwell: DeepGEMM's path there is untested, so Triton
-    assert not kernels.configure("auto", "cuda", fp8=True)["deepgemm"]
+    assert not one_gpu_kernels("auto", "cuda", fp8=True)["deepgemm"]
     cap[0] = (9, 0)
     monkeypatch.setattr(kernels, "_deepgemm", lambda: False)  # not installed
-    assert not kernels.configure("auto", "cuda", fp8=True)["deepgemm"]
+    assert not one_gpu_kernels("auto", "cuda", fp8=True)["deepgemm"]
     assert "deepgemm" in kernels.describe(on) and "fused" in kernels.describe(on)
 
 
@@ -132,7 +133,7 @@ def test_use_kernels_gives_each_experts_module_its_own_deepgemm_mm(monkeypatch):
                          head_dim=8, moe_intermediate_size=24, num_experts=4, top_k=2)
     model = Qwen3MoeForCausalLM(cfg)
     model.init_weights()
-    use = {**kernels.configure("auto", "cpu", fp8=True), "deepgemm": True, "wgrad": True}
+    use = {**one_gpu_kernels("auto", "cpu", fp8=True), "deepgemm": True, "wgrad": True}
     model = use_kernels(model, use)
     mms = [m.mm for m in model.modules() if isinstance(m, GroupedExperts)]
     assert len(mms) == 2 and all(isinstance(mm, deepgemm.FP8GroupedMM) and mm.in_place for mm in mms)

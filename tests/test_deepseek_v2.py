@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from pithtrain.checkpoint import load_hf, save_hf  # noqa: E402
 from pithtrain import config  # noqa: E402
+from pithtrain.checkpoint import load_hf, save_hf  # noqa: E402
 from pithtrain.config import load_config  # noqa: E402
 from pithtrain.metrics import param_counts  # noqa: E402
 from pithtrain.models import FAMILIES, build_model, read_config  # noqa: E402
@@ -191,7 +191,8 @@ def test_v2_lite_counts_15_7b_2_4b():
 
 def test_hub_config_refuses_what_transformers_does_not_implement(tmp_path):
     for bad, why in (({"norm_topk_prob": True}, "norm_topk_prob"), ({"num_key_value_heads": 8}, "MLA needs"),
-                     ({"topk_method": "noaux_tc"}, "topk_method"), ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope")):
+                     ({"topk_method": "noaux_tc"}, "topk_method"),
+                     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope")):
         (tmp_path / "config.json").write_text(json.dumps({**V2_LITE_HUB, **bad}))
         with pytest.raises(ValueError, match=why):
             read_config(tmp_path)

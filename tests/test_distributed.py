@@ -42,6 +42,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import variant
+from run_path import dispatched
 
 from pithtrain.config import ConfigError, config_from_dict, load_config
 from pithtrain.metrics import flops_per_token
@@ -193,7 +194,7 @@ def _dedup_worker(rank: int, world: int, port: int, tmp: str):
     w = torch.rand(world * T, A)
     g = torch.randn(world * T, D)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    (LocalDispatcher()(xr, idx, wr, full) * g).sum().backward()
+    (dispatched(LocalDispatcher(), xr, idx, wr, full) * g).sum().backward()
     mine = slice(rank * T, (rank + 1) * T)
     out = {}
     for dedup in (True, False):
@@ -203,9 +204,9 @@ def _dedup_worker(rank: int, world: int, port: int, tmp: str):
             local.w2_EFD.copy_(full.w2_EFD[rank * El:(rank + 1) * El])
         d = ExpertParallelDispatcher(dist.group.WORLD, rank, world, E, dedup=dedup)
         xl, wl = x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
-        y = d(xl, idx[mine], wl, local)
+        y = dispatched(d, xl, idx[mine], wl, local)
         (y * g[mine]).sum().backward()
-        y_ref = LocalDispatcher()(x, idx, w, full)[mine]
+        y_ref = dispatched(LocalDispatcher(), x, idx, w, full)[mine]
         torch.testing.assert_close(y, y_ref.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(xl.grad, xr.grad[mine], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(wl.grad, wr.grad[mine], rtol=1e-5, atol=1e-5)
@@ -246,7 +247,7 @@ def _fp8_ep_worker(rank: int, world: int, port: int, tmp: str):
     idx = torch.stack([torch.randperm(E)[:A] for _ in range(world * T)])
     w = torch.rand(world * T, A)
     xr = x.clone().requires_grad_()
-    y_ref = LocalDispatcher()(xr, idx, w, full)
+    y_ref = dispatched(LocalDispatcher(), xr, idx, w, full)
     (y_ref * g).sum().backward()
     local = GroupedExperts(El, D, F)
     local.mm = FP8GroupedMM()
@@ -255,7 +256,7 @@ def _fp8_ep_worker(rank: int, world: int, port: int, tmp: str):
         local.w2_EFD.copy_(full.w2_EFD[rank * El:(rank + 1) * El])
     mine = slice(rank * T, (rank + 1) * T)
     xl = x[mine].clone().requires_grad_()
-    y = ExpertParallelDispatcher(dist.group.WORLD, rank, world, E)(xl, idx[mine], w[mine], local)
+    y = dispatched(ExpertParallelDispatcher(dist.group.WORLD, rank, world, E), xl, idx[mine], w[mine], local)
     (y * g[mine]).sum().backward()
     # Forward and data grad quantise per row (1 x 128 along the width) and per 128 x 128 block of
     # one expert's weight: the same FP8 operands on any rank, so equal up to summation order.

@@ -121,7 +121,8 @@ def test_every_command_the_docs_show_exists_with_its_options():
                 words = words[1:] if words[:1] == ["$"] else words
                 if len(words) < 2:
                     continue
-                opts = [w.split("=")[0] for w in words[2:] if w.startswith("--") and " " not in w]  # a quoted value is no option
+                # a quoted value is no option
+                opts = [w.split("=")[0] for w in words[2:] if w.startswith("--") and " " not in w]
                 if words[0] == "invoke" and not words[1].startswith("-"):
                     known = tasks.get(words[1])
                     if known is None:

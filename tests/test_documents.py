@@ -6,6 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from run_path import one_gpu_kernels
 
 from pithtrain.data import document_ids
 from pithtrain.models import build_model
@@ -89,9 +90,11 @@ def test_separator_loss_mask_and_unsupported_layouts(tiny_overrides):
     (x, y), (xm, ym) = plain.batch(3), masked.batch(3)
     assert torch.equal(x, xm) and torch.equal(ym[x != 9], y[x != 9])  # only the label after a separator
     assert (ym[x == 9] == -100).all() and (x == 9).any()
-    for layout in ("parallel.cp=2", "parallel.pp=2"):
+    from pithtrain.build import check_run
+    for layout in ("parallel.cp=2", "parallel.pp=2"):  # refused once the layout is known, before anything is built
+        cfg = load_config(None, tiny_overrides + ["data.document_mask=true", layout])
         with pytest.raises(ConfigError, match=rf"data.document_mask: not supported with {layout.split('=')[0]} > 1"):
-            load_config(None, tiny_overrides + ["data.document_mask=true", layout])
+            check_run(cfg, torch.device("cpu"), 2)
 
 
 @pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
@@ -144,7 +147,6 @@ def test_loss_falls_on_a_two_document_corpus(tmp_path, tiny_overrides):
 def test_flex_document_mask_matches_the_eager_reference_on_gpu(family):
     """CUDA: the document mask runs as FlexAttention block masks (built once per batch); float32
     loss and every gradient equal the eager reference's, and outputs equal each document alone."""
-    from pithtrain import kernels
     from pithtrain.models.common import use_kernels
 
     torch.manual_seed(0)
@@ -154,7 +156,7 @@ def test_flex_document_mask_matches_the_eager_reference_on_gpu(family):
     docs = torch.tensor([sum([[d] * n for d, n in enumerate(lengths)], [])] * 2, device="cuda")
     runs = {}
     for mode in ("auto", "torch"):
-        use_kernels(model, kernels.configure(mode, "cuda"))
+        use_kernels(model, one_gpu_kernels(mode, "cuda"))
         seen = []
         hook = model.rotary.register_forward_hook(lambda m, args, out: seen.append(out.docs))
         model.zero_grad()
@@ -193,7 +195,6 @@ def test_flash_attn_4_document_mask_matches_flex_attention_on_gpu(family, monkey
     gradient match FlexAttention's document masks within bf16 noise; eager, then compiled as
     train.py runs it, over batches with different numbers of documents (the starts' length
     changes: the compiled attention takes it without a graph per batch)."""
-    from pithtrain import kernels
     from pithtrain.compile import apply_compile
     from pithtrain.kernels import fa4
     from pithtrain.models.common import use_kernels
@@ -220,10 +221,10 @@ def test_flash_attn_4_document_mask_matches_flex_attention_on_gpu(family, monkey
         hook.remove()
         return seen[0], loss.item(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
-    use_kernels(model, kernels.configure("auto", "cuda", off=("fa4",)))
+    use_kernels(model, one_gpu_kernels("auto", "cuda", off=("fa4",)))
     flex = [run(*b) for b in batches]
     assert all(d.block_masks is not None and d.cu_seqlens is None for d, _, _ in flex) and not ops
-    use_kernels(model, kernels.configure("auto", "cuda"))
+    use_kernels(model, one_gpu_kernels("auto", "cuda"))
     for compiled in (False, True):
         if compiled:  # without the spy: dynamo would guard on its list's length and compile again
             monkeypatch.setattr(fa4, "fa4_fwd", real_fwd)

@@ -8,15 +8,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from run_path import one_gpu_kernels
 
-from pithtrain import kernels
-from pithtrain.checkpoint.dcp import RECIPE, CheckpointError, Checkpointer
+from pithtrain import build
+from pithtrain.build import check_run
+from pithtrain.checkpoint.dcp import RECIPE, Checkpointer, CheckpointError
 from pithtrain.config import ConfigError, load_config
 from pithtrain.distributed.context_parallel import ContextParallelAttention
 from pithtrain.distributed.parallelize import parallelize
 from pithtrain.models import build_model
 from pithtrain.models.common import use_kernels
-from pithtrain.plan import candidates
+from pithtrain.plan import candidates, resolve
+from pithtrain.precision import Precision
 
 
 def compare(cfg, saved: dict, tmp_path) -> list[str]:
@@ -62,34 +65,39 @@ def test_a_changed_training_only_model_field_resumes_and_is_said(tmp_path):
 @pytest.mark.parametrize("feature", ["data.document_mask=true", "train.eval_every=5"])
 def test_parallel_auto_loads_with_features_that_exclude_cp_or_pp(feature):
     """Both once crashed at load ('>' between None and int: the checks read the sizes auto had not
-    filled yet). Auto now chooses only among layouts the feature supports; a size given is checked."""
+    filled yet). Auto chooses only among layouts the feature supports, and the recipe keeps its
+    unset sizes; a size given is checked once the layout is resolved (build.check_run)."""
     cfg = load_config(None, ["parallel.auto=true", feature])
     layouts = candidates(cfg, 4)
     assert layouts and all(lay["pp"] == 1 for lay in layouts)
+    assert cfg.parallel.pp is None and check_run(resolve(cfg, 4)[0], torch.device("cpu"), 4).pp == 1
     if feature.startswith("data."):
         assert all(lay["cp"] == 1 for lay in layouts)
+        given = resolve(load_config(None, ["parallel.auto=true", "parallel.cp=2", feature]), 4)[0]
         with pytest.raises(ConfigError, match="data.document_mask: not supported with parallel.cp > 1"):
-            load_config(None, ["parallel.auto=true", "parallel.cp=2", feature])
+            check_run(given, torch.device("cpu"), 4)
     assert max(lay["pp"] for lay in candidates(load_config(None, ["parallel.auto=true", "train.grad_accum=4"]), 4)) > 1
 
 
-def test_context_parallel_refuses_a_variant_attention_naming_the_module():
+def test_context_parallel_refuses_a_variant_attention_naming_the_module(monkeypatch):
+    """parallelize replaces each models.common.attention call (bound with the run's kernels) with
+    context parallel's; build.check_run, before anything is built, refuses a variant's own."""
     cfg = load_config(None, ["model.num_layers=2", "parallel.cp=2"])
     dims = SimpleNamespace(fsdp_enabled=False, cp_enabled=True, cp_group=None, cp_rank=0, cp=2)
-
-    def model():  # with the run's kernel choice bound into each attention call (use_kernels)
-        m = build_model(cfg.model, init=False)
-        return use_kernels(m, kernels.configure(cfg.train.kernels, torch.device("cpu"), fp8=False, fsdp=True,
-                                                bf16=False, cp=True))
-
-    plain = parallelize(model(), dims, cfg.train, torch.device("cpu"))
+    m = use_kernels(build_model(cfg.model, init=False), one_gpu_kernels("auto", "cpu", bf16=False, fsdp=True, cp=True))
+    plain = parallelize(m, dims, cfg.train, torch.device("cpu"), Precision())
     assert all(isinstance(layer.self_attn.attention, ContextParallelAttention) for layer in plain.layers)
-    variant = model()
+    assert check_run(cfg, torch.device("cpu"), 2).cp == 2
 
     def block_sparse(q, k, v, **kw):
         return q
 
-    variant.layers[1].self_attn.attention = block_sparse
+    def variant(model_cfg, init=True):  # a variant's attention in layer 1
+        model = build_model(model_cfg, init=init)
+        model.layers[1].self_attn.attention = block_sparse
+        return model
+
+    monkeypatch.setattr(build, "build_model", variant)
     with pytest.raises(ConfigError, match=r"parallel.cp=2: layers.1.self_attn.attention is "
                                           r".*block_sparse, not models.common.attention"):
-        parallelize(variant, dims, cfg.train, torch.device("cpu"))
+        check_run(cfg, torch.device("cpu"), 2)

@@ -10,8 +10,8 @@ e4m3 step (tests/test_fp8_gpu.py)."""
 
 import pytest
 import torch
+from run_path import one_gpu_kernels
 
-from pithtrain import kernels
 from pithtrain.config import ConfigError, load_config
 from pithtrain.kernels import fp8_linear as fp8
 from pithtrain.models import build_model
@@ -129,7 +129,7 @@ def test_weight_cache_quantises_once_per_step_and_never_serves_stale_copies():
         local.add_(1)  # written through the local tensor only: the owner's version does not move
     cache.weights(w, local)
     assert cache.quantised == 5
-    # a parameter that dies (a step's bf16 weight copy, parallelize.bf16_weights) takes its copies
+    # a parameter that dies (a step's bf16 weight copy, precision.WeightCopies) takes its copies
     # with it: evaluation's copies do not stay next to the next step's
     copy = torch.nn.Parameter(w.detach().to(torch.bfloat16))
     cache.weights(copy, copy)
@@ -146,7 +146,7 @@ def test_model_hook_quantises_each_expert_weight_once_per_step(tiny_overrides):
     to the same model's without FP8."""
     cfg = load_config(None, tiny_overrides)
     torch.manual_seed(0)
-    model = use_kernels(build_model(cfg.model, "cpu"), kernels.configure("torch", "cpu", fp8=True))
+    model = use_kernels(build_model(cfg.model, "cpu"), one_gpu_kernels("torch", "cpu", fp8=True))
     ids = torch.randint(0, cfg.model.vocab_size, (2, 33))
     q0 = fp8.quantised(model)
     losses = []

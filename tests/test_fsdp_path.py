@@ -1,6 +1,6 @@
 """FSDP layouts where each rank's routed experts are its own (parallel_dims.experts_alone, e.g.
 fsdp=8 ep=8): FSDP leaves the experts out and they take one GPU's path, a bf16 copy kept across
-micro-batches whose gradients go into the float32 DTensor master (parallelize.bf16_weights), in
+micro-batches whose gradients go into the float32 DTensor master (precision.WeightCopies), in
 place on a GPU (kernels/wgrad.py). Parity of whole layouts with one process: tests/test_distributed.py."""
 
 import importlib.util
@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from pithtrain.distributed.parallelize import bf16_weights
+from pithtrain.precision import WeightCopies
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,10 +34,11 @@ def test_a_dtensor_master_gets_a_plain_bf16_copy_and_its_gradient(one_rank):
     mod.w = nn.Parameter(distribute_tensor(torch.randn(4, 3), one_rank, [Shard(0)]))
     master = mod.w
     a, b = torch.randn(4, 3), torch.randn(4, 3)
-    with bf16_weights(mod):
+    copies = WeightCopies("all")
+    with copies.swap(mod):
         copy = mod.w
         assert type(copy) is nn.Parameter and copy.dtype == torch.bfloat16 and copy.shape == (4, 3)
-        assert copy.master() is master
+        assert copies.master(copy) is master
         torch.testing.assert_close(copy.float(), master.to_local(), rtol=1e-2, atol=1e-2)
         for g in (a, b):
             (copy.float() * g).sum().backward()
@@ -66,12 +67,16 @@ def test_fsdp_path_on_one_rank_computes_the_one_gpu_step():
     dev = torch.device("cuda")
     cfg = bench.bench_config("qwen3-30b-a3b", 2, 2, 1024, 4, ["model.num_experts=16", "model.top_k=4"])
     ref_model, ref_step = cal.make(cfg, "train", dev)
-    model, step = cal.make(cfg, "fsdp", dev)
-    with torch.no_grad():
-        for (n, p), (m, q) in zip(ref_model.named_parameters(), model.named_parameters()):
-            assert n.replace("_fsdp_wrapped_module.", "") == m.replace("_fsdp_wrapped_module.", "")
-            (q.to_local() if isinstance(q, DTensor) else q).copy_(p)
-    losses = [(float(ref_step(4)), float(step(4))) for _ in range(3)]
+    try:
+        model, step = cal.make(cfg, "fsdp", dev)  # its one-rank process group, left below
+        with torch.no_grad():
+            for (n, p), (m, q) in zip(ref_model.named_parameters(), model.named_parameters()):
+                assert n.replace("_fsdp_wrapped_module.", "") == m.replace("_fsdp_wrapped_module.", "")
+                (q.to_local() if isinstance(q, DTensor) else q).copy_(p)
+        losses = [(float(ref_step(4)), float(step(4))) for _ in range(3)]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     for a, b in losses:
         assert abs(a - b) <= 2e-3 * abs(a), losses
     for (n, p), q in zip(ref_model.named_parameters(), model.parameters()):

@@ -143,9 +143,9 @@ def _status(field: str) -> int:
 
 
 def _worker(rank: int, world: int, port: int, root: str):
-    import torch.distributed as dist
     from pathlib import Path
 
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from pithtrain.checkpoint.hf import load_hf_into
@@ -154,6 +154,7 @@ def _worker(rank: int, world: int, port: int, root: str):
     from pithtrain.distributed.parallel_dims import ParallelDims
     from pithtrain.distributed.parallelize import parallelize
     from pithtrain.models import build_model
+    from pithtrain.precision import Precision
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -169,7 +170,7 @@ def _worker(rank: int, world: int, port: int, root: str):
         model = build_model(cfg.model, init=False)
         if dims.pp_enabled:
             pipeline.prepare(model, cfg, dims)
-        parallelize(model, dims, cfg.train, torch.device("cpu"))
+        parallelize(model, dims, cfg.train, torch.device("cpu"), Precision())
         dist.barrier()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM := VmRSS now
@@ -245,7 +246,8 @@ def test_export_streams_shard_by_shard_with_tokenizer(hubs, tmp_path):
     data.mkdir()
     tok.save(str(data / "tokenizer.json"))  # beside the shards, as prepare-data keeps it: checkpoints carry it
     np.random.default_rng(0).integers(0, 300, 5000).astype(np.uint16).tofile(data / "shard_00000.bin")
-    (data / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 300, "tokenizer": str(tmp_path / "tok"),
+    (data / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 300,
+                                                "tokenizer": str(tmp_path / "tok"),
                                                 "files": [{"name": "shard_00000.bin", "tokens": 5000}]}))
     run = tmp_path / "run"
     train(load_config(None, [f"train.init_from={hubs / 'qwen3_moe'}", "train.lr=1e-30", "train.steps=1",
@@ -267,7 +269,8 @@ def test_export_streams_shard_by_shard_with_tokenizer(hubs, tmp_path):
     largest = max(p.numel() * 4 for p in ref["params"].values()) / 2 ** 20
     full = sum(p.numel() * 4 for p in ref["params"].values()) / 2 ** 20
     grew = (hwm - base) / 1024
-    print(f"export: peak +{grew:.0f} MB (shards {shard_mb} MB, largest tensor {largest:.0f} MB, full fp32 {full:.0f} MB)")
+    print(f"export: peak +{grew:.0f} MB (shards {shard_mb} MB, largest tensor {largest:.0f} MB, "
+          f"full fp32 {full:.0f} MB)")
     assert grew < 3 * largest + SLACK_MB < full / 2 + SLACK_MB, (grew, largest)
     assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) >= 8
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (tmp_path / "tok" / "tokenizer.json").read_bytes()
@@ -289,8 +292,7 @@ def test_import_onto_the_gpu_allocates_the_model_once(tmp_path, fam):
     is counted from what was allocated before the import: the first GPU matmul of the process
     keeps cuBLAS's workspace (32 MB on Hopper) allocated for good."""
     from pithtrain.checkpoint.hf import READ_BYTES, load_hf_into
-    from pithtrain.models import read_config
-    from pithtrain.models import build_model
+    from pithtrain.models import build_model, read_config
 
     ref = make_hub(fam, tmp_path / "hub")
     with torch.no_grad():
@@ -301,7 +303,8 @@ def test_import_onto_the_gpu_allocates_the_model_once(tmp_path, fam):
     load_hf_into(model, tmp_path / "hub", "cuda")
     size = sum(p.numel() * 4 for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
     peak = torch.cuda.max_memory_allocated() - before
-    print(f"{fam}: GPU peak {peak / 2 ** 20:.0f} MB for a {size / 2 ** 20:.0f} MB model ({before / 2 ** 20:.0f} MB before)")
+    print(f"{fam}: GPU peak {peak / 2 ** 20:.0f} MB for a {size / 2 ** 20:.0f} MB model "
+          f"({before / 2 ** 20:.0f} MB before)")
     assert peak < size + 2 * READ_BYTES + (8 << 20)
     with torch.no_grad():
         assert rel(model.eval()(PROBE.cuda()).cpu(), theirs) < 1e-4

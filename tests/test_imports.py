@@ -71,6 +71,29 @@ def test_no_import_cycles_among_pithtrain_modules():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
+# What each lower layer may import of the package (AGENTS.md's layers): operators nothing above them,
+# model code no parallelism (single-device, the one `parallelize` step applies it).
+LAYERS = {"pithtrain.kernels": ("pithtrain.kernels",), "pithtrain.models": ("pithtrain.models", "pithtrain.kernels")}
+
+
+@pytest.mark.quick
+def test_no_lower_layer_imports_a_higher_one_and_no_private_name_crosses_a_package():
+    """kernels import only kernels, models only models and kernels (function-level imports too);
+    and no module imports another module's private name (`_x`): a helper two modules share is
+    public where it lives."""
+    graph, upward, private = import_graph(), [], []
+    for mod, deps in graph.items():
+        for layer, allowed in LAYERS.items():
+            if mod == layer or mod.startswith(layer + "."):
+                upward += [f"{mod} -> {d}" for d in deps if d != "pithtrain" and not d.startswith(allowed)]
+    for path in sorted((ROOT / "pithtrain").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module.startswith("pithtrain"):
+                private += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                            if a.name.startswith("_")]
+    assert not upward and not private, upward + private
+
+
 def test_the_check_finds_a_cycle_hidden_in_a_function(tmp_path):
     pkg = tmp_path / "pithtrain"
     (pkg / "models").mkdir(parents=True)

@@ -7,6 +7,7 @@ import contextlib
 
 import pytest
 import torch
+from run_path import one_gpu_kernels
 
 from pithtrain import kernels
 from pithtrain.compile import apply_activation_checkpoint, apply_compile
@@ -30,19 +31,26 @@ def test_configure_turns_the_attention_kernels_off_under_context_parallel(monkey
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
     monkeypatch.setattr(fa4, "HAVE_FA4", True)
     attn = ("flex", "cudnn_sdpa", "fa4")
-    assert all(kernels.configure("auto", "cuda")[k] for k in attn)
-    assert not any(kernels.configure("auto", "cuda", cp=True)[k] for k in attn)
-    use = kernels.configure("auto", "cuda", bf16=False)
+    assert all(one_gpu_kernels("auto", "cuda")[k] for k in attn)
+    assert not any(one_gpu_kernels("auto", "cuda", cp=True)[k] for k in attn)
+    use = one_gpu_kernels("auto", "cuda", bf16=False)
     assert use["flex"] and use["cudnn_sdpa"] and not use["fa4"]
 
 
+def test_configure_takes_every_fact_of_the_run():
+    """No fact has a default that turns a path on: a new FSDP caller that forgets fsdp=True must
+    not get the in-place weight gradients FSDP's reduced gradients do not survive."""
+    with pytest.raises(TypeError, match="fsdp"):
+        kernels.configure("auto", "cuda", fp8=False, bf16=True, experts_alone=False, cp=False)
+
+
 def test_configure_on_cpu_picks_references_and_says_so():
-    use = kernels.configure("auto", "cpu")
+    use = one_gpu_kernels("auto", "cpu")
     assert set(use) == set(kernels.NAMES)
     assert use["linear_ce"] and not use["swiglu"] and not use["permute"] and not use["flex"]
     assert kernels.describe(use).startswith("kernels: fused linear_ce; PyTorch reference for swiglu")
-    assert not any(kernels.configure("torch", "cpu").values())
-    assert not any(kernels.configure("auto", "cpu", off=("linear_ce",)).values())  # the bench's no-NAME
+    assert not any(one_gpu_kernels("torch", "cpu").values())
+    assert not any(one_gpu_kernels("auto", "cpu", off=("linear_ce",)).values())  # the bench's no-NAME
 
 
 def test_two_models_in_one_process_each_run_their_own_kernels():
@@ -57,12 +65,12 @@ def test_two_models_in_one_process_each_run_their_own_kernels():
         loss.backward()
         return loss.item()
 
-    fast = use_kernels(tiny_qwen(), kernels.configure("auto", "cpu", fp8=True))
-    ref = use_kernels(tiny_qwen(), kernels.configure("torch", "cpu"))
+    fast = use_kernels(tiny_qwen(), one_gpu_kernels("auto", "cpu", fp8=True))
+    ref = use_kernels(tiny_qwen(), one_gpu_kernels("torch", "cpu"))
     fast_loss, ref_loss = run(fast), run(ref)
     assert fp8_linear.quantised(fast) == 2 * 2 and fp8_linear.quantised(ref) == 0  # w13, w2 per layer
     assert ref_loss == run(tiny_qwen()) and fast_loss != ref_loss
-    assert fast_loss == run(use_kernels(tiny_qwen(), kernels.configure("auto", "cpu", fp8=True)))
+    assert fast_loss == run(use_kernels(tiny_qwen(), one_gpu_kernels("auto", "cpu", fp8=True)))
     assert fast.cross_entropy.keywords["fused"] and not ref.cross_entropy.keywords["fused"]
 
 
@@ -435,13 +443,15 @@ def mutable_state_reads(sources: dict, readers) -> list:
             hits = []
             if isinstance(n, ast.Global):
                 hits += [(mod, g) for g in n.names]
-            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign)) else []
+            targets = (n.targets if isinstance(n, ast.Assign)
+                       else [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign)) else [])
             for t in targets:
                 if isinstance(t, (ast.Subscript, ast.Attribute)):
                     r = resolve(t.value)
                     hits.append(r if r is None or r[1] is not None else (r[0], t.attr))
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in MUTATING_METHODS \
-                    and not (isinstance(n.func.value, ast.Name) and n.func.value.id == "monkeypatch"):  # undone after its test
+                    and not (isinstance(n.func.value, ast.Name)
+                             and n.func.value.id == "monkeypatch"):  # undone after its test
                 hits.append(resolve(n.args[0] if n.func.attr.startswith("set") and n.args else n.func.value))
             for r in hits:
                 if r and r[1] is not None and r[1] in top.get(r[0], ()):

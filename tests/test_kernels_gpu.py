@@ -4,12 +4,11 @@ Error measure: ||out - ref|| / ||ref|| against a float64 (or fp32) reference on 
 random inputs; bf16 operands land between 1e-3 and 1e-2, so bf16 checks use 2e-2."""
 
 import functools
-import weakref
 
 import pytest
 import torch
+from run_path import one_gpu_kernels
 
-from pithtrain import kernels
 from pithtrain.models import common
 
 pytestmark = [pytest.mark.gpu,
@@ -177,7 +176,8 @@ def test_flash_attn_4_matches_eager(H, K, d, e, window, sinks, lengths, monkeypa
     calls = []
     for op in ("fa4_fwd", "fa4_bwd"):
         real = getattr(fa4, op)
-        monkeypatch.setattr(fa4, op, lambda *a, real=real, op=op: calls.append((op, a[-2] if a[-2] is None else a[-2].tolist())) or real(*a))
+        monkeypatch.setattr(fa4, op, lambda *a, real=real, op=op: calls.append(
+            (op, a[-2] if a[-2] is None else a[-2].tolist())) or real(*a))
     q = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # as the models make them
     k = torch.randn(B, S, K, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     v = torch.randn(B, S, K, e, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
@@ -235,7 +235,7 @@ def test_model_step_has_no_host_synchronisation(family):
     model = small_model(family)
     for p in model.parameters():
         p.data = p.data.to(torch.bfloat16)
-    use_kernels(model, kernels.configure("auto", "cuda"))
+    use_kernels(model, one_gpu_kernels("auto", "cuda"))
     x = torch.randint(0, 1000, (2, 512), device="cuda")
 
     def step():
@@ -281,10 +281,10 @@ def test_fused_and_compiled_model_matches_reference_model(family):
 
     # bf16 noise is the yardstick: the fused + compiled model must be as close to an fp32 run as
     # the bf16 reference model is
-    use_kernels(model, kernels.configure("torch", "cuda"))
+    use_kernels(model, one_gpu_kernels("torch", "cuda"))
     exact_loss, exact_g = run(autocast=False)
     ref_loss, ref_g = run()
-    use_kernels(model, kernels.configure("auto", "cuda"))
+    use_kernels(model, one_gpu_kernels("auto", "cuda"))
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
@@ -306,31 +306,32 @@ def test_triton_adamw_matches_torch_fused_adamw(dtype, betas):
 
 
 def test_triton_adamw_writes_the_next_steps_bf16_weights():
-    """kernels/adamw.py on float32 masters holding parallelize.bf16_weights' copies: the copy after
-    the step is the new master rounded to bf16, bit for bit, and the next step's bf16_weights takes
-    it without a cast (a copy overwritten behind its back stays so); an in-place change to the
-    master through torch afterwards makes bf16_weights cast again."""
-    from pithtrain.distributed.parallelize import bf16_weights
+    """kernels/adamw.py on float32 masters with bf16 copies (precision.WeightCopies): the copy after
+    the step is the new master rounded to bf16, bit for bit, and the next step's swap takes it
+    without a cast (a copy overwritten behind its back stays so); an in-place change to the master
+    through torch afterwards makes the swap cast again."""
     from pithtrain.kernels.adamw import AdamW
+    from pithtrain.precision import WeightCopies
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4099, 64), torch.nn.Linear(64, 3)).cuda()
-    opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    copies = WeightCopies("all")
+    opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, copies=copies)
     x = torch.randn(8, 4099, device="cuda", dtype=torch.bfloat16)
     for _ in range(2):
-        with bf16_weights(model):
+        with copies.swap(model):
             model(x).square().sum().backward()
         opt.step()
         opt.zero_grad()
     for p in model.parameters():
-        assert p.bf16_written == (p._version, p.data_ptr()) and torch.equal(p.bf16, p.detach().to(torch.bfloat16))
-        p.bf16.detach().fill_(7)  # reused as it is: no cast on entry
-    with bf16_weights(model):
+        assert torch.equal(copies.copy_of(p), p.detach().to(torch.bfloat16))
+        copies.copy_of(p).detach().fill_(7)  # reused as it is: no cast on entry
+    with copies.swap(model):
         assert all((w == 7).all() for w in model.parameters())
     with torch.no_grad():
         model[0].weight.mul_(0.5)
-    with bf16_weights(model):
-        assert torch.equal(model[0].weight, model[0].weight.master().detach().to(torch.bfloat16))
+    with copies.swap(model):
+        assert torch.equal(model[0].weight, copies.master(model[0].weight).detach().to(torch.bfloat16))
         assert (model[1].weight == 7).all()
 
 
@@ -398,7 +399,7 @@ def check_triton_adamw(device, dtype, betas):
     assert torch.equal(ours[0], before)
 
     from pithtrain.bench import bench_config
-    from pithtrain.train import build_optimizer
+    from pithtrain.build import build_optimizer
 
     cfg = bench_config("default", 1, 1, 16)
     model = torch.nn.Linear(4, 4, device=device)
@@ -448,6 +449,7 @@ def test_embedding_gradient_in_place_is_exact_and_deterministic():
     rows (index_put_ with accumulate), bit for bit the same on a second run, and autograd.grad
     returns F.embedding's gradient."""
     from pithtrain.kernels import wgrad
+    from pithtrain.precision import WeightCopies
 
     torch.manual_seed(0)
     V, D, T = 151936, 2048, 8192
@@ -459,11 +461,13 @@ def test_embedding_gradient_in_place_is_exact_and_deterministic():
         exact.index_add_(0, ids.flatten(), dy.flatten(0, 1).double())
     runs = []
     for _ in range(2):
-        w = torch.nn.Parameter(torch.zeros(V, D, device="cuda", dtype=torch.bfloat16))
         master = torch.nn.Parameter(torch.zeros(V, D, device="cuda"))
-        w.master = weakref.ref(master)  # as parallelize.bf16_weights links a copy to its master
+        copies, holder = WeightCopies("all"), torch.nn.Module()
+        holder.w = master
+        with copies.swap(holder):  # the bf16 copy, linked to its master as a step's is
+            w = holder.w
         for dy in dys:
-            wgrad.embedding(ids, w).backward(dy)
+            wgrad.embedding(ids, w, copies).backward(dy)
         assert w.grad is None and master.wgrad_adds == 2  # the first micro-batch wrote the master too
         runs.append(master.grad)
     assert torch.equal(runs[0], runs[1])
@@ -475,11 +479,11 @@ def test_embedding_gradient_in_place_is_exact_and_deterministic():
 
 def _expert_grads(use_kernel: bool, split: bool, master: bool, micro_batches: int = 3):
     """GroupedExperts' w13 and w2 gradients after `micro_batches` forward/backward passes with bf16
-    parameters (or parallelize.bf16_weights' copies of float32 masters), through the fused grouped
+    parameters (or precision.WeightCopies' copies of float32 masters), through the fused grouped
     GEMM or the reference; split: the pipeline's input-only pass (on a leaf input, as DualPipeV's
     phases hand it over) then the weight pass."""
-    from pithtrain.distributed.parallelize import bf16_weights
     from pithtrain.kernels.wgrad import owner as wgrad_owner
+    from pithtrain.precision import Precision
 
     torch.manual_seed(0)
     experts = common.GroupedExperts(8, 256, 192).cuda()
@@ -488,18 +492,19 @@ def _expert_grads(use_kernel: bool, split: bool, master: bool, micro_batches: in
     if not master:
         for p in experts.parameters():
             p.data = p.data.bfloat16()
+    precision = Precision(torch.bfloat16, "cuda", copy="all" if master else "none")
     if use_kernel:
         from pithtrain.kernels import wgrad
-        experts.mm = functools.partial(wgrad.grouped_mm, reference=common.grouped_mm)
+        experts.mm = functools.partial(wgrad.grouped_mm, reference=common.grouped_mm, copies=precision.copies)
     counts = torch.tensor([300, 0, 17, 211, 5, 400, 64, 3], device="cuda")
-    with bf16_weights(experts, master):
+    with precision.weights(experts):
         for i in range(micro_batches):
             x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             dy = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16)
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 y = experts(x if split else x * 1, counts)
             if split:
-                grads = [wgrad_owner(p).grad for p in experts.parameters()]
+                grads = [wgrad_owner(p, precision.copies).grad for p in experts.parameters()]
                 before = [None if g is None else g.clone() for g in grads]
                 (dx,) = torch.autograd.grad(y, [x], dy, retain_graph=True)
                 for g, b in zip(grads, before):  # the input-only pass adds no weight gradient
@@ -516,7 +521,7 @@ def _expert_grads(use_kernel: bool, split: bool, master: bool, micro_batches: in
 @pytest.mark.parametrize("master", [False, True])
 def test_wgrad_grouped_mm_accumulates_like_autograd(split, master):
     """kernels/wgrad.grouped_mm over 3 micro-batches against autograd's grouped GEMM + add_: the same
-    gradients (bf16 parameters, and float32 masters under bf16_weights, where the kernel adds into
+    gradients (bf16 parameters, and float32 masters under their bf16 copies, where the kernel adds into
     the master's float32 .grad), also when the pipeline first asks for input gradients only (no
     weight gradient may land then) and then for the weights."""
     from pithtrain.kernels import wgrad

@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
+from pithtrain.build import build_optimizer, lr_lambda
 from pithtrain.checkpoint.dcp import Checkpointer
 from pithtrain.config import load_config
 from pithtrain.models import build_model
-from pithtrain.train import build_optimizer, lr_lambda, train
+from pithtrain.train import train
 
 M = 0.1  # min_lr_ratio
 LEFT = {"linear": lambda p: 1 - p, "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)),

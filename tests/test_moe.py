@@ -2,9 +2,17 @@
 
 import pytest
 import torch
+from run_path import dispatched
 
-from pithtrain.models.common import (GroupedExperts, LocalDispatcher, expert_order, grouped_mm, grouped_mm_loop,
-                                     set_aux_loss_scale)
+from pithtrain.models.common import (
+    GroupedExperts,
+    LocalDispatcher,
+    expert_order,
+    grouped_mm,
+    grouped_mm_loop,
+    mlp_output,
+    set_aux_loss_scale,
+)
 from pithtrain.models.qwen3_moe import MoE, Qwen3MoeConfig
 
 
@@ -39,7 +47,7 @@ def test_moe_grouped_equals_loop_forward_backward(top_k):
         moe.zero_grad()
         moe.experts.mm = mm
         xx = x.clone().requires_grad_()
-        y = moe(xx)
+        y = mlp_output(moe, xx)
         y.backward(g)
         return y.detach(), xx.grad, [p.grad.clone() for p in moe.parameters()]
 
@@ -62,7 +70,7 @@ def test_dispatch_matches_dense_mixture():
     x = torch.randn(T, D)
     idx = torch.stack([torch.randperm(E)[:A] for _ in range(T)])
     w = torch.rand(T, A)
-    y = LocalDispatcher()(x, idx, w, ex)
+    y = dispatched(LocalDispatcher(), x, idx, w, ex)
     ref = torch.zeros(T, D)
     for t in range(T):
         for a in range(A):
@@ -89,7 +97,7 @@ def test_aux_loss_router_gradient_is_the_hand_written_loss_gradient(balance, mic
         torch.nn.init.normal_(p, std=0.2)
     set_aux_loss_scale(moe, 1.0 / micro_batches)
     x = torch.randn(B, S, D)
-    y = moe(x)
+    y = mlp_output(moe, x)
     y.backward(torch.zeros_like(y))
 
     w = moe.gate.weight.detach().clone().requires_grad_()
@@ -129,14 +137,14 @@ def test_experts_compute_in_the_autocast_dtype_locally_and_behind_expert_paralle
     with torch.autocast("cpu", dtype=torch.bfloat16):
         x_XD, _, counts, _ = LocalDispatcher().dispatch(x, idx, w, 8)
         assert experts(x_XD, counts).dtype == torch.bfloat16
-        y_local = LocalDispatcher()(x, idx, w, experts)
+        y_local = dispatched(LocalDispatcher(), x, idx, w, experts)
     # the same as handing the experts bf16 rows outside autocast (weights cast, or quantised, alike)
-    torch.testing.assert_close(y_local, LocalDispatcher()(x.bfloat16(), idx, w.bfloat16(), experts),
+    torch.testing.assert_close(y_local, dispatched(LocalDispatcher(), x.bfloat16(), idx, w.bfloat16(), experts),
                                rtol=0, atol=0)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            y_ep = ExpertParallelDispatcher(dist.group.WORLD, 0, 1, 8)(x, idx, w, experts)
+            y_ep = dispatched(ExpertParallelDispatcher(dist.group.WORLD, 0, 1, 8), x, idx, w, experts)
     finally:
         dist.destroy_process_group()
     assert y_ep.dtype == torch.bfloat16
@@ -148,3 +156,48 @@ def test_expert_order_is_the_stable_argsort_of_the_expert_ids(E):
     """One-byte keys up to 256 experts (one radix pass on the GPU), the ids themselves beyond."""
     idx = torch.randint(0, E, (2048,))
     assert torch.equal(expert_order(idx, E), torch.argsort(idx, stable=True))
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "gpt_oss"])
+def test_a_change_to_a_family_block_reaches_the_training_step(family, monkeypatch):
+    """A MoE block has no forward of its own: the training step (build.build_run + train.train_step,
+    what train.py and the bench run) calls every method the family's MoE and attention classes
+    define, and a change to the router changes the step's loss. A variant written into a method the
+    step never calls (a `forward` beside the layer's phases, say) fails here, naming it."""
+    import importlib
+    import inspect
+
+    from test_distributed import FAMILIES
+
+    from pithtrain.build import build_run
+    from pithtrain.config import config_from_dict
+    from pithtrain.distributed.parallel_dims import ParallelDims
+    from pithtrain.train import train_step
+
+    module = importlib.import_module(f"pithtrain.models.{family}")
+    called, halve = set(), [False]
+    for cls in (module.MoE, module.Attention):
+        for name, fn in list(vars(cls).items()):
+            if inspect.isfunction(fn) and not name.startswith("__"):
+                def spy(*args, _fn=fn, _name=f"{cls.__name__}.{name}", **kwargs):
+                    called.add(_name)
+                    out = _fn(*args, **kwargs)
+                    if _name == "MoE.route" and halve[0]:  # a variant's change to the router's weights
+                        out = (*out[:2], out[2] * 0.5, out[3])
+                    return out
+                monkeypatch.setattr(cls, name, spy)
+    defined = {f"{c.__name__}.{n}" for c in (module.MoE, module.Attention) for n, f in vars(c).items()
+               if inspect.isfunction(f) and not n.startswith("__")}
+    assert "MoE.route" in defined and "MoE.forward" not in defined
+    cfg = config_from_dict({"model": FAMILIES[family], "train": dict(micro_batch_size=2, seq_len=16, grad_accum=2),
+                            "checkpoint": dict(final=False)})
+    x = torch.randint(0, cfg.model.vocab_size, (2, 2, 17), generator=torch.Generator().manual_seed(0))
+    mbs = [(b[:, :-1], b[:, 1:], None, None) for b in x]
+    losses = []
+    for halve[0] in (False, True):
+        torch.manual_seed(cfg.train.seed)
+        run = build_run(cfg, torch.device("cpu"), ParallelDims.from_config(cfg, 1, 0))
+        losses.append(train_step(run, mbs, 2 * 2 * 16).loss)
+    assert called == defined, f"never called by the training step: {sorted(defined - called)}"
+    assert losses[0] != losses[1], losses

@@ -140,7 +140,7 @@ def test_in_place_weight_gradients_match_autograd(family, monkeypatch):
     _, ref = reference(model, mbs)
     use_kernels(model, {**use, "wgrad": True, "wgrad_ends": True})
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
-    assert all(m.mm.func is wgrad.grouped_mm for m in experts) and model.embed_tokens.lookup is wgrad.embedding
+    assert all(m.mm.func is wgrad.grouped_mm for m in experts) and model.embed_tokens.lookup.func is wgrad.embedding
     calls, add = [], wgrad.accumulate
     monkeypatch.setattr(wgrad, "accumulate", lambda g, *a, **k: calls.append(g.shape) or add(g, *a, **k))
     _, got = reference(model, mbs)
@@ -274,3 +274,61 @@ def test_full_width_phases_on_two_streams_match():
         torch.backends.cuda.matmul.allow_tf32 = True
         del model
         torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# The pipeline's recorded step is timed like the others
+
+
+def one_rank_runner(model, M, device):
+    """pipeline.PipelineRunner of a one-stage 1F1B schedule (no sends: no process group needed)."""
+    from pithtrain.distributed import pipeline
+    chunks = pipeline.rank_chunks(0, 1, "1f1b", model.cfg.num_layers)
+    ops = pipeline.build_schedule("1f1b", 1, M)[0]
+    return pipeline.PipelineRunner(pipeline.attach_ends(model), chunks, ops, 0, 1, "1f1b", M, None, None,
+                                   (2, 12, model.cfg.hidden_size), torch.device(device))
+
+
+class FakeEvent:
+    """torch.cuda.Event on a CPU machine: its time is the host clock when recorded."""
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self, stream=None):
+        import time
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
+def test_the_recorded_pipeline_step_is_timed_by_events_without_a_synchronisation_per_op(monkeypatch):
+    """The last step of a pipeline run records its timeline (pipeline_viz) from events around each
+    op, resolved after the step: one synchronisation for the step, not one per op, so its
+    tokens/s reads as the others' do (CUDA faked here with host-clock events; on a GPU:
+    test_the_recorded_pipeline_step_synchronises_once_on_cuda). The times are the ops' own."""
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
+    model = build("qwen3_moe")
+    runner = one_rank_runner(model, 3, "cpu")
+    runner.cuda = True  # the step's CUDA path: events, not the host clock
+    runner.timeline = []
+    mbs = [batch(i, 64) for i in range(3)]
+    runner.step(mbs, 3 * 24)
+    assert len(syncs) == 1 and len(runner.timeline) == 6  # F and BW of each micro-batch
+    assert all(0 <= e["start"] <= e["end"] for e in runner.timeline)
+    assert all(a["end"] <= b["start"] for a, b in zip(runner.timeline, runner.timeline[1:]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_recorded_pipeline_step_synchronises_once_on_cuda(monkeypatch):
+    """On a GPU (one stage: no second GPU needed): recording the timeline synchronises once per
+    step (the last step once synchronised after every op, so its tokens/s read low)."""
+    real, syncs = torch.cuda.synchronize, []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device) or real(device))
+    runner = one_rank_runner(build("qwen3_moe", "cuda"), 3, "cuda")
+    runner.timeline = []
+    runner.step([batch(i, 64, "cuda") for i in range(3)], 3 * 24)
+    assert len(syncs) <= 1 and len(runner.timeline) == 6 and all(e["end"] > e["start"] for e in runner.timeline)

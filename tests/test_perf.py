@@ -34,7 +34,8 @@ def toy_costs(cfg, layer=(1e-3, 2e-3), experts_share=0.5, curve=None, imbalance=
     m = cfg.model
     curve = curve or {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}
     imbalance = imbalance or {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}
-    phases = {"attn": 0.5 * (1 - experts_share), "route": 0.1 * (1 - experts_share), "dispatch": 0.1 * (1 - experts_share),
+    phases = {"attn": 0.5 * (1 - experts_share), "route": 0.1 * (1 - experts_share),
+              "dispatch": 0.1 * (1 - experts_share),
               "experts": experts_share, "combine": 0.1 * (1 - experts_share), "residual": 0.2 * (1 - experts_share)}
     lay = {"first": {"F": layer[0], "BW": layer[1]}, "later": {"F": layer[0], "BW": layer[1]}, "phases_F": phases}
     path = {"embed": {"F": 1e-4, "BW": 1e-4}, "head": {"F": 5e-4, "BW": 5e-4}, "tail_per_param": tail,
@@ -99,10 +100,10 @@ def test_auto_takes_the_fastest_that_fits(monkeypatch):
         return {"layout": lay, "peak_gib": peak, "fits": peak <= 20.0, "usable_gib": 20.0, "gpu_gib": 22.0}
 
     monkeypatch.setattr(planner, "plan", fake_plan)
-    result = planner.auto_layout(cfg, 8, 22.0, "h200")
+    lay, result = planner.auto_layout(cfg, 8, 22.0, "h200")
     ranking = [c for c in result["candidates"]]
     first_fit = next(c for c in ranking if c["ep"] <= 2)
-    assert result["fits"] and cfg.parallel.ep == first_fit["ep"] == result["layout"]["ep"] <= 2
+    assert result["fits"] and lay["ep"] == first_fit["ep"] == result["layout"]["ep"] <= 2
     assert planned == [c["ep"] for c in ranking[:ranking.index(first_fit) + 1]]
     assert result["prediction"] is first_fit["prediction"]
 
@@ -113,8 +114,9 @@ def test_communication_over_the_network_and_the_overlap():
     cfg = load_config("qwen3-30b-a3b", TINY + ["model.num_experts=16", "parallel.auto=false"])
     costs = toy_costs(cfg)
     costs["families"]["qwen3_moe"]["balance"]["remote_rows_per_token"]["16"] = perf.remote_rows_per_token(16, 2, 16)
-    nvlink = perf.comm_costs(cfg, {"pp": 1, "dp": 1, "fsdp": 16, "cp": 1, "ep": 8}, "h100", costs["families"]["qwen3_moe"], 512)
-    ib = perf.comm_costs(cfg, {"pp": 1, "dp": 1, "fsdp": 16, "cp": 1, "ep": 16}, "h100", costs["families"]["qwen3_moe"], 512)
+    fam = costs["families"]["qwen3_moe"]
+    nvlink = perf.comm_costs(cfg, {"pp": 1, "dp": 1, "fsdp": 16, "cp": 1, "ep": 8}, "h100", fam, 512)
+    ib = perf.comm_costs(cfg, {"pp": 1, "dp": 1, "fsdp": 16, "cp": 1, "ep": 16}, "h100", fam, 512)
     assert ib[0]["a2a"] > 2 * nvlink[0]["a2a"] > 0
     pipe = load_config("qwen3-30b-a3b", TINY + ["parallel.auto=false", "train.grad_accum=8"])
     lay = {"pp": 2, "dp": 1, "fsdp": 4, "cp": 1, "ep": 4, "pp_schedule": "dualpipev"}
@@ -178,3 +180,21 @@ def test_calibration_runs_on_cpu_and_feeds_the_model(tmp_path):
     checks = data["checks"]
     assert [(c["path"], c["layers"], c["mb"]) for c in checks] == [("train", 2, 1), ("train", 2, 2)]
     assert all(c["measured_ms"] > 0 and c["predicted_ms"] > 0 for c in checks)
+
+
+@pytest.mark.quick
+def test_one_gpu_table_and_one_name_parser(monkeypatch):
+    """pithtrain/gpus.py: the one table (the plan's memory, MFU's peak, the model's links, the
+    recipe overrides of `--gpu`) and the one parser of a GPU's name, whole words only."""
+    import torch
+
+    from pithtrain.gpus import GPUS, gpu_key
+    from pithtrain.metrics import peak_tflops
+    assert [gpu_key(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "h100", "NVIDIA B200", "b300")] == [
+        "h100", "h200", "h100", "b200", "b300"]
+    assert gpu_key("NVIDIA GH200 480GB") is None and gpu_key("Tesla T4") is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert peak_tflops(torch.device("cuda")) == GPUS["h200"].peak_tflops == 989.0
+    assert peak_tflops(torch.device("cpu")) is None and peak_tflops(torch.device("cpu"), 5.0) == 5.0
+    assert perf.link("h100", 8)[0] == GPUS["h100"].nvlink_gbs * 1e9 * perf.LINK_EFFICIENCY["nvlink"]
+    assert "train.fp8=true" in GPUS["b200"].overrides and "train.fp8=true" not in GPUS["h100"].overrides

@@ -11,7 +11,6 @@ within 1e-7 relative, weights after 3 AdamW steps within 7e-6 (Adam divides by s
 magnifies tiny gradients' round-off). Checked at rtol 1e-5 / atol 1e-7 (gradients), rtol 1e-5 /
 atol 2e-5 (weights)."""
 
-import contextlib
 import json
 import os
 import socket
@@ -24,19 +23,29 @@ import torch.multiprocessing as mp
 import variant
 
 from pithtrain.distributed import pipeline
-from pithtrain.distributed.parallelize import bf16_weights
 from pithtrain.models.common import set_aux_loss_scale
+from pithtrain.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from pithtrain.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from pithtrain.precision import Precision
 
 CFG = dict(vocab_size=264, hidden_size=32, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=8,
            intermediate_size=48, moe_intermediate_size=16, num_experts=4, top_k=2, mlp_only_layers=[0],
            aux_loss_coeff=0.01)
+# Cases named *_mla: DeepSeek's attention with d_v (12) != d_qk (16), which takes SDPA's composite
+# path on CPU: its backward differs when run under autocast (issue #49), so it proves the pipeline
+# runs backward outside autocast, as the one-process step does.
+MLA_CFG = dict(vocab_size=264, hidden_size=32, num_layers=6, num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
+               qk_rope_head_dim=8, v_head_dim=12, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+               top_k=2, first_k_dense_replace=1, aux_loss_coeff=0.01)
 MBS, SEQ = 2, 16
 
 
-def build(seed=0):
+def build(seed=0, name=""):
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**variant.model(CFG, "qwen3_moe")))
+    if name.endswith("_mla"):
+        model = DeepseekV2ForCausalLM(DeepseekV2Config(**variant.model(MLA_CFG, "deepseek_v2")))
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**variant.model(CFG, "qwen3_moe")))
     model.init_weights()
     return model
 
@@ -49,26 +58,23 @@ def micro_batches(M, seed=7):
     return [(x[m * MBS:(m + 1) * MBS], y[m * MBS:(m + 1) * MBS]) for m in range(M)], int((y != -100).sum())
 
 
-def autocast_for(name):
-    """Cases named bf16_*: bf16 autocast on the step's bf16 weight copy (parallelize.bf16_weights),
+def precision_for(name):
+    """Cases named bf16_*: bf16 autocast on the step's bf16 weight copy (precision.WeightCopies),
     as train.py runs without FSDP on a GPU; the residual stream, and so what travels between
-    stages, is bf16."""
-    return torch.autocast("cpu", dtype=torch.bfloat16) if name.startswith("bf16") else None
+    stages, is bf16. The others: float32."""
+    return Precision(torch.bfloat16, "cpu", copy="all") if name.startswith("bf16") else Precision()
 
 
 def reference(M, name=""):
-    """One process, M micro-batches, loss_sum / global target count per micro-batch."""
-    model = build()
+    """One process, M micro-batches, loss_sum / global target count per micro-batch: train.py's
+    forward_backward (forward under autocast, backward outside it)."""
+    from pithtrain.train import forward_backward
+    model = build(name=name)
     set_aux_loss_scale(model, 1.0 / M)
     mbs, denom = micro_batches(M)
-    total = 0.0
-    autocast = autocast_for(name)
-    with bf16_weights(model, autocast is not None):
-        for x, y in mbs:
-            with autocast or contextlib.nullcontext():
-                loss = model(x, labels_BS=y)
-            (loss / denom).backward()
-            total += loss.item()
+    precision = precision_for(name)
+    with precision.weights(model):
+        total = forward_backward(model, [(x, y, None, None) for x, y in mbs], denom, precision)[0].item()
     return total, {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -163,17 +169,17 @@ def _worker(rank, world, port, cases, out_dir, ep_cases=(), train_cases=()):
             _pp_fsdp_ep(rank, world, name, schedule, M, out_dir)
         group_f, group_b = pipeline.new_pp_groups([list(range(world))])
         for name, schedule, M, layers in cases:
-            model = build()
+            model = build(name=name)
             chunks = pipeline.rank_chunks(rank, world, schedule, CFG["num_layers"], layers)
             pipeline.prune_model(model, chunks)
             ops = pipeline.build_schedule(schedule, world, M)[rank]
-            autocast = autocast_for(name)
+            precision = precision_for(name)
             runner = pipeline.PipelineRunner(model, chunks, ops, rank, world, schedule, M, group_f, group_b,
-                                             (MBS, SEQ, CFG["hidden_size"]), torch.device("cpu"), autocast=autocast)
+                                             (MBS, SEQ, CFG["hidden_size"]), torch.device("cpu"), precision=precision)
             set_aux_loss_scale(model, 1.0 / M)
             mbs, denom = micro_batches(M)
             runner.timeline = []
-            with bf16_weights(model, autocast is not None):
+            with precision.weights(model):
                 loss = runner.step(mbs, denom)
             grads = {n: p.grad for n, p in model.named_parameters()}
             torch.save({"loss": loss, "grads": grads, "timeline": runner.timeline},
@@ -199,22 +205,22 @@ def _pp_fsdp_ep(rank, world, name, schedule, M, out_dir):
     model = build_model(cfg.model, "cpu", init=False)
     chunks = pipeline.rank_chunks(pp_rank, 2, schedule, CFG["num_layers"])
     pipeline.prune_model(model, chunks)
-    parallelize(model, dims, cfg.train, torch.device("cpu"))
+    parallelize(model, dims, cfg.train, torch.device("cpu"), Precision())
     pipeline.register_fsdp_methods(model)
     materialize(model, build_model(cfg.model, "cpu", init=False), torch.device("cpu"), 0)  # build()'s seed
     ops = pipeline.build_schedule(schedule, 2, M)[pp_rank]
     runner = pipeline.PipelineRunner(model, chunks, ops, pp_rank, 2, schedule, M, group_f, group_b,
                                      (MBS, SEQ, CFG["hidden_size"]), torch.device("cpu"))
-    set_aux_loss_scale(model, 1.0 / (M * dims.batch_size))
-    mbs, denom = micro_batches(M * dims.batch_size)
-    mine = [mbs[m * dims.batch_size + dims.batch_rank] for m in range(M)]  # data.rows
+    set_aux_loss_scale(model, 1.0 / (M * dims.data_parallel_size))
+    mbs, denom = micro_batches(M * dims.data_parallel_size)
+    mine = [mbs[m * dims.data_parallel_size + dims.data_parallel_rank] for m in range(M)]  # data.rows
     runner.timeline = []
     loss = runner.step(mine, denom)
     grads = {}
     for n, p in model.named_parameters():
         g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         grads[n] = g
-    if dims.batch_rank == 1:  # the other stage rank's gradients are the same full tensors
+    if dims.data_parallel_rank == 1:  # the other stage rank's gradients are the same full tensors
         grads = {}
     torch.save({"loss": loss, "grads": grads, "timeline": runner.timeline},
                os.path.join(out_dir, f"{name}.{rank}.pt"))
@@ -255,7 +261,8 @@ def test_pp2_1f1b_and_dualpipev_match_one_process(tmp_path):
     train_cases = [dict(pp=2, pp_schedule="dualpipev")]
     run_world(2, [("1f1b", "1f1b", 4, None), ("dualpipev", "dualpipev", 4, None),
                   ("dualpipev_layers", "dualpipev", 5, [0, 3, 1, 2]),
-                  ("bf16_1f1b", "1f1b", 4, None), ("bf16_dualpipev", "dualpipev", 4, None)],
+                  ("bf16_1f1b", "1f1b", 4, None), ("bf16_dualpipev", "dualpipev", 4, None),
+                  ("bf16_dualpipev_mla", "dualpipev", 4, None)],
               tmp_path, train_cases=train_cases)
     check_train(tmp_path, 2, train_cases[0])
     run_dir = tmp_path / f"run-{train_name(train_cases[0])}"

@@ -141,6 +141,7 @@ def _fsdp_w_worker(rank, world, port, out_dir):
     from pithtrain.distributed.parallelize import materialize, parallelize
     from pithtrain.distributed.schedule import Chunk
     from pithtrain.models import build_model
+    from pithtrain.precision import Precision
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -148,7 +149,7 @@ def _fsdp_w_worker(rank, world, port, out_dir):
         cfg = cfg_for("deepseek_v2", dict(fsdp=2, ep=2), out_dir)
         dims = ParallelDims.from_config(cfg, world_size=world, rank=rank).build_meshes("cpu")
         model = pipeline.attach_ends(build_model(cfg.model, init=False))
-        parallelize(model, dims, cfg.train, torch.device("cpu"))
+        parallelize(model, dims, cfg.train, torch.device("cpu"), Precision())
         pipeline.register_fsdp_methods(model)
         materialize(model, build_model(cfg.model, init=False), torch.device("cpu"), cfg.train.seed)
         g = torch.Generator().manual_seed(5)

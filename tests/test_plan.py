@@ -21,6 +21,7 @@ import torch
 
 from pithtrain import plan as planner
 from pithtrain.config import ConfigError, load_config
+from pithtrain.gpus import GPUS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,7 +71,7 @@ CASES = {
 def test_plan_bytes_equal_arithmetic(recipe):
     overrides, hand, stages = CASES[recipe]
     cfg = load_config(recipe, ["parallel.auto=false", *overrides])
-    result = planner.plan(cfg, 8, planner.GPU_GIB["h200"], "h200")
+    result = planner.plan(cfg, 8, GPUS["h200"].memory_gib, "h200")
     want = hand(cfg.model, stages)
     got = [(r["stage"], r["params"], r["grads"], r["optimizer"]) for r in result["ranks"]]
     assert got == [(s, 4 * n, 4 * n, 8 * n) for s, n in enumerate(want)], (got, want)
@@ -102,7 +103,7 @@ def test_plan_cli_fits_on_eight_not_on_one(recipe, gpu, capsys):
         cap = capsys.readouterr()
         out = json.loads(cap.out)
         assert set(out["layout"]) == {"pp", "dp", "fsdp", "cp", "ep"}
-        assert out["fits"] is fits and out["gpu_gib"] == planner.GPU_GIB[gpu]
+        assert out["fits"] is fits and out["gpu_gib"] == GPUS[gpu].memory_gib
         assert (out["peak_gib"] <= planner.FIT_FRACTION * out["gpu_gib"]) is fits
         ranked = [c["prediction"]["tokens_per_s_per_gpu"] for c in out["candidates"]]
         assert ranked == sorted(ranked, reverse=True)
@@ -111,7 +112,8 @@ def test_plan_cli_fits_on_eight_not_on_one(recipe, gpu, capsys):
             assert out["prediction"]["tokens_per_s_per_gpu"] > 0 and cap.err == ""
         else:
             assert out["peak_gib"] > 100  # params + grads + AdamW alone: 16 B x >= 15.7B parameters
-            assert "does not fit" in cap.err and re.search(r"nearest that fits: --set parallel.auto=true on [248] GPUs fits", cap.err)
+            assert "does not fit" in cap.err
+            assert re.search(r"nearest that fits: --set parallel.auto=true on [248] GPUs fits", cap.err)
 
 
 def test_invoke_plan_prints_the_table():
@@ -128,21 +130,49 @@ def test_invoke_plan_prints_the_table():
 
 @pytest.mark.quick
 def test_auto_fills_unset_sizes_and_keeps_given_ones():
+    """Resolution is a pure function: it returns the layout (and a new Config with it); the
+    recipe's Config keeps its unset sizes."""
     cfg = load_config("qwen3-30b-a3b")
     assert cfg.parallel.auto and cfg.parallel.fsdp is None
     fastest = planner.ranked(cfg, 8, "h200")[0]
-    assert cfg.parallel.fsdp is None  # ranking leaves the recipe's sizes as they were
-    assert planner.auto_layout(cfg, 8, None) is None  # no GPU memory: nothing planned, the fastest taken
-    assert planner.layout_of(vars(cfg.parallel)) == planner.layout_of(fastest)
-    cfg = load_config("qwen3-30b-a3b", ["parallel.ep=2", "parallel.cp=2", "train.compile=false"])
-    planner.auto_layout(cfg, 8, None)
-    assert [getattr(cfg.parallel, k) for k in ("pp", "dp", "fsdp", "cp", "ep")][3:] == [2, 2]
-    cfg = load_config("deepseek-v2-lite", ["parallel.fsdp=4"])  # fsdp given: dp takes the rest
-    planner.auto_layout(cfg, 8, None)
-    assert [getattr(cfg.parallel, k) for k in ("pp", "dp", "fsdp")] == [1, 2, 4]
+    lay, result = planner.auto_layout(cfg, 8, None)  # no GPU memory: nothing planned, the fastest taken
+    assert result is None and lay == planner.layout_of(fastest)
+    resolved, result = planner.resolve(cfg, 8)
+    assert result is None and planner.layout_of(vars(resolved.parallel)) == lay and resolved.model is cfg.model
+    assert cfg.parallel.fsdp is None  # ranking and resolving leave the recipe's sizes as they were
+
+    def sizes(c, world=8):
+        return [getattr(planner.resolve(c, world)[0].parallel, k) for k in ("pp", "dp", "fsdp", "cp", "ep")]
+    assert sizes(load_config("qwen3-30b-a3b", ["parallel.ep=2", "parallel.cp=2", "train.compile=false"]))[3:] == [2, 2]
+    assert sizes(load_config("deepseek-v2-lite", ["parallel.fsdp=4"]))[:3] == [1, 2, 4]  # fsdp given: dp the rest
     cfg = load_config("gpt-oss-20b", ["parallel.ep=3"])  # a given size that cannot work
     with pytest.raises(ConfigError, match="parallel: auto found no valid layout"):
         planner.auto_layout(cfg, 8, None)
+
+
+def test_auto_without_costs_for_the_family_chooses_by_memory_and_says_so(monkeypatch, capsys, tmp_path):
+    """`parallel: auto` for a family the cost file has not measured (a new family, say): the
+    layout with the fewest parameters per rank, one line saying so, no KeyError from perf.predict;
+    on CPU, through train.py itself."""
+    from pithtrain import perf
+    from pithtrain.train import train
+    costs = perf.load_costs()
+    monkeypatch.setattr(perf, "load_costs", lambda path=None: {**costs, "families": {
+        k: v for k, v in costs["families"].items() if k != "qwen3_moe"}})
+    cfg = load_config(None, ["parallel.auto=true"])  # the tiny Qwen3
+    options = planner.ranked(cfg, 4, "h200")
+    assert all(c["prediction"] is None for c in options)
+    params = [perf.local_params(cfg, c) for c in options]
+    assert params == sorted(params) and params[0] < params[-1]
+    lay, _ = planner.auto_layout(cfg, 4, None)
+    assert lay == planner.layout_of(options[0]) and lay["fsdp"] * lay["ep"] > 1
+    line = planner.launch_line(planner.resolve(cfg, 4)[0], None)
+    assert "\n" not in line and "chosen by memory alone" in line and "'qwen3_moe'" in line
+    cfg = load_config(None, ["parallel.auto=true", "train.steps=1", "checkpoint.final=false", "model.num_layers=1",
+                             "train.micro_batch_size=2", "train.seq_len=32", f"log.run_dir={tmp_path}"])
+    train(cfg)
+    assert "pithtrain: parallel auto: pp=1 dp=1 fsdp=1 cp=1 ep=1 (no GPU memory to plan against; chosen by " \
+           "memory alone" in capsys.readouterr().out
 
 
 def test_auto_yaml_forms(tmp_path):
@@ -157,25 +187,27 @@ def test_auto_yaml_forms(tmp_path):
     assert load_config(None).parallel.fsdp == 1  # without auto an unset size is 1
 
 
-def test_cuda_launch_refuses_a_plan_that_does_not_fit(monkeypatch, capsys):
-    """train.py's check on a (faked) 80 GiB GPU: one process cannot hold Qwen3-30B-A3B; the error is
-    one line with the overshoot and what to change; `parallel: auto` on 8 prints its layout."""
+def test_cuda_launch_refuses_a_plan_that_does_not_fit(monkeypatch):
+    """train.py's start on a (faked) 80 GiB GPU: the layout resolved against it (plan.resolve_launch),
+    then build.check_run: one process cannot hold Qwen3-30B-A3B; the error is one line with the
+    overshoot and what to change; `parallel: auto` on 8 fits and rank 0's line says its layout."""
+    from pithtrain.build import check_run
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: SimpleNamespace(total_memory=int(79.6 * planner.GIB)))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
     cuda = torch.device("cuda", 0)
-    cfg = load_config("qwen3-30b-a3b", ["parallel.auto=false"])
+    cfg, result = planner.resolve_launch(load_config("qwen3-30b-a3b", ["parallel.auto=false"]), cuda, 1)
     with pytest.raises(ConfigError) as e:
-        planner.check_launch(cfg, cuda, 1)
+        check_run(cfg, cuda, 1, 0, result)
     msg = str(e.value)
     assert "\n" not in msg and "does not fit" in msg and "over by" in msg and "more GPUs than 1" in msg
     assert "parallel: auto" in msg
-    cfg = load_config("qwen3-30b-a3b")
-    planner.check_launch(cfg, cuda, 8)
+    cfg, result = planner.resolve_launch(load_config("qwen3-30b-a3b"), cuda, 8)
+    assert result["fits"]
     lay = " ".join(f"{k}={getattr(cfg.parallel, k)}" for k in ("pp", "dp", "fsdp", "cp", "ep"))
-    out = capsys.readouterr().out
-    assert f"pithtrain: parallel auto: {lay} (memory plan: peak" in out
-    assert "tokens/s per GPU (pithtrain/perf.py), the fastest of" in out
+    line = planner.launch_line(cfg, result)
+    assert line.startswith(f"pithtrain: parallel auto: {lay} (memory plan: peak")
+    assert "tokens/s per GPU (pithtrain/perf.py), the fastest of" in line
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,16 +218,17 @@ def test_fsdp_modules_carry_the_mixed_precision_policy():
     from torch.distributed.fsdp import FSDPModule
 
     from pithtrain.distributed.parallel_dims import ParallelDims
-    from pithtrain.distributed.parallelize import mp_policy, parallelize
+    from pithtrain.distributed.parallelize import parallelize
     from pithtrain.models import build_model
+    from pithtrain.precision import Precision
 
     cfg = load_config(None, ["parallel.fsdp=2", "parallel.ep=2", "train.reduce_dtype=float32"])
-    t = cfg.train
-    assert mp_policy(t, torch.device("cpu")).param_dtype == torch.float32  # CPU: parity unchanged
-    assert mp_policy(t, torch.device("cuda")).param_dtype == torch.bfloat16
-    assert mp_policy(t, torch.device("cuda")).reduce_dtype == torch.float32
+    t, dims = cfg.train, ParallelDims(fsdp=2, ep=2)
+    assert Precision.of(t, torch.device("cpu"), dims).fsdp_policy().param_dtype == torch.float32  # CPU: parity
+    assert Precision.of(t, torch.device("cuda"), dims).fsdp_policy().param_dtype == torch.bfloat16
+    assert Precision.of(t, torch.device("cuda"), dims).fsdp_policy().reduce_dtype == torch.float32
     t.reduce_dtype = "bfloat16"
-    assert mp_policy(t, torch.device("cuda")).reduce_dtype == torch.bfloat16
+    assert Precision.of(t, torch.device("cuda"), dims).fsdp_policy().reduce_dtype == torch.bfloat16
     # fsdp=2 ep=2: each rank's experts are its own (efsdp = edp = 1), so FSDP leaves them out;
     # fsdp=4 ep=2 shards them over 2 ranks (efsdp = 2): each layer's experts are an FSDP module
     from pithtrain.models.common import GroupedExperts
@@ -205,7 +238,8 @@ def test_fsdp_modules_carry_the_mixed_precision_policy():
         assert dims.experts_alone is not experts_sharded
         with planner.fake_world(world, 0):
             dims.build_meshes("cpu")
-            model = parallelize(build_model(cfg.model, init=False), dims, cfg.train, torch.device("cuda"))
+            model = parallelize(build_model(cfg.model, init=False), dims, cfg.train, torch.device("cuda"),
+                                Precision.of(cfg.train, torch.device("cuda"), dims))
             states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
             assert len(states) == 1 + (2 if experts_sharded else 1) * cfg.model.num_layers  # root, layers, experts
             for s in states:
@@ -214,8 +248,8 @@ def test_fsdp_modules_carry_the_mixed_precision_policy():
                        for fp in s._fsdp_param_group.fsdp_params}
             experts = [p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()]
             assert all((id(p) in managed) is experts_sharded for p in experts)
-            assert all(getattr(m, "outside_fsdp", False) is not experts_sharded
-                       for m in model.modules() if isinstance(m, GroupedExperts))
+            assert Precision.of(cfg.train, torch.device("cuda"), dims).copy == ("none" if experts_sharded
+                                                                                else "experts")
 
 
 def test_reduce_dtype_without_fsdp_is_an_error():
@@ -246,6 +280,18 @@ SMALL = {
 WORLD = 8
 
 
+def trained_layout(cfg):
+    """train(cfg) and the layout it ran in, from rank 0's start-up line (cfg keeps `auto`'s unset sizes)."""
+    import contextlib
+    import io
+
+    from pithtrain.train import train
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        hist, model = train(cfg)
+    sizes = re.search(r"parallel auto: pp=(\d+) dp=(\d+) fsdp=(\d+) cp=(\d+) ep=(\d+)", out.getvalue())
+    return hist, model, [int(x) for x in sizes.groups()] if sizes else None
+
+
 def small_cfg(recipe: str, run_dir: str, grad_accum: int = 1):
     return load_config(recipe, [*SMALL[recipe], "train.steps=3", "train.micro_batch_size=2", "train.seq_len=16",
                                 f"train.grad_accum={grad_accum}", "train.warmup_steps=1", "train.device=cpu",
@@ -254,21 +300,19 @@ def small_cfg(recipe: str, run_dir: str, grad_accum: int = 1):
 
 
 def _auto_worker(rank: int, world: int, port: int, tmp: str):
-    from torch.distributed.tensor import DTensor
-
     from test_distributed import _init
-    from pithtrain.train import train
+    from torch.distributed.tensor import DTensor
     dist = _init(rank, world, port)
     results = {}
     for recipe in SMALL:
         cfg = small_cfg(recipe, f"{tmp}/r{rank}/{recipe}")
-        hist, model = train(cfg)
+        hist, model, layout = trained_layout(cfg)
         params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
                   for n, p in model.named_parameters()}
         if rank == 0:
             ref = torch.load(f"{tmp}/ref-{recipe}.pt")
             results[recipe] = {
-                "layout": [getattr(cfg.parallel, k) for k in ("pp", "dp", "fsdp", "cp", "ep")],
+                "layout": layout,
                 "loss": [h["loss"] for h in hist], "ref_loss": [h["loss"] for h in ref["hist"]],
                 "gnorm": [h["grad_norm"] for h in hist], "ref_gnorm": [h["grad_norm"] for h in ref["hist"]],
                 "param_max_diff": max((params[n] - ref["params"][n]).abs().max().item() for n in params),
@@ -284,16 +328,15 @@ def test_auto_layout_on_8_processes_matches_one(tmp_path):
     in the layout auto_layout ranks fastest for 8 processes (no GPU: no memory plan), asked here
     in this process: every rank agrees with it."""
     import torch.multiprocessing as mp
-
     from test_distributed import PARAM_ATOL, RTOL, free_port
+
     from pithtrain.models import build_model
-    from pithtrain.train import train
     for recipe in SMALL:
         cfg = small_cfg(recipe, str(tmp_path / "ref" / recipe), grad_accum=WORLD)
         torch.manual_seed(cfg.train.seed)
         init = {n: p.detach().clone() for n, p in build_model(cfg.model, "cpu").named_parameters()}
-        hist, model = train(cfg)
-        assert [cfg.parallel.fsdp, cfg.parallel.ep] == [1, 1]  # auto on one process
+        hist, model, layout = trained_layout(cfg)
+        assert layout[2:] == [1, 1, 1]  # auto on one process: fsdp, cp, ep 1
         torch.save({"hist": hist, "init": init,
                     "params": {n: p.detach() for n, p in model.named_parameters()}},
                    tmp_path / f"ref-{recipe}.pt")
@@ -302,15 +345,15 @@ def test_auto_layout_on_8_processes_matches_one(tmp_path):
     assert list(results) == list(SMALL)
     picks = {}
     for recipe in SMALL:
-        cfg = small_cfg(recipe, str(tmp_path / "pick"))
-        planner.auto_layout(cfg, WORLD, None)
-        picks[recipe] = [getattr(cfg.parallel, k) for k in ("pp", "dp", "fsdp", "cp", "ep")]
+        lay = planner.auto_layout(small_cfg(recipe, str(tmp_path / "pick")), WORLD, None)[0]
+        picks[recipe] = [lay[k] for k in ("pp", "dp", "fsdp", "cp", "ep")]
     reports = {}
     for recipe, r in results.items():
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(r["loss"], r["ref_loss"]))
         gnorm_err = max(abs(a - b) / abs(b) for a, b in zip(r["gnorm"], r["ref_gnorm"]))
         reports[recipe] = (loss_err, gnorm_err, f"{recipe} {r['layout']}: loss rel {loss_err:.1e}, gnorm rel "
-                           f"{gnorm_err:.1e}, params abs {r['param_max_diff']:.1e} (update {r['param_max_update']:.1e})")
+                           f"{gnorm_err:.1e}, params abs {r['param_max_diff']:.1e} "
+                           f"(update {r['param_max_update']:.1e})")
     print("\n".join(x[2] for x in reports.values()))
     for recipe, r in results.items():
         loss_err, gnorm_err, report = reports[recipe]
@@ -350,7 +393,7 @@ def test_planned_peak_within_10_percent_of_measured(tmp_path):
         torch.cuda.reset_peak_memory_stats()
         train(cfg, resume=False)
         measured = torch.cuda.max_memory_allocated() / planner.GIB
-        planned = planner.plan(cfg, 1, gpu_gib)  # the layout train resolved (auto: world 1)
+        planned = planner.plan(planner.resolve(cfg, 1)[0], 1, gpu_gib)  # the layout train resolved (auto: world 1)
         rows.append((name, planned["peak_gib"], measured, planned["ranks"][0]))
         print(f"plan-vs-measured: {name}: planned {rows[-1][1]:.2f} GiB, measured {measured:.2f} GiB", flush=True)
         gc.collect()

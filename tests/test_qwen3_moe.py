@@ -48,7 +48,8 @@ def test_hub_names_and_per_expert_weights_round_trip():
     for key in hub:
         for name, index, t in per_expert_to_stacked(key, hub.get, 5):
             back[name][index] = t
-    assert torch.equal(back["layers.1.mlp.experts.w13_EDF2"], w13) and torch.equal(back["layers.1.mlp.experts.w2_EFD"], w2)
+    assert torch.equal(back["layers.1.mlp.experts.w13_EDF2"], w13)
+    assert torch.equal(back["layers.1.mlp.experts.w2_EFD"], w2)
     assert per_expert_to_stacked("model.norm.weight", hub.get, 5) is None
 
 

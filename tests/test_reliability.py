@@ -25,12 +25,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_checkpoint import SUB_ENV, TINY, losses, train_cmd
+from test_distributed import _init, free_port
 
 import pithtrain.data
 from pithtrain.checkpoint.dcp import resolve, step_dirs, verify
 from pithtrain.config import load_config
-from test_checkpoint import SUB_ENV, TINY, losses, train_cmd
-from test_distributed import _init, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = TINY + ["train.steps=6", "checkpoint.every=2", "log.every=1", "log.tensorboard=false",
@@ -110,7 +110,8 @@ def _trials_worker(rank: int, world: int, port: int, tmp: str):
         for i in range(TRIALS[layout]):
             point = POINTS[layout][i % len(POINTS[layout])]
             # the save of the last step is after the last boundary: that run just ends, trained
-            when = {"step": rng.randint(1, STEPS), "eval": rng.randint(1, STEPS), "save": rng.randint(1, STEPS // 2 - 1),
+            when = {"step": rng.randint(1, STEPS), "eval": rng.randint(1, STEPS),
+                    "save": rng.randint(1, STEPS // 2 - 1),
                     "startup": 1}[point]
             run, who = f"{tmp}/{layout}-{i}", rng.randrange(world)
             undo = _raise_at(point, who, when)
@@ -141,8 +142,9 @@ def _trials_worker(rank: int, world: int, port: int, tmp: str):
 def _nonfinite(rank: int, tmp: str) -> dict:
     """Rank 0's step-3 batch gives a NaN loss and NaN gradients: under skip every rank's weights
     after step 3 equal those before it and training goes on; under stop the run ends as before."""
-    import pithtrain.train as T
     from torch.distributed.tensor import DTensor
+
+    import pithtrain.train as T
     real, calls, seen = T.forward_backward, [0], []
 
     def nan_on_step_3(model, *a):

@@ -76,14 +76,14 @@ def test_crafted_dcp_index_runs_nothing_on_export(run4, tmp_path):
 def test_dcp_index_naming_a_file_outside_the_checkpoint_is_refused(run4, tmp_path):
     import pickle
 
-    from pithtrain.checkpoint.dcp import SafeReader, _check_index
+    from pithtrain.checkpoint.dcp import SafeReader, check_index
     ckpt = copy_run(run4, tmp_path) / "checkpoints" / "step_4"
     md = SafeReader(ckpt).read_metadata()
     info = next(iter(md.storage_data.values()))
     info.relative_path = "../../step_2/__0_0.distcp"
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(CheckpointError, match="outside the checkpoint"):
-        _check_index(ckpt, [])
+        check_index(ckpt, [])
 
 
 # ---------------------------------------------------------------------------------------------

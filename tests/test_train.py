@@ -83,27 +83,57 @@ def test_a_non_finite_gradient_stops_before_the_update(tiny_overrides, tmp_path,
 
 
 @pytest.mark.quick
-def test_bf16_weights_copy_is_kept_and_follows_its_master():
-    """parallelize.bf16_weights keeps one bf16 copy per float32 parameter across steps (tied
+@pytest.mark.filterwarnings("ignore:CUDA is not available")  # a CUDA autocast made on a CPU machine
+def test_precision_is_decided_once_from_the_recipe_the_device_and_the_layout():
+    """precision.Precision.of, the one decision (its module docstring's table): bf16 compute on
+    CUDA (train.dtype auto or bfloat16), float32 on CPU or with train.dtype=float32; the bf16 copy
+    of every weight without FSDP, of the experts FSDP leaves out, of none under FSDP otherwise or
+    in the bench's bf16 state; FSDP's policy and the state's bytes from the same value."""
+    import torch
+
+    from pithtrain.distributed.parallel_dims import ParallelDims
+    from pithtrain.precision import Precision
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    one, sharded, alone = ParallelDims(), ParallelDims(fsdp=4, ep=2), ParallelDims(fsdp=2, ep=2)
+    cfg = load_config(None, ["train.reduce_dtype=bfloat16"])
+    want = [(cuda, one, torch.bfloat16, "all"), (cuda, sharded, torch.bfloat16, "none"),
+            (cuda, alone, torch.bfloat16, "experts"), (cpu, one, torch.float32, "none"),
+            (cpu, alone, torch.float32, "none")]
+    for device, dims, compute, copy in want:
+        p = Precision.of(cfg.train, device, dims)
+        assert (p.compute, p.copy, p.copies is not None) == (compute, copy, copy != "none")
+        assert p.fsdp_policy().param_dtype == compute and p.fsdp_policy().reduce_dtype == torch.bfloat16
+        assert isinstance(p.autocast(), torch.autocast) == (compute == torch.bfloat16)
+    assert Precision.of(load_config(None, ["train.dtype=float32"]).train, cuda, one).compute == torch.float32
+    lean = Precision.of(cfg.train, cuda, one, state="bf16")
+    assert lean.copies is None and lean.bytes_per_param() == {"weights": 2, "grads": 2, "optimizer": 4, "copy": 0}
+    assert Precision.of(cfg.train, cuda, one).bytes_per_param() == {"weights": 4, "grads": 4, "optimizer": 8,
+                                                                     "copy": 2}
+
+
+@pytest.mark.quick
+def test_bf16_copy_is_kept_and_follows_its_master():
+    """precision.WeightCopies keeps one bf16 copy per float32 parameter across steps (tied
     parameters share it, its gradient hook registered once) and casts it again on entry whenever
     the master changed through torch since (here SGD's update), so each step computes with the
     current weights. (The cast skipped after kernels/adamw.py writes the copy: a GPU test.)"""
     import torch
 
-    from pithtrain.distributed.parallelize import bf16_weights
+    from pithtrain.precision import WeightCopies
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     model[1].weight = model[0].weight
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(4, 8, dtype=torch.bfloat16)
-    copies = None
+    copies, held = None, WeightCopies("all")
     for _ in range(3):
-        with bf16_weights(model):
+        with held.swap(model):
             ws = list(model.parameters())
             assert model[0].weight is model[1].weight and all(w.dtype == torch.bfloat16 for w in ws)
             for w in ws:
-                assert torch.equal(w, w.master().detach().to(torch.bfloat16))
+                assert torch.equal(w, held.master(w).detach().to(torch.bfloat16))
             copies = copies or ws
             assert all(a is b for a, b in zip(ws, copies))
             model(x).square().sum().backward()
@@ -116,7 +146,7 @@ def test_bf16_weights_copy_is_kept_and_follows_its_master():
 @pytest.mark.parametrize("in_place,tied", [(False, False), (True, False), (True, True)])
 def test_bf16_step_weights_are_fsdps_numbers_without_fsdp(tiny_overrides, in_place, tied):
     """Under bf16 autocast without FSDP, train_step runs its micro-batches on one bf16 copy of the
-    weights and accumulates each micro-batch's bf16 gradient in float32 (parallelize.bf16_weights):
+    weights and accumulates each micro-batch's bf16 gradient in float32 (precision.WeightCopies):
     the reference is a pure-bf16 twin of the model whose per-micro-batch gradients are summed in
     float32 by hand (what FSDP's bf16 gathers and float32 reduction give). SGD at lr 1 with no clip
     makes the update the gradient itself; outside the step the modules hold the float32 masters.
@@ -127,10 +157,11 @@ def test_bf16_step_weights_are_fsdps_numbers_without_fsdp(tiny_overrides, in_pla
 
     import torch
 
+    from pithtrain.build import Run
     from pithtrain.distributed.parallel_dims import ParallelDims
-    from pithtrain.distributed.parallelize import uses_bf16_weights
     from pithtrain.models import build_model
     from pithtrain.models.common import set_aux_loss_scale
+    from pithtrain.precision import Precision
     from pithtrain.train import train_step
 
     cfg = load_config(None, tiny_overrides + ["train.grad_accum=3", "train.grad_clip=0",
@@ -141,22 +172,21 @@ def test_bf16_step_weights_are_fsdps_numbers_without_fsdp(tiny_overrides, in_pla
     twin = copy.deepcopy(model)
     for p in twin.parameters():  # parameters only: buffers (RoPE tables) stay float32, as in the step
         p.data = p.data.to(torch.bfloat16)
-    for m in (model, twin):
-        set_aux_loss_scale(m, 1 / 3)
+    set_aux_loss_scale(twin, 1 / 3)  # train_step sets the model's: 1 / its 3 micro-batches
+    precision = Precision(torch.bfloat16, "cpu", copy="all")  # what Precision.of decides on one GPU
     if in_place:
         from pithtrain.kernels import NAMES
         from pithtrain.models.common import use_kernels
 
         use = {**dict.fromkeys(NAMES, False), "linear_ce": True}
         use_kernels(twin, use)
-        use_kernels(model, {**use, "wgrad": True, "wgrad_ends": True})
+        use_kernels(model, {**use, "wgrad": True, "wgrad_ends": True}, precision.copies)
     g = torch.Generator().manual_seed(1)
     mbs = [(x, x.roll(-1, 1), None, None) for x in torch.randint(0, 250, (3, 4, 64), generator=g)]
     # in place, the LM head's dW / denom is float32 where the twin's autograd rounds it to bf16: a
     # power of two makes that exact; without, the tokens' count (not one)
     denom = 1024 if in_place else 3 * 4 * 64
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
-    assert uses_bf16_weights(dims, autocast) and not uses_bf16_weights(dims, __import__("contextlib").nullcontext())
 
     want = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
     rows = []  # in place, the embedding's reference: its output's bf16 gradient rows summed in float32
@@ -181,7 +211,7 @@ def test_bf16_step_weights_are_fsdps_numbers_without_fsdp(tiny_overrides, in_pla
     masters = {n: p for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    train_step(model, opt, sched, mbs, denom, cfg, dims, autocast)
+    train_step(Run(cfg, dims, torch.device("cpu"), precision, {}, model, opt, sched), mbs, denom)
     for n, p in model.named_parameters():
         assert p is masters[n] and p.dtype == torch.float32, n
         if tied and n == "embed_tokens.weight":  # the twin rounds each micro-batch's head + embedding sum to
@@ -194,3 +224,65 @@ def test_bf16_step_weights_are_fsdps_numbers_without_fsdp(tiny_overrides, in_pla
         assert tied == (model.lm_head.weight is model.embed_tokens.weight)
         if not tied:
             assert model.lm_head.weight.wgrad_adds == 3
+
+
+def _init_from_fails_then_trains(rank: int, world: int, ports: list, tmp: str):
+    """Each rank: train.init_from fails (a damaged checkpoint), then the same process trains (each
+    train() its own rendezvous port: rank 1 must not reach rank 0's store of the run that ended)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from pithtrain.config import ConfigError, config_from_dict
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]))
+
+    def cfg(hub):
+        return config_from_dict({"train": dict(init_from=f"{tmp}/{hub}", steps=2, micro_batch_size=2, seq_len=16,
+                                               warmup_steps=1, device="cpu"),
+                                 "parallel": dict(fsdp=world), "data": dict(max_bytes=20000),
+                                 "checkpoint": dict(final=False), "log": dict(run_dir=f"{tmp}/run")})
+    out = {}
+    try:
+        train(cfg("bad"))
+    except ConfigError as e:
+        out["error"] = str(e)
+    lock = os.path.realpath(f"{tmp}/run/.lock")
+    out["group_left"] = dist.is_initialized()
+    out["lock_open"] = any(os.path.realpath(f"/proc/self/fd/{fd}") == lock for fd in os.listdir("/proc/self/fd"))
+    os.environ["MASTER_PORT"] = str(ports[1])
+    out["steps"] = len(train(cfg("good"))[0])
+    out["group_after"] = dist.is_initialized()
+    with open(f"{tmp}/out{rank}.json", "w") as f:
+        json.dump(out, f)
+
+
+def test_a_failing_init_from_releases_the_lock_and_the_groups_then_the_process_trains(tmp_path):
+    """Start-up under one ExitStack (train.train): whatever fails, the run lock and every process
+    group start-up made are released, so the next train() in the same process (the skills' scripts
+    import it) takes the lock, makes its own groups and plans its memory, on 2 gloo ranks."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from pithtrain.checkpoint.hf import save_hf
+    from pithtrain.models import build_model
+    cfg = load_config(None, ["model.num_layers=1", "model.hidden_size=32", "model.head_dim=8"])
+    torch.manual_seed(0)
+    for hub in ("bad", "good"):
+        save_hf(build_model(cfg.model, "cpu"), tmp_path / hub)
+    for f in (tmp_path / "bad").glob("*.safetensors"):
+        f.write_bytes(f.read_bytes()[:20])  # a damaged copy: its header cut short
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    mp.spawn(_init_from_fails_then_trains, args=(2, ports, str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        out = json.loads((tmp_path / f"out{rank}.json").read_text())
+        assert out["error"].startswith("train.init_from: ") and "\n" not in out["error"], out
+        assert not out["group_left"] and not out["lock_open"], out
+        assert out["steps"] == 2 and not out["group_after"], out

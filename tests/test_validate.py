@@ -64,7 +64,8 @@ def test_plain():
     assert "with model.top_k=1: 2 tests" in detail and "test_probe.py::test_takes_it" in detail, detail
     assert (out / "pytest").is_dir() and (out / "tmp").is_dir()
     probe.write_text(probe.read_text().split("def test_takes_it")[0]
-                     + "def test_other_family():\n    assert 'n_shared_experts' not in variant.model({'family': 'qwen3_moe'})\n")
+                     + "def test_other_family():\n"
+                     "    assert 'n_shared_experts' not in variant.model({'family': 'qwen3_moe'})\n")
     verdict, detail = validate.pytest([probe], out, sets=["model.n_shared_experts=2"])  # no qwen3_moe field
     assert verdict == "FAIL" and "0 tests" in detail and "no test's family" in detail, detail
 

@@ -80,12 +80,12 @@ def detect_gpu() -> str:
                              capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         raise ApplianceError("--gpu=auto: nvidia-smi found no NVIDIA GPU; name one with --gpu")
+    from pithtrain.gpus import gpu_key  # here, not above: the image build runs this file alone
+
     names = out.strip().splitlines()
-    # Whole words only: "NVIDIA GH200 480GB" (Grace Hopper, an arm64 host) is not an h200 image.
-    words = re.findall(r"[a-z0-9]+", names[0].lower()) if names else []
-    for gpu in GPU_TARGET:
-        if gpu in words:
-            return gpu
+    gpu = gpu_key(names[0]) if names else None  # whole words: "NVIDIA GH200 480GB" is no h200 image
+    if gpu in GPU_TARGET:
+        return gpu
     raise ApplianceError(f"--gpu=auto: {names[0] if names else 'no GPU'} has no image target "
                          f"(known: {', '.join(GPU_TARGET)})")
 
@@ -142,9 +142,9 @@ def build_command(target: str, pins: dict) -> list[str]:
 
 def train_args(recipe: str | None, gpu: str | None, overrides: list[str]) -> list[str]:
     """Arguments of `python -m pithtrain.train`: recipe, then the GPU's overrides, then the user's."""
-    from pithtrain.config import GPU_OVERRIDES  # here, not above: the image build runs this file alone
+    from pithtrain.gpus import GPUS  # here, not above: the image build runs this file alone
 
-    return ([recipe] if recipe else []) + (GPU_OVERRIDES[gpu] if gpu else []) + list(overrides)
+    return ([recipe] if recipe else []) + (list(GPUS[gpu].overrides) if gpu else []) + list(overrides)
 
 
 def torchrun(nproc: int | str, args: list[str], multinode: dict | None = None,
@@ -384,7 +384,8 @@ def code_lines(source: str) -> int:
         body = getattr(node, "body", None)
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
             first = body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str)):
                 docs.update(range(first.lineno, first.end_lineno + 1))
     return sum(1 for i, line in enumerate(source.splitlines(), 1)
                if i not in docs and line.strip() and not line.lstrip().startswith("#"))

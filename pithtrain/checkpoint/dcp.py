@@ -396,7 +396,7 @@ class SafeReader(FileSystemReader):
         return md
 
 
-def _check_index(ckpt: Path, keys) -> None:
+def check_index(ckpt: Path, keys) -> None:
     """Every requested key is a tensor in the index (a non-tensor would go through
     torch.load(weights_only=False)), and every file the index points to exists."""
     md = SafeReader(ckpt).read_metadata()
@@ -456,7 +456,7 @@ def agree(group, where: Path, check, *args):
 
 
 @contextlib.contextmanager
-def _quiet():
+def no_dist_warnings():
     """DCP warns on every single-process save/load; one process is our intent (no_dist), so hush it."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
@@ -587,7 +587,7 @@ class Checkpointer:
         if self.use_async:
             if self.pg is not None and self.save_pg is None:
                 self.save_pg = dist.new_group(backend="gloo")
-            with _quiet():
+            with no_dist_warnings():
                 fut = dcp.async_save(tensors, storage_writer=writer, process_group=self.save_pg,
                                      no_dist=self.save_pg is None)
             # a stager that copies in the background answers (staging, upload) futures: the optimizer
@@ -600,7 +600,7 @@ class Checkpointer:
             thread.start()
             self._pending = (fut, thread)
         else:
-            with _quiet():
+            with no_dist_warnings():
                 dcp.save(tensors, storage_writer=writer, process_group=self.pg, no_dist=self.pg is None)
             hash_own_files(tmp, self.rank, _world())  # every rank its own files, at the same time
             self._barrier()
@@ -659,7 +659,7 @@ class Checkpointer:
     def _commit(self, tmp: Path, step: int):
         if os.environ.get(CRASH_HOOK) == str(step):
             os._exit(70)  # test hook: die with the shards written and nothing committed
-        _check_index(tmp, [])  # the index reads back and every shard it names exists
+        check_index(tmp, [])  # the index reads back and every shard it names exists
         write_manifest(tmp, step, _world())  # every rank's hashes, merged
         _fsync_dir(tmp)
         final = self.root / f"step_{step}"
@@ -780,7 +780,7 @@ class Checkpointer:
         Works across parallel layouts: DCP reads the chunks each rank's (D)Tensors need."""
         tensors, _ = self._state()  # current (sharded) tensors: DCP loads into them in place
         trainer = agree(self.pg, ckpt, self._loadable, ckpt, tensors)  # all ranks enter DCP's load, or none
-        with _quiet():
+        with no_dist_warnings():
             dcp.load(tensors, storage_reader=SafeReader(ckpt), process_group=self.pg, no_dist=self.pg is None)
         groups, schedule = self._recipe_hyperparameters(trainer)
         set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
@@ -811,7 +811,7 @@ class Checkpointer:
         if trainer["world_size"] != _world():
             self.say(f"saved with {trainer['world_size']} ranks, loading into {_world()} (resharded); "
                      "ranks without a saved RNG state keep their seeded one")
-        _check_index(ckpt, _flat_keys(tensors))
+        check_index(ckpt, _flat_keys(tensors))
         return trainer
 
     def _recipe_hyperparameters(self, trainer: dict) -> tuple[list[dict], dict]:
@@ -887,8 +887,8 @@ def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     sd = {"model": get_model_state_dict(model)}
-    _check_index(ckpt, _flat_keys(sd))
-    with _quiet():
+    check_index(ckpt, _flat_keys(sd))
+    with no_dist_warnings():
         dcp.load(sd, storage_reader=SafeReader(ckpt), no_dist=True)
     set_model_state_dict(model, sd["model"])
 

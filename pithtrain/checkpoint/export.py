@@ -34,8 +34,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 
-from pithtrain.checkpoint.dcp import (RECIPE, TRAINER, CheckpointError, SafeReader, _check_index, _quiet, resolve,
-                                      verify)
+from pithtrain.checkpoint.dcp import (
+    RECIPE,
+    TRAINER,
+    CheckpointError,
+    SafeReader,
+    check_index,
+    no_dist_warnings,
+    resolve,
+    verify,
+)
 from pithtrain.checkpoint.hf import SHARD_BYTES, state_for_export
 from pithtrain.config import ConfigError, config_from_dict
 from pithtrain.data import TOKENIZER_FILES
@@ -140,7 +148,7 @@ def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SH
     fam, mcfg = FAMILIES[model.cfg.family], model.cfg
     out = Path(out)
     state = state_for_export(model)
-    _check_index(path, [f"model.{n}" for n in state])
+    check_index(path, [f"model.{n}" for n in state])
     shards = plan_shards(model, dtype, shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
@@ -154,7 +162,7 @@ def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SH
     def hub_tensors(names):  # one native tensor in memory at a time, read from the checkpoint
         for name in names:
             one = {f"model.{name}": torch.empty(state[name].shape, dtype=torch.float32)}
-            with _quiet():
+            with no_dist_warnings():
                 dcp.load(one, storage_reader=SafeReader(path), no_dist=True)
             yield from fam.native_to_hf(mcfg, name, one.pop(f"model.{name}"))
 

@@ -56,9 +56,9 @@ class AllToAll(torch.autograd.Function):
 
 
 class ExpertParallelDispatcher:
-    """Same methods as LocalDispatcher: dispatch and combine (each one communication phase of
-    common.DecoderLayer.phases) and the call (x_TD, idx_TA, w_TA, experts) -> y_TD doing both
-    around the experts. `experts` holds this rank's E/ep experts (its parameters are DTensors sharded by expert; see parallelize.py).
+    """Same methods as LocalDispatcher: dispatch and combine, each one communication phase of
+    common.mlp_phases (the experts phase between them runs this rank's E/ep experts, whose
+    parameters are DTensors sharded by expert; see parallelize.py).
     Counters `rows_sent` / `rows_sent_remote` (rows leaving this rank in total / to other ranks)
     accumulate over calls, for tests and profiling."""
 
@@ -130,7 +130,3 @@ class ExpertParallelDispatcher:
         y_ND = self.local.combine(y_PD, w_NA, local)
         back_XD = AllToAll.apply(y_ND, in_splits, out_splits, self.group)
         return back_XD.new_zeros(T, y_PD.shape[1]).index_add(0, t_X, back_XD)
-
-    def __call__(self, x_TD, idx_TA, w_TA, experts):
-        x_PD, w_NA, counts_E, info = self.dispatch(x_TD, idx_TA, w_TA, experts.num_experts)
-        return self.combine(experts(x_PD, counts_E), w_NA, info)

@@ -15,8 +15,10 @@ A dense layer has two (attn, mlp). With activation checkpointing a layer is one 
 `layer(h, rope)` (the checkpoint wraps the layer's own call), which only gives up overlap there.
 
 Autograd is cut at every phase boundary: each phase reads detached copies of its inputs ("leaves")
-and records (leaves, outputs). Backward walks the records in reverse, calling autograd per phase
-with the output gradients collected so far, and hands each leaf's gradient to the phase that
+and records (leaves, outputs). A forward phase runs under the run's autocast (precision.Precision
+.autocast), a backward one outside it, as train.py's step runs them. Backward walks the records in
+reverse, calling autograd per phase with the output gradients collected so far, and hands each
+leaf's gradient to the phase that
 produced it. That gives three backward modes from one mechanism: full (BW), input-only (B: autograd
 .grad w.r.t. the leaves, graph retained, output gradients saved) and weight-only (W: autograd
 .backward w.r.t. the phase's parameters with the saved gradients).
@@ -49,8 +51,10 @@ issued in, or None), start / end in seconds (CUDA: from events, resolved by `res
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -164,6 +168,7 @@ class ChunkRun:
     grads: dict = field(default_factory=dict)  # name -> gradient collected so far
     saved: list = field(default_factory=list)  # input-only backward: (phase index, outputs, grads)
     fsdp: bool = False  # drive FSDP's gather / reduce per unit (module docstring)
+    autocast: Callable = contextlib.nullcontext  # the forward phases' context (precision.Precision.autocast)
     mb: int = 0  # for the timeline
     chunk: int = 0
     timeline: list | None = None
@@ -182,8 +187,9 @@ class ChunkRun:
         return k == len(self.phases) - 1 or self.phases[k + 1].unit is not self.phases[k].unit
 
 
-def start(phases, x, fsdp: bool = False, mb: int = 0, chunk: int = 0, timeline=None) -> ChunkRun:
-    return ChunkRun(phases, {"in": x}, fsdp=fsdp, mb=mb, chunk=chunk, timeline=timeline)
+def start(phases, x, fsdp: bool = False, mb: int = 0, chunk: int = 0, timeline=None,
+          autocast: Callable = contextlib.nullcontext) -> ChunkRun:
+    return ChunkRun(phases, {"in": x}, fsdp=fsdp, mb=mb, chunk=chunk, timeline=timeline, autocast=autocast)
 
 
 def forward_phase(run: ChunkRun, k: int):
@@ -194,7 +200,8 @@ def forward_phase(run: ChunkRun, k: int):
             nxt = next((p.unit for p in run.phases[k + 1:] if p.unit is not ph.unit), None)
             gather(nxt, async_op=True)  # prefetch: the next unit's all-gather under this unit
     leaves = {n: _leaf(run.state[n]) for n in ph.inputs}
-    outs = ph.fn(**leaves)
+    with run.autocast():
+        outs = ph.fn(**leaves)
     run.state.update(outs)
     run.records.append((leaves, outs))
     if run.fsdp and run.last_of_unit(k):

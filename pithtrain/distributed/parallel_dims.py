@@ -2,7 +2,7 @@
 
     dims = ParallelDims.from_config(cfg, world_size)   # validates; no collective has run yet
     dims.build_meshes("cuda")                            # after init_process_group
-    dims.cp_enabled, dims.cp_group, dims.batch_rank ...
+    dims.cp_enabled, dims.cp_group, dims.data_parallel_rank ...
 
 Rank layout. The world is a row-major grid (pp, dp, fsdp, cp): pp outermost (a pipeline stage is
 a contiguous block of ranks), cp innermost (its K/V all-gathers run every layer, so its ranks are
@@ -21,19 +21,27 @@ Examples (world size in brackets): `fsdp=2 ep=2` [2] experts whole per rank, 4 o
 `fsdp=4 ep=2` [4] experts split 2 ways by expert and 2 ways by width; `dp=2 fsdp=2 ep=2` [4];
 `cp=2 ep=2` [2] the two halves of each sequence route to each other's experts.
 
-Batch rows. The dp * fsdp ranks ("batch ranks") each read their own rows of the global batch
-(`batch_rank`, `batch_size`, see data.rows); the cp ranks of one batch rank share rows and split
-the sequence (context_parallel.py).
+Batch rows. The dp * fsdp ranks (the data-parallel ranks: dp replicas times fsdp shards; `dp`
+alone is the replicated dimension) each read their own rows of the global batch
+(`data_parallel_rank` of `data_parallel_size`, see data.rows); the cp ranks of one data-parallel
+rank share rows and split the sequence (context_parallel.py).
 
 The meshes hold no pp dimension: each pipeline stage gets meshes over its own ranks (built on
-every rank, in the same order, as new_group requires), and `pp_group` links the ranks that hold
-the same position in different stages (for the pipeline engine's send/recv).
+every rank, in the same order, as new_group requires); the pipeline engine makes its own groups
+for its sends and receives (pipeline.new_pp_groups).
 
-API for other engines (pipeline, checkpoint): `from_config` (checks only), `init(device)`
-(process group + meshes), `close()`; flags `*_enabled`, `distributed`; coordinates `coords`,
-`pp_rank`, `cp_rank`, `ep_rank`, `batch_rank`, `batch_size` (pure arithmetic on `rank`); after
-`init`: `stage_mesh`, `dense_mesh`, `expert_mesh`, and groups `pp_group`, `cp_group`,
-`ep_group`, `stage_group` (all ranks of this stage).
+One GPU on the FSDP path (`one_gpu_fsdp`, scripts/calibrate.py): world size 1 with FSDP2 and the
+all-to-all dispatcher on one-rank meshes, so one GPU runs an FSDP layout's per-rank program
+(its casts, gathers and reduce-scatters as copies): "experts_alone" leaves the experts out of FSDP
+as each rank's own experts are (fsdp=8 ep=8), "experts_sharded" keeps them in (layouts that shard
+or replicate them).
+
+API for other engines (pipeline, checkpoint, the performance model): `from_config` (checks only),
+`init(device)` (process group + meshes), `close()`; flags `*_enabled`, `distributed`,
+`experts_alone`, `ep_dispatch`; sizes `efsdp`, `edp`; coordinates `coords`, `pp_rank`, `cp_rank`,
+`ep_rank`, `data_parallel_rank`, `data_parallel_size` (pure arithmetic on `rank`); after `init`:
+`stage_mesh`, `dense_mesh`, `expert_mesh`, and groups `cp_group`, `ep_group`, `stage_group` (all
+ranks of this stage).
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ class ParallelDims:
     ep: int = 1
     world_size: int = 1
     rank: int = 0
+    one_gpu_fsdp: str = ""  # "", "experts_alone" or "experts_sharded": the module docstring
 
     # --- validation (pure arithmetic: runs before init_process_group, identically on every rank)
 
@@ -148,8 +157,8 @@ class ParallelDims:
     @property
     def fsdp_enabled(self) -> bool:
         """Parameters are sharded (FSDP2) whenever a stage has more than one rank; cp ranks and
-        dp replicas are data-parallel for the parameters too."""
-        return self.dp * self.fsdp * self.cp > 1
+        dp replicas are data-parallel for the parameters too. One GPU on the FSDP path too."""
+        return self.dp * self.fsdp * self.cp > 1 or bool(self.one_gpu_fsdp)
 
     @property
     def cp_enabled(self) -> bool:
@@ -158,6 +167,12 @@ class ParallelDims:
     @property
     def ep_enabled(self) -> bool:
         return self.ep > 1
+
+    @property
+    def ep_dispatch(self) -> bool:
+        """Each MoE block's dispatcher is the all-to-all one (parallelize.py): ep > 1, or one GPU on
+        the FSDP path (its one-rank all-to-all)."""
+        return self.ep > 1 or bool(self.one_gpu_fsdp)
 
     @property
     def distributed(self) -> bool:
@@ -178,7 +193,7 @@ class ParallelDims:
         and no replica (edp = 1), e.g. fsdp=8 ep=8. FSDP then leaves them out (parallelize.py):
         nothing to gather or reduce, and they keep the one-GPU path's bf16 copy and in-place
         weight gradients."""
-        return self.fsdp_enabled and self.efsdp == 1 and self.edp == 1
+        return self.fsdp_enabled and self.efsdp == 1 and self.edp == 1 and self.one_gpu_fsdp != "experts_sharded"
 
     # --- coordinates (pure arithmetic; valid before the meshes exist)
 
@@ -190,14 +205,14 @@ class ParallelDims:
         return out
 
     @property
-    def batch_rank(self) -> int:
-        """Which rows of the global batch this rank reads (cp ranks share them)."""
+    def data_parallel_rank(self) -> int:
+        """Which rows of the global batch this rank reads, of data_parallel_size (cp ranks share them)."""
         c = self.coords
         return c["dp"] * self.fsdp + c["fsdp"]
 
     @property
-    def batch_size(self) -> int:
-        """How many distinct row slices one micro-batch index covers (dp * fsdp)."""
+    def data_parallel_size(self) -> int:
+        """How many distinct row slices one micro-batch index covers: dp replicas x fsdp shards."""
         return self.dp * self.fsdp
 
     @property
@@ -219,28 +234,36 @@ class ParallelDims:
 
     def init(self, device: torch.device, timeout_s: float | None = None) -> "ParallelDims":
         """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT; NCCL on
-        CUDA, gloo on CPU) unless one exists, then build the meshes. World size 1: nothing.
-        timeout_s (parallel.timeout_s): how long any collective may wait, in every group made
-        after it too (DeviceMesh's, the checkpointer's: they take torch's module default)."""
-        if not self.distributed:
+        CUDA, gloo on CPU) unless one exists, then build the meshes. World size 1: nothing (but one
+        GPU on the FSDP path: a one-rank group of its own). timeout_s (parallel.timeout_s): how long
+        any collective may wait, in every group made after it too."""
+        if not self.distributed and not self.one_gpu_fsdp:
             return self
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
             timeout = None
             if timeout_s:
+                # Process-wide on purpose: DeviceMesh's groups and the checkpointer's new_group take
+                # torch's module default, and no argument of theirs reaches it. close() restores it.
                 from torch.distributed import distributed_c10d as c10d
+                self._default_timeouts = (c10d.default_pg_timeout, c10d.default_pg_nccl_timeout)
                 timeout = c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
             dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout,
-                                    device_id=device if device.type == "cuda" else None)
+                                    device_id=device if device.type == "cuda" else None,
+                                    store=dist.HashStore() if self.world_size == 1 else None)
             self.owns_group = True
         return self.build_meshes(device.type)
 
     def close(self):
-        """Leave the process group if `init` joined it (tests reuse one group across runs)."""
+        """Leave the process group if `init` joined it (tests reuse one group across runs): every
+        group made since goes with it, and torch's default timeout is what it was."""
         if getattr(self, "owns_group", False):
             dist.destroy_process_group()
             self.owns_group = False
-
+        if getattr(self, "_default_timeouts", None):
+            from torch.distributed import distributed_c10d as c10d
+            c10d.default_pg_timeout, c10d.default_pg_nccl_timeout = self._default_timeouts
+            self._default_timeouts = None
 
     def build_meshes(self, device_type: str):
         """Build the DeviceMeshes and process groups. Every rank builds the meshes of every
@@ -249,7 +272,6 @@ class ParallelDims:
             stage_mesh   (dp, fsdp, cp)        cp_group for context parallel
             dense_mesh   (dp, fsdp_cp)         FSDP of dense parameters (HSDP when dp > 1)
             expert_mesh  (edp, efsdp, ep)      experts: Shard(0) on ep, FSDP on (edp, efsdp)
-            pp_group                           same position in each stage
         """
         self.device_type = device_type
         ranks = torch.arange(self.world_size).reshape(self.pp, self.dp, self.fsdp, self.cp)
@@ -269,13 +291,6 @@ class ParallelDims:
                 self.stage_mesh, self.dense_mesh, self.expert_mesh = meshes
                 # All ranks holding the same model piece: expert-load statistics sum over it.
                 self.stage_group = group
-        self.pp_group = None
-        if self.pp > 1:
-            pos = ranks.reshape(self.pp, -1)
-            for j in range(pos.shape[1]):
-                g = dist.new_group(pos[:, j].tolist())
-                if self.rank in pos[:, j].tolist():
-                    self.pp_group = g
         self.cp_group = self.stage_mesh["cp"].get_group()
         self.ep_group = self.expert_mesh["ep"].get_group()
         return self

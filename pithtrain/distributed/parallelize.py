@@ -1,15 +1,18 @@
 """One `parallelize` step: a single-device model (built on meta) becomes this rank's piece.
 
-    model = build_model(cfg.model, device, init=False)   # meta: no memory
-    parallelize(model, dims, cfg.train, device)           # in place, the fixed order below
+    model = build_model(cfg.model, init=False)            # meta: no memory
+    parallelize(model, dims, cfg.train, device, precision)   # in place, the fixed order below
     materialize(model, build_model(cfg.model, init=False), device, cfg.train.seed)  # block by block
+
+(pithtrain/build.py's build_run runs these for train.py, the bench, calibration and the plan.)
 
 Order (each step relies on the previous ones):
   1. expert parallel   routed-expert weights become DTensors sharded by expert (dim 0) over the
                        ep mesh (size 1 when ep=1, so experts always live on their own mesh), and
-                       each MoE block's `dispatcher` becomes the all-to-all one (ep > 1).
+                       each MoE block's `dispatcher` becomes the all-to-all one (dims.ep_dispatch:
+                       ep > 1, or one GPU on the FSDP path).
   2. context parallel  each attention module's `attention` call (models.common.attention; a
-                       variant's own is refused, naming the module) becomes ContextParallelAttention,
+                       variant's own is refused before, by build.check_run) becomes ContextParallelAttention,
                        each MoE block's `balance.stats_sum` an all-reduce over the cp ranks.
   3. activation checkpointing, 4. compile   (pithtrain/compile.py; module names unchanged).
   5. FSDP2             routed experts first, on the expert mesh (edp, efsdp) with Shard(1): split
@@ -20,14 +23,15 @@ Order (each step relies on the previous ones):
                        (dims.experts_alone: efsdp = edp = 1, e.g. fsdp=8 ep=8) FSDP leaves them
                        out (ignored_params): it would gather and reduce-scatter them over one
                        rank, a cast and two copies per micro-batch; they take the path of one
-                       GPU instead (`bf16_weights`, in-place weight gradients).
+                       GPU instead (their bf16 copy, in-place weight gradients).
 
-Mixed precision (FSDP2 MixedPrecisionPolicy, `mp_policy`): with a bf16 compute dtype (CUDA's
-default) parameters are all-gathered in bf16 and gradients reduce-scattered in `train.reduce_dtype`
-(float32 by default); the sharded parameters FSDP keeps, and so AdamW's master weights and
-moments, stay float32. Half the all-gather bytes of a float32 gather, and no autocast copies of
-the gathered weights held for backward. float32 compute (CPU, parity tests) gathers float32.
-Without FSDP (and for experts FSDP leaves out) the same numbers come from `bf16_weights` (one bf16
+Mixed precision (the run's precision.Precision, decided once; its fsdp_policy() is FSDP2's
+MixedPrecisionPolicy): with a bf16 compute dtype (CUDA's default) parameters are all-gathered in
+bf16 and gradients reduce-scattered in `train.reduce_dtype` (float32 by default); the sharded
+parameters FSDP keeps, and so AdamW's master weights and moments, stay float32. Half the
+all-gather bytes of a float32 gather, and no autocast copies of the gathered weights held for
+backward. float32 compute (CPU, parity tests) gathers float32. Without FSDP (and for experts FSDP
+leaves out) the same numbers come from the precision's bf16 copies (precision.WeightCopies: one
 copy per optimizer step, float32 gradient accumulation), which the train step enters around its
 micro-batches.
 
@@ -39,9 +43,6 @@ mean over efsdp would divide by the wrong count.
 
 from __future__ import annotations
 
-import contextlib
-import weakref
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -49,13 +50,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from pithtrain.compile import apply_activation_checkpoint, apply_compile
-from pithtrain.config import ConfigError
 from pithtrain.distributed.context_parallel import ContextParallelAttention, ContextParallelSum
 from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
 from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.models import to_empty
 from pithtrain.models.balance import Balance
-from pithtrain.models.common import GroupedExperts, Rotary, _local, attention, decoder_layers
+from pithtrain.models.common import GroupedExperts, Rotary, attention, decoder_layers
 from pithtrain.models.init import init_block_seeded, model_blocks
 
 
@@ -69,108 +69,31 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
 # The step
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, train_cfg, device: torch.device) -> nn.Module:
-    """Apply EP -> CP -> activation checkpointing -> compile -> FSDP to `model` in place."""
+def parallelize(model: nn.Module, dims: ParallelDims, train_cfg, device: torch.device, precision) -> nn.Module:
+    """Apply EP -> CP -> activation checkpointing -> compile -> FSDP to `model` in place, FSDP with
+    the run's precision (precision.Precision.fsdp_policy). A variant's own attention call under
+    context parallel was refused before (build.check_run)."""
     if dims.fsdp_enabled:
         for m in moe_blocks(model):
             shard_experts(m.experts, dims)
-            if dims.ep_enabled:
+            if dims.ep_dispatch:
                 m.dispatcher = ExpertParallelDispatcher(dims.ep_group, dims.ep_rank, dims.ep,
                                                         m.experts.num_experts, fused=m.dispatcher.fused)
     if dims.cp_enabled:
         cp_attention = ContextParallelAttention(dims.cp_group, dims.cp_rank, dims.cp)
         cp_sum = ContextParallelSum(dims.cp_group)
-        for name, m in model.named_modules():
+        for m in model.modules():
             call = getattr(m, "attention", None)
             if attention in (call, getattr(call, "func", None)):  # the reference or its kernels (use_kernels)
                 m.attention = cp_attention
-            elif call is not None:  # a variant's own: on local chunks it would see only its chunk's keys
-                raise ConfigError(f"parallel.cp={dims.cp}: {name}.attention is {getattr(call, '__qualname__', call)}, "
-                                  "not models.common.attention, the one call context parallel replaces; "
-                                  "give it a context-parallel form in distributed/context_parallel.py or set parallel.cp=1")
             if isinstance(m, Balance):
                 m.stats_sum = cp_sum
     apply_activation_checkpoint(model, train_cfg.activation_checkpoint)
     if train_cfg.compile and device.type == "cuda":
         apply_compile(model)
     if dims.fsdp_enabled:
-        apply_fsdp(model, dims, mp_policy(train_cfg, device))
+        apply_fsdp(model, dims, precision.fsdp_policy())
     return model
-
-
-def mp_policy(train_cfg, device: torch.device) -> MixedPrecisionPolicy:
-    """bf16 gathers when the run computes under bf16 autocast (CUDA, train.dtype auto or
-    bfloat16: train.compute_dtype), float32 otherwise; gradients reduced in train.reduce_dtype."""
-    bf16 = device.type == "cuda" and train_cfg.dtype in ("auto", "bfloat16")
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else torch.float32,
-                                reduce_dtype=getattr(torch, train_cfg.reduce_dtype))
-
-
-def uses_bf16_weights(dims: ParallelDims, autocast) -> bool:
-    """bf16 autocast without FSDP (one GPU, or pipeline stages alone: ep and cp imply FSDP), or with
-    experts FSDP leaves out (dims.experts_alone): those weights come from `bf16_weights`; FSDP's
-    MixedPrecisionPolicy gathers the rest in bf16 itself."""
-    return (isinstance(autocast, torch.autocast) and autocast.fast_dtype == torch.bfloat16
-            and (not dims.fsdp_enabled or dims.experts_alone))
-
-
-@contextlib.contextmanager
-def bf16_weights(model: nn.Module, on: bool = True):
-    """The numbers of FSDP's MixedPrecisionPolicy without FSDP: inside the `with` (one optimizer
-    step) every float32 parameter is replaced in its module by a bf16 leaf holding its value, and
-    each micro-batch's bf16 gradient is added into the float32 master's .grad as autograd
-    accumulates it (float32 accumulation, as FSDP's float32 reduction; kernels/wgrad.py writes the
-    gradients it makes there directly); on exit the modules hold the masters again, so clip,
-    AdamW, checkpoints and export see only float32. Plain autocast would cast every weight in each
-    micro-batch's forward and recompute and cast and accumulate each gradient on its own: 20% of a
-    4-layer Qwen3 step at 8 micro-batches (docs/perf-notes.md).
-
-    The bf16 leaf is made once and kept on the master (`p.bf16`; it points back weakly, `b.master`);
-    on entry it is refreshed by a cast unless kernels/adamw.py already wrote the updated value into
-    it in its pass, which it marks with the master's version and storage (`p.bf16_written`): any
-    later in-place change through torch moves the version on, a new tensor the storage, and the
-    cast runs again. A write through `p.data`, which torch does not count, is not seen: change
-    masters between steps through torch ops (as checkpoint loading does). on=False: nothing changes
-    (float32 runs, FSDP)."""
-    if not on:
-        yield
-        return
-    fsdp = isinstance(model, FSDPModule)  # then only the experts FSDP left out (apply_fsdp)
-    slots = [(mod, name, p) for mod in model.modules() for name, p in mod._parameters.items()
-             if p is not None and p.dtype == torch.float32 and (not fsdp or getattr(mod, "outside_fsdp", False))]
-    for _, _, p in slots:  # tied parameters share one copy
-        b, local = getattr(p, "bf16", None), _local(p)  # a DTensor master (experts): its local block
-        if (b is None or b.shape != local.shape or b.device != p.device or b.requires_grad != p.requires_grad
-                or b.master() is not p):
-            b = p.bf16 = nn.Parameter(local.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
-            b.master = weakref.ref(p)  # where _into_master, and kernels/wgrad.py directly, add its gradients
-            if p.requires_grad:
-                b.register_post_accumulate_grad_hook(_into_master)
-        elif getattr(p, "bf16_written", None) != (p._version, p.data_ptr()):
-            with torch.no_grad():
-                b.copy_(local)
-        p.bf16_written = (p._version, p.data_ptr())  # current: a tied parameter's second slot casts nothing
-    for mod, name, p in slots:
-        mod._parameters[name] = p.bf16
-    try:
-        yield
-    finally:
-        for mod, name, p in slots:
-            mod._parameters[name] = p
-
-
-def _into_master(b: torch.Tensor) -> None:
-    if b.grad is None:  # kernels/wgrad.py added this micro-batch's gradient into master.grad itself
-        return
-    master = b.master()
-    if master.grad is None:
-        g = b.grad.to(master.dtype)
-        master.grad = (DTensor.from_local(g, master.device_mesh, master.placements, run_check=False,
-                                          shape=master.shape, stride=master.stride())
-                       if isinstance(master, DTensor) else g)
-    else:
-        _local(master.grad).add_(b.grad)
-    b.grad = None
 
 
 def shard_experts(experts: GroupedExperts, dims: ParallelDims):
@@ -185,11 +108,10 @@ def shard_experts(experts: GroupedExperts, dims: ParallelDims):
 def apply_fsdp(model: nn.Module, dims: ParallelDims, mp: MixedPrecisionPolicy):
     dense_mesh = dims.dense_mesh  # (dp, fsdp_cp): HSDP, a size-1 dp replicates nothing
     expert_mesh = dims.expert_mesh["edp", "efsdp"]
-    alone = set()  # experts FSDP leaves out (dims.experts_alone): their own rank's, whole
-    for layer in decoder_layers(model):
+    alone = set()  # experts FSDP leaves out (dims.experts_alone): their own rank's, whole; their bf16
+    for layer in decoder_layers(model):  # copy is the precision's (copy="experts")
         for m in moe_blocks(layer):
             if dims.experts_alone:
-                m.experts.outside_fsdp = True  # bf16_weights gives them their bf16 copy
                 alone |= set(m.experts.parameters())
             else:
                 fully_shard(m.experts, mesh=expert_mesh, shard_placement_fn=lambda p: Shard(1), mp_policy=mp)
@@ -208,23 +130,24 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, mp: MixedPrecisionPolicy):
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, meta_model: nn.Module, device: torch.device, seed: int):
+def materialize(model: nn.Module, meta_model: nn.Module, device: torch.device, seed: int,
+                draws_on: torch.device = torch.device("cpu")):
     """Allocate this rank's pieces (to_empty) and initialise them as one process would.
 
     `meta_model` is the whole model on the meta device (no memory). Block by block
     (models.init.model_blocks: embedding, each layer, final norm, head) for the blocks this rank holds,
-    its meta twin is allocated on the CPU in fp32, initialised by the family's `init_block` under
+    its meta twin is allocated on `draws_on` in fp32, initialised by the family's `init_block` under
     the block's own seed (models.init.init_block_seeded: what `init_weights` does in one process), and
     each parameter's slice for this rank is copied in; the twin is freed before the next block.
-    Host memory: one block at a time (a DeepSeek-V2-Lite MoE layer is ~2.3 GB in fp32), not the
-    whole model per rank. The draws come from the CPU generator, so every layout on every device
-    starts from the same weights (train.py materialises one process this way too). A tied LM head
-    stays tied (models.to_empty)."""
+    Memory: one block at a time (a DeepSeek-V2-Lite MoE layer is ~2.3 GB in fp32), not the whole
+    model per rank. The draws come from the CPU generator by default, so every layout on every
+    device starts from the same weights (train.py materialises one process this way too); the bench
+    draws on the GPU (build.build_run's `draws`). A tied LM head stays tied (models.to_empty)."""
     to_empty(model, device)
     twins = dict(model_blocks(meta_model))
     for name, block in model_blocks(model):
         twin = twins[name]
-        twin.to_empty(device="cpu")
+        twin.to_empty(device=draws_on)
         init_block_seeded(twin, name, meta_model.init_block, seed)
         _copy_block(name, twin, block)
         twin.to_empty(device="meta")  # the CPU block is unreferenced now: freed before the next

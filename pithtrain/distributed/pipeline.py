@@ -13,19 +13,23 @@ chunk drives each layer's all-gather and reduce-scatter (the latter in W; overla
 interleaves its two micro-batches' phases when `parallel.pp_overlap` is on, else runs F then BW.
 Loss scaling: the last stage backpropagates loss_sum / (target tokens of the global batch),
 gradients accumulate over micro-batches in `.grad`, and the MoE auxiliary loss is scaled by 1 / M
-through `common.set_aux_loss_scale`, so the gradients equal a single process running the same
-micro-batches (tests/test_pipeline.py, tests/test_pipeline_overlap.py).
+(the train step sets it: `common.set_aux_loss_scale`), so the gradients equal a single process
+running the same micro-batches (tests/test_pipeline.py, tests/test_pipeline_overlap.py). Precision
+is the run's (precision.Precision): forward phases under its autocast, backward outside it, as
+train.py's step; activations travel between stages in its compute dtype.
 
 Communication: sends are asynchronous (isend, waited at the end of the step), receives block
 right before the op that needs them, so a schedule that `simulate` can finish cannot deadlock.
 Activations travel on one process group and gradients on a second one over the same ranks, so
 that between two ranks each (group, direction) carries one stream of micro-batches in order:
 NCCL matches point-to-point messages by order, gloo also by tag (set explicitly here). The last
-step's op and phase timeline is written for `python -m pithtrain.pipeline_viz` (run_step).
+step's op and phase timeline is written for `python -m pithtrain.pipeline_viz` (run_step); it is
+timed as every step runs (CUDA events, resolved once at the end: no synchronisation per op).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import types
 
@@ -99,20 +103,21 @@ class PipelineRunner:
 
     model: this rank's pruned model (`prune_model`); chunks: its `rank_chunks`; act_shape: the
     (micro-batch, sequence, hidden) shape of the activations between stages, which travel in the
-    residual stream's dtype: bf16 under bf16 autocast (the weights are bf16 there: FSDP's gathers
-    or parallelize.bf16_weights), else float32. `timeline`, when a list,
-    receives {"op", "start", "end"} per compute op (seconds from the step start; on CUDA the device
-    is synchronised after each op so the times are the op's, not its launch's)."""
+    residual stream's dtype, the run's compute dtype (`precision`: bf16 weights there, FSDP's
+    gathers or the precision's bf16 copies; float32 without one). `timeline`, when a list,
+    receives {"op", "start", "end"} per compute op (seconds from the step start; on CUDA from
+    events around each op, resolved after the step: the op's device time, no synchronisation)."""
 
     def __init__(self, model, chunks: list[Chunk], ops: list[Op], pp_rank: int, pp: int, schedule: str,
-                 num_micro: int, group_f, group_b, act_shape, device, streams=None, autocast=None,
+                 num_micro: int, group_f, group_b, act_shape, device, streams=None, precision=None,
                  checkpointed: bool = False, overlap: bool = True):
         self.model, self.chunks, self.ops = model, chunks, ops
         self.pp_rank, self.pp, self.schedule, self.M = pp_rank, pp, schedule, num_micro
         self.group_f, self.group_b = group_f, group_b
         self.act_shape, self.device, self.streams = tuple(act_shape), device, streams
-        self.autocast = autocast
-        self.act_dtype = autocast.fast_dtype if isinstance(autocast, torch.autocast) else torch.float32
+        self.autocast = precision.autocast if precision is not None else contextlib.nullcontext
+        self.act_dtype = precision.compute if precision is not None else torch.float32
+        self.cuda = device.type == "cuda"
         self.overlap = overlap  # FB ops: interleave the pair's phases (else: F, then BW)
         self.holds_loss = any(c.last for c in chunks)
         self.V = num_virtual_stages(pp, schedule)
@@ -146,9 +151,11 @@ class PipelineRunner:
             x = self.runs[(c - 1, mb)].output
         else:
             x = self.f_in.pop((c, mb))
-        phases = overlap.chunk_phases(self.model, chunk, positions_BS, y_BS if chunk.last else None,
-                                      split_layers=self.split_layers)
-        run = overlap.start(phases, x, fsdp=self.fsdp, mb=mb, chunk=c, timeline=self.phase_log)
+        with self.autocast():  # the rope tables, as the one-process forward makes them
+            phases = overlap.chunk_phases(self.model, chunk, positions_BS, y_BS if chunk.last else None,
+                                          split_layers=self.split_layers)
+        run = overlap.start(phases, x, fsdp=self.fsdp, mb=mb, chunk=c, timeline=self.phase_log,
+                            autocast=self.autocast)
         self.runs[(c, mb)] = run
         return run
 
@@ -177,9 +184,10 @@ class PipelineRunner:
 
     # --- one step
     def step(self, micro_batches, denom: float) -> torch.Tensor:
-        """micro_batches: M (input ids, labels[, positions[, document ids: refused with pp]]) on the device (every rank gets them;
-        the first stage reads the ids, the last the labels). Returns this rank's summed token
-        loss (non-zero only where the last stage lives: a sum over ranks gives the total)."""
+        """micro_batches: M (input ids, labels[, positions[, document ids: refused with pp]]) on
+        the device (every rank gets them; the first stage reads the ids, the last the labels).
+        Returns this rank's summed token loss (non-zero only where the last stage lives: a sum over
+        ranks gives the total)."""
         assert len(micro_batches) == self.M
         micro_batches = [(x, y, pos[0] if pos and pos[0] is not None
                           else torch.arange(x.shape[1], device=x.device).expand_as(x))
@@ -191,12 +199,8 @@ class PipelineRunner:
         if hasattr(self.model, "pipeline_begin"):
             self.model.pipeline_begin()
         t0 = time.perf_counter()
-        cuda = self.device.type == "cuda"
         self.phase_log = [] if self.timeline is not None else None
-        origin = None
-        if cuda and self.timeline is not None:
-            origin = torch.cuda.Event(enable_timing=True)
-            origin.record()
+        origin = self._mark() if self.timeline is not None else None
         for op in self.ops:
             k, c, mb = op.kind, op.chunk, op.mb
             if k in ("RECV_F", "RECV_B"):
@@ -218,14 +222,10 @@ class PipelineRunner:
                 pending.append((dist.isend(t, dst=self._global(group, op.peer), group=group,
                                            tag=self._tag(dest, mb)), t))
                 continue
-            start, n_logged = time.perf_counter() - t0, len(self.phase_log or ())
-            with self.autocast if self.autocast is not None else _null():
-                self._compute(op)
+            start, n_logged = self._mark() if self.timeline is not None else None, len(self.phase_log or ())
+            self._compute(op)  # forward phases under the run's autocast (overlap.forward_phase)
             if self.timeline is not None:
-                if cuda:
-                    torch.cuda.synchronize(self.device)
-                self.timeline.append({"op": str(op), "kind": k, "start": start,
-                                      "end": time.perf_counter() - t0})
+                self.timeline.append({"op": str(op), "kind": k, "start": start, "end": self._mark()})
                 for e in self.phase_log[n_logged:]:
                     e["op"] = str(op)
         for work, _ in pending:
@@ -233,12 +233,21 @@ class PipelineRunner:
         if self.fsdp:
             overlap.finish_fsdp(self.model)
         if self.timeline is not None:
-            if cuda:
+            if self.cuda:  # once, after the step: the events are complete
                 torch.cuda.synchronize(self.device)
-            overlap.resolve_timeline(self.phase_log, t0, origin)
+            overlap.resolve_timeline(self.timeline + self.phase_log, t0, origin)
             self.phases_timeline = self.phase_log
         assert not self.runs and not self.f_in and not self.b_in and not self.b_out, "schedule left work"
         return self.loss_sum
+
+    def _mark(self):
+        """A point on the step's timeline: a CUDA event recorded on the current stream, or the
+        host clock (overlap.resolve_timeline turns both into seconds from the step start)."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _compute(self, op: Op):
         k, c, mb = op.kind, op.chunk, op.mb
@@ -279,7 +288,7 @@ def prepare(model, cfg, dims) -> list[Chunk]:
     return chunks
 
 
-def make_runner(model, chunks, cfg, dims, device, autocast=None) -> "PipelineRunner":
+def make_runner(model, chunks, cfg, dims, device, precision) -> "PipelineRunner":
     """After parallelize + materialise: FSDP hooks on the end methods, the two P2P groups, the op
     list of this rank."""
     p, t = cfg.parallel, cfg.train
@@ -290,7 +299,7 @@ def make_runner(model, chunks, cfg, dims, device, autocast=None) -> "PipelineRun
     streams = overlap.Streams(device) if device.type == "cuda" and p.pp_overlap else None
     return PipelineRunner(model, chunks, ops, dims.pp_rank, p.pp, p.pp_schedule, t.grad_accum,
                           group_f, group_b, (t.micro_batch_size, t.seq_len, cfg.model.hidden_size),
-                          device, streams, autocast, checkpointed=t.activation_checkpoint != "none",
+                          device, streams, precision, checkpointed=t.activation_checkpoint != "none",
                           overlap=p.pp_overlap)
 
 
@@ -321,10 +330,3 @@ def save_timeline(timeline: list, run_dir, rank: int, pp_rank: int, step: int, p
         {"rank": rank, "pp_rank": pp_rank, "step": step, "ops": timeline, "phases": list(phases)},
         indent=0))
 
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

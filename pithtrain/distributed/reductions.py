@@ -39,15 +39,6 @@ def any_rank(flags: list[int], dims, group=None) -> list[int]:
     return t.tolist()
 
 
-def drop_step_stats(model: torch.nn.Module) -> None:
-    """Forget the step's balancing statistics without updating from them (a skipped step; or
-    nothing needs them: balance_after_step)."""
-    for m in model.modules():
-        if isinstance(getattr(m, "balance", None), Balance):
-            m.balance.stats.zero_()
-            m.experts.rows_computed = 0
-
-
 def _comm_device():
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
 
@@ -110,15 +101,15 @@ def balance_after_step(model: torch.nn.Module, dims, model_cfg, metrics: bool) -
     per number of kept slots, over this rank's micro-batches; and its experts' `rows_computed`)
     are summed over the ranks holding the same layers (the stage group: other tokens, same
     experts); each unit updates from the global load (balance=bias moves its bias, identically on
-    every rank); the statistics restart. The sum is skipped when nothing needs it (no bias to move
-    and no metrics this step). The load's width is the routers' (`Balance.num_experts`, which may
-    exceed the FFN experts), not the config's num_experts.
+    every rank). The sum is skipped when nothing needs it (no bias to move and no metrics this
+    step). The statistics are read, not reset: the train step restarts them
+    (balance.reset_step_stats). The load's width is the routers' (`Balance.num_experts`, which
+    may exceed the FFN experts), not the config's num_experts.
 
     With metrics=True, returns the routing metrics of the step's global batch (routing_metrics)."""
     blocks = [(int(name.split(".")[1]), m) for name, m in model.named_modules()
               if isinstance(getattr(m, "balance", None), Balance)]
     if not metrics and all(m.balance.bias_E is None for _, m in blocks):
-        drop_step_stats(model)
         return {}
     device = _comm_device() if dims.distributed else "cpu"
     E, A = (max((getattr(m.balance, k) for _, m in blocks), default=0) for k in ("num_experts", "top_k"))
@@ -132,8 +123,6 @@ def balance_after_step(model: torch.nn.Module, dims, model_cfg, metrics: bool) -
     for i, m in blocks:
         table[i, :-2] = m.balance.stats.to(table.device, torch.float64)
         table[i, -2:] = torch.tensor([m.experts.rows_computed, 1.0])
-        m.balance.stats.zero_()
-        m.experts.rows_computed = 0
     if dims.distributed:  # a layer's rows of every rank holding it: the same layers, other tokens;
         # for metrics every layer, on every rank (the other stages' rows are zero here)
         dist.all_reduce(table, group=None if metrics else dims.stage_group)

@@ -1,24 +1,36 @@
 """Fused operators for the hot path, each with a plain-PyTorch reference it is tested against.
 
-| operator | fused version | reference (always available) |
-| --- | --- | --- |
-| SwiGLU / GPT-OSS clamped SwiGLU | `swiglu.py` (Triton, fwd + bwd) | `models.common.swiglu` |
-| token permute / weighted unpermute | `permute.py` (Triton gathers, no atomics) | `LocalDispatcher` index/index_add |
-| per-expert bias (GPT-OSS) | `expert_bias.py` (Triton add, segment-sum backward) | `h + b[expert_X]` |
-| LM head + cross-entropy | `linear_ce.py` (grads made in forward; `ce.py` Triton rows) | `common.cross_entropy_sum` checkpointed |
-| attention with sinks / sliding window / documents | `flex.py` (FlexAttention, block-sparse) | `common.eager_attention` |
-| plain causal attention | cuDNN-first SDPA (`common.attention`'s `sdpa_first`) | SDPA's own choice |
-| causal attention incl. window + sinks and documents (varlen), in bf16 / fp16 | `fa4.py` (flash-attn-4 where installed, Hopper+) | the two rows above |
-| blockwise FP8 expert GEMMs (`train.fp8`) | `deepgemm.py` (DeepGEMM's FP8 grouped GEMMs, Hopper, where installed); else `fp8.py` (Triton quantisation + scaled grouped GEMMs) | `fp8_linear.py` (autograd, weight cache, dequantise + fp32 matmul); `deepgemm.REFERENCE` |
-| AdamW (the optimizer step) | `adamw.py` (one Triton pass per parameter) | `torch.optim.AdamW(fused=True)` |
-| weight gradients over micro-batches (experts: `wgrad`; embedding, LM head: `wgrad_ends`) | `wgrad.py` (added in place: `wgrad_triton.py`'s k-grouped GEMM, the embedding's rows, the head's scaled dW) | autograd's gradient + `add_` |
+  operator                    fused version                                  reference (always available)
+  SwiGLU / GPT-OSS clamped    `swiglu.py` (Triton, fwd + bwd)                `models.common.swiglu`
+  token permute / unpermute   `permute.py` (Triton gathers, no atomics)      `LocalDispatcher` index / index_add
+  per-expert bias (GPT-OSS)   `expert_bias.py` (Triton add, segment-sum      `h + b[expert_X]`
+                              backward)
+  LM head + cross-entropy     `linear_ce.py` (grads made in forward;         `common.cross_entropy_sum` checkpointed
+                              `ce.py` Triton rows)
+  attention with sinks /      `flex.py` (FlexAttention, block-sparse)        `common.eager_attention`
+    sliding window / documents
+  plain causal attention      cuDNN-first SDPA (`common.attention`'s         SDPA's own choice
+                              `sdpa_first`)
+  causal attention incl.      `fa4.py` (flash-attn-4 where installed,        the two rows above
+    window + sinks and        Hopper+)
+    documents (varlen), bf16 / fp16
+  blockwise FP8 expert GEMMs  `deepgemm.py` (DeepGEMM's FP8 grouped GEMMs,   `fp8_linear.py` (autograd, weight cache,
+    (`train.fp8`)             Hopper, where installed); else `fp8.py`        dequantise + fp32 matmul);
+                              (Triton quantisation + scaled grouped GEMMs)   `deepgemm.REFERENCE`
+  AdamW (the optimizer step)  `adamw.py` (one Triton pass per parameter)     `torch.optim.AdamW(fused=True)`
+  weight gradients over       `wgrad.py` (added in place: `wgrad_triton.py`'s autograd's gradient + `add_`
+    micro-batches (experts:   k-grouped GEMM, the embedding's rows, the
+    `wgrad`; embedding, LM    head's scaled dW)
+    head: `wgrad_ends`)
 
-The policy is here, the choice lives in the model. `configure(mode, device, fp8, off, fsdp, bf16, cp, experts_alone)` returns which
-operators a run uses (name -> on) from the recipe's `train.kernels` ("auto": every fused operator
-whose requirements are met; "torch": none) and what is installed; `describe(use)` is the line the
-trainer and the bench print at start-up. `models.common.use_kernels(model, use)` then resolves the
-choice into the model's own swappable attributes (the idiom `parallelize` uses for the
-dispatcher), so two models in one process each run their own kernels and nothing global is read:
+The policy is here, the choice lives in the model. `configure(mode, device, fp8=, bf16=, fsdp=,
+experts_alone=, cp=)` returns which operators a run uses (name -> on) from the recipe's
+`train.kernels` ("auto": every fused operator whose requirements are met; "torch": none), what is
+installed, and the run's facts (its precision and layout: build.build_run passes them, none has a
+default); `describe(use)` is the line the trainer and the bench print at start-up.
+`models.common.use_kernels(model, use, copies)` then resolves the choice into the model's own
+swappable attributes (the idiom `parallelize` uses for the dispatcher), so two models in one
+process each run their own kernels and nothing global is read:
 
   GroupedExperts.mm       the grouped expert GEMM, (x_XD, w parameter, offs_E) -> y: common.grouped_mm,
                           wgrad.grouped_mm (its weight gradient accumulates in place), or a
@@ -35,7 +47,7 @@ dispatcher), so two models in one process each run their own kernels and nothing
   model.cross_entropy     the chunked LM-head loss (common.cross_entropy_sum or linear_ce's; with
                           wgrad, linear_ce adds the head's gradient in place)
 
-and `train.build_optimizer(..., use)` picks the AdamW class (adamw.AdamW or torch's).
+and `build.build_optimizer(..., use)` picks the AdamW class (adamw.AdamW or torch's).
 
 A new backend (DeepGEMM for the expert GEMM, another attention kernel) is one more name in `NAMES`,
 its requirement in `configure`, and one more branch in `use_kernels` assigning a callable of the
@@ -62,24 +74,26 @@ NAMES = ("swiglu", "permute", "expert_bias", "linear_ce", "flex", "cudnn_sdpa", 
          "wgrad", "wgrad_ends")
 
 
-def configure(mode: str = "auto", device: torch.device | str = "cuda", fp8: bool = False,
-              off: tuple = (), fsdp: bool = False, bf16: bool = True, cp: bool = False,
-              experts_alone: bool = False) -> dict:
+def configure(mode: str, device: torch.device | str, *, fp8: bool, bf16: bool, fsdp: bool, experts_alone: bool,
+              cp: bool, off: tuple = ()) -> dict:
     """The operators a run uses (name -> on): mode "auto" (fastest available) or "torch"
-    (references); `off` names operators to keep on their reference (the bench's `no-NAME`).
+    (references); `off` names operators to keep on their reference (the bench's `no-NAME`). The
+    run's facts have no defaults: a caller that forgets one must not turn a path on (in-place weight
+    gradients under FSDP, say). `bf16`: the run computes in bf16 (precision.Precision.compute);
+    `fsdp`, `experts_alone`, `cp`: its layout (ParallelDims.fsdp_enabled, .experts_alone, .cp_enabled).
     `fp8` (train.fp8) routes the routed experts' GEMMs through FP8; the trainer has already refused
-    it where it cannot run (train.check_runnable). They run on DeepGEMM (`deepgemm`: deep_gemm
+    it where it cannot run (build.check_run). They run on DeepGEMM (`deepgemm`: deep_gemm
     loadable, a Hopper GPU; Blackwell's path is coded but untested, so off there) or else on
     fp8_linear's Triton kernels. `wgrad` (the experts' in-place weight gradient) needs bf16 compute
     (`bf16`), a Hopper or later GPU (its kernel loads through TMA) and a gradient that outlives the
     micro-batch: not under FSDP (`fsdp`), which reduces and frees it after each one, unless FSDP
     leaves the experts out (`experts_alone`: parallel_dims.experts_alone), nor with the Triton FP8
     experts (their own weight gradient); DeepGEMM's FP8 experts take it. `wgrad_ends` (the
-    embedding's and LM head's) rides on it, and never under FSDP, which owns their gradients. `fa4` needs flash-attn-4 installed, a Hopper
-    or later GPU and bf16 compute (its kernels' dtypes; float32 runs take SDPA / FlexAttention, and
-    the rotary then makes no document starts). Under
-    context parallel (`cp`) its own attention replaces the model's, so the attention kernels (flex,
-    cudnn_sdpa, fa4) are off there rather than listed as running."""
+    embedding's and LM head's) rides on it, and never under FSDP, which owns their gradients.
+    `fa4` needs flash-attn-4 installed, a Hopper or later GPU and bf16 compute (its kernels'
+    dtypes; float32 runs take SDPA / FlexAttention, and the rotary then makes no document starts).
+    Under context parallel (`cp`) its own attention replaces the model's, so the attention kernels
+    (flex, cudnn_sdpa, fa4) are off there rather than listed as running."""
     from pithtrain.kernels.fa4 import HAVE_FA4
 
     cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()

@@ -26,8 +26,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from pithtrain.models.common import _local  # a DTensor's local shard: AdamW is elementwise
+from torch.distributed.tensor import DTensor
 
 BLOCK = 4096
 
@@ -52,7 +51,7 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, copy_ptr, N, lr, wd, bet
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
-    if COPY:  # the next step's bf16 weights (parallelize.bf16_weights), from the value just stored
+    if COPY:  # the next step's bf16 weights (precision.WeightCopies), from the value just stored
         tl.store(copy_ptr + offs, p.to(p_ptr.dtype.element_ty).to(copy_ptr.dtype.element_ty), mask=mask)
 
 
@@ -66,20 +65,21 @@ class AdamW(torch.optim.AdamW):
     kernel instead. No amsgrad, maximize, tensor learning rates or closures: refused here.
     step(grad_scale=c) updates with c * g, the gradient clip's multiply folded into the same pass
     (train_step): the gradients are not rewritten (4 B per bf16 parameter less), except a
-    non-contiguous one, multiplied before torch's kernel takes it. A float32 parameter holding
-    parallelize.bf16_weights' copy (`p.bf16`) gets it rewritten in the same pass (2 B per parameter,
-    where the next step's cast would read 4 and write 2), marked current by `p.bf16_written`. Both
+    non-contiguous one, multiplied before torch's kernel takes it. A float32 master with a bf16 copy
+    (`copies`: the run's precision.WeightCopies) gets the copy rewritten in the same pass (2 B per
+    parameter, where the next step's cast would read 4 and write 2), marked current there. Both
     tensors' versions move on, as a torch op's would (FP8 weight caches and autograd's saved-tensor
     check read them)."""
 
     takes_grad_scale = True
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2):
+                 weight_decay: float = 1e-2, copies=None):
         # fused=True: the state dict policy of torch's fused AdamW (load_state_dict keeps `step` on
         # the parameter's device, where the kernel reads it); step() below is ours
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
         self._step_supports_amp_scaling = False  # no grad_scale / found_inf: a GradScaler must not skip us
+        self.copies = copies
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: float = 1.0):
@@ -105,10 +105,11 @@ class AdamW(torch.optim.AdamW):
                 torch._foreach_add_(steps, 1)
             for p, step in zip(todo, steps):
                 st = self.state[p]
-                ts = [_local(x) for x in (p, p.grad, st["exp_avg"], st["exp_avg_sq"])]
+                ts = [x.to_local() if isinstance(x, DTensor) else x  # a DTensor's shard: AdamW is elementwise
+                      for x in (p, p.grad, st["exp_avg"], st["exp_avg_sq"])]
                 if all(x.is_contiguous() for x in ts):
                     n = ts[0].numel()
-                    copy = getattr(p, "bf16", None)
+                    copy = self.copies.copy_of(p) if self.copies is not None else None
                     copy = copy if (copy is not None and copy.is_contiguous() and copy.shape == ts[0].shape
                                     and copy.device == p.device and copy.dtype == torch.bfloat16) else None
                     _adamw_kernel[(triton.cdiv(n, BLOCK),)](*ts, step, ts[0] if copy is None else copy, n, lr, wd,
@@ -118,7 +119,7 @@ class AdamW(torch.optim.AdamW):
                     torch.autograd.graph.increment_version(ts[0])  # Triton's stores move no version
                     if copy is not None:
                         torch.autograd.graph.increment_version(copy)
-                        p.bf16_written = (p._version, p.data_ptr())
+                        self.copies.written(p)
                 else:
                     if grad_scale != 1.0:
                         ts[1].mul_(grad_scale)

@@ -162,7 +162,8 @@ def _gemm(ops, x_MK, b_GNK, bs_GNK, lay: Layout) -> torch.Tensor:
 
 class _DeepGEMMFP8(torch.autograd.Function):
     """y[rows of g] = x[rows of g] @ w[g] for w (G, K, N); the weight's FP8 copies come in. `param`
-    (in a tuple, not an autograd input): the parameter whose gradient wgrad.target may write."""
+    (in a tuple, not an autograd input): the parameter whose gradient wgrad.target may write, and
+    the run's WeightCopies."""
 
     @staticmethod
     def forward(ctx, ops, lay, x_MK, w_GKN, offs_G, wq_GKN, wqt_GNK, ws_GKN, wst_GNK, param):
@@ -171,7 +172,7 @@ class _DeepGEMMFP8(torch.autograd.Function):
         ctx.ops, ctx.lay, ctx.w_dtype, ctx.G = ops, lay, w_GKN.dtype, len(w_GKN)
         # In place (param given, x and w views made for this call, as wgrad's _GroupedMM): which
         # gradients this backward wants (the pipeline's input-only and weight-only passes).
-        ctx.w = param[0] if param else None
+        ctx.w, ctx.copies = param if param else (None, None)
         ctx.x_node, ctx.nodes = None, (None, None)
         if ctx.w is not None:
             ctx.x_node = wgrad.grad_nodes(x_MK, ctx.w)[0]
@@ -187,21 +188,22 @@ class _DeepGEMMFP8(torch.autograd.Function):
             dx = _gemm(ctx.ops, dy_MN, wq_GKN, ws_GKN, ctx.lay)
         w_node, acc_node = ctx.nodes
         if ctx.needs_input_grad[3] and (w_node is None or wgrad.will_run(w_node)):
-            g, fresh = wgrad.target(ctx.w, acc_node) if ctx.w is not None else (None, False)
+            g, fresh = wgrad.target(ctx.w, acc_node, ctx.copies) if ctx.w is not None else (None, False)
             if g is None:
                 dw = fp8_linear.weight_grad(x_MK, dy_MN, offs_G, ctx.G).to(ctx.w_dtype)
             else:
                 wgrad.accumulate(g, x_MK, dy_MN, offs_G, add=not fresh)
-                wgrad.count(ctx.w)
+                wgrad.count(ctx.w, ctx.copies)
         return None, None, dx, dw, None, None, None, None, None, None
 
 
 class FP8GroupedMM(fp8_linear.FP8GroupedMM):
     """fp8_linear.FP8GroupedMM (its weight cache, its contract) on DeepGEMM. `dg`: the deep_gemm
     module (None: the PyTorch reference, for CPU tensors); `in_place`: the weight gradient
-    accumulates in place (kernels.configure's `wgrad`) where wgrad.target allows it."""
+    accumulates in place (kernels.configure's `wgrad`) where wgrad.target allows it, into the master
+    of a bf16 copy where `copies` (the run's precision.WeightCopies) has one."""
 
-    def __init__(self, dg=None, in_place: bool = False):
+    def __init__(self, dg=None, in_place: bool = False, copies=None):
         from pithtrain.kernels import fp8_linear as ref
         self.ops = _cuda_ops(dg) if dg is not None else REFERENCE
 
@@ -213,7 +215,7 @@ class FP8GroupedMM(fp8_linear.FP8GroupedMM):
                 q, qt, s = fp8.quant_blocks(w, ue8m0=_ue8m0(w))
             return q, qt, s.contiguous(), s.transpose(1, 2).contiguous()
         self.cache = fp8_linear.WeightCache(quant=quant)
-        self.in_place = in_place
+        self.in_place, self.copies = in_place, copies
         self._layout = None  # (offs, its version, M, Layout) of the last call
 
     def layout(self, offs_G: torch.Tensor, M: int) -> Layout:
@@ -231,7 +233,7 @@ class FP8GroupedMM(fp8_linear.FP8GroupedMM):
         param = ()
         if (self.in_place and torch.is_grad_enabled() and type(w) is torch.nn.Parameter
                 and w_GKN.dtype == x_MK.dtype and all(n % 8 == 0 for n in w_GKN.shape[1:])):
-            param = (w,)  # views made for this call: their nodes are never leaves
+            param = (w, self.copies)  # views made for this call: their nodes are never leaves
             x_MK, w_GKN = x_MK.contiguous(), w_GKN.view_as(w_GKN)
             x_MK = x_MK.view_as(x_MK)
         with torch.autocast(x_MK.device.type, enabled=False):

@@ -15,7 +15,8 @@ Hopper's FP8 tensor cores read), so a weight is quantised into both layouts:
 
 `quant_rows(rows=...)` writes into DeepGEMM's padded layout (kernels/deepgemm.py). The ue8m0 flags round
 scales up to powers of 2 (Blackwell's DeepGEMM kernels read them as exponents). No FP8 weight gradient
-here: fp8_linear computes it in bf16 (measured faster at the routed experts' shapes, docs/perf-notes.md). M-grouped: rows sorted by group, group g owns rows
+here: fp8_linear computes it in bf16 (measured faster at the routed experts' shapes,
+docs/perf-notes.md). M-grouped: rows sorted by group, group g owns rows
 [offs[g-1], offs[g]) and multiplies its own B. Every FP8 tensor made here has a row stride that is
 a multiple of 16 bytes (the last dimension padded in storage), as the TMA descriptors require.
 """

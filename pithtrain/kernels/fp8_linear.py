@@ -3,9 +3,10 @@
 `train.fp8: true` (CUDA, compute capability >= 8.9, Triton, train.kernels=auto) gives each routed
 experts module (common.GroupedExperts) an `FP8GroupedMM` below as its grouped GEMM (`mm`). Master weights,
 gradients and AdamW state keep their dtype: only GEMM operands are FP8, each GEMM accumulates in
-fp32 and writes in its input's dtype (bf16: GroupedExperts casts to the autocast dtype). The router, embeddings, norms, attention, the dense projections and the LM
-head stay bf16 (DeepSeek-V3 keeps the first four and the head); on the lent H200 the dense FP8
-GEMMs measured are no faster at the attention projections' sizes (docs/perf-notes.md).
+fp32 and writes in its input's dtype (bf16: GroupedExperts casts to the autocast dtype). The
+router, embeddings, norms, attention, the dense projections and the LM head stay bf16
+(DeepSeek-V3 keeps the first four and the head); on the lent H200 the dense FP8 GEMMs measured
+are no faster at the attention projections' sizes (docs/perf-notes.md).
 
   forward      y  = x w          x: 1x128 tiles,  w: 128x128 blocks (from the weight cache)
   data grad    dx = dy w^T       dy: 1x128 tiles, w: the same blocks (both layouts are cached:
@@ -18,7 +19,7 @@ GEMMs measured are no faster at the attention projections' sizes (docs/perf-note
 Operators: Triton (`kernels/fp8.py`) for CUDA tensors; the functions below are the same
 maths in plain PyTorch (dequantise, fp32 matmul): the tests' reference, and what CPU tensors run,
 so the autograd and cache logic is tested in CI. Recipes with train.fp8 on a CPU are refused
-(train.check_runnable). On Hopper with deep_gemm installed kernels/deepgemm.py's FP8GroupedMM (this
+(build.check_run). On Hopper with deep_gemm installed kernels/deepgemm.py's FP8GroupedMM (this
 class's contract and cache, DeepGEMM's GEMMs) takes over; Blackwell's MXFP8 is not wired (no B200 is
 lent).
 
@@ -39,7 +40,6 @@ from types import SimpleNamespace
 import torch
 
 from pithtrain.kernels import BLOCK, FP8, FP8_MAX
-
 
 # ---------------------------------------------------------------------------------------------
 # Reference operators (PyTorch): the same contracts as kernels/fp8.py (whose FP8 tensors
@@ -139,7 +139,7 @@ class WeightCache:
             return e[2]
         with torch.no_grad():
             value = (self.quant or _ops(w_GRC).quant_blocks)(w_GRC.detach())
-        key = id(owner)  # the copies go with their parameter (e.g. bf16_weights' bf16 copy)
+        key = id(owner)  # the copies go with their parameter (e.g. a precision.WeightCopies leaf)
         self._entries[key] = (weakref.ref(owner, lambda ref: self._forget(key, ref)), stamp, value)
         self.quantised += 1
         return value

@@ -61,8 +61,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dw = torch.zeros_like(weight_VD)
         ctx.save_for_backward(dh, dw)
         ctx.h_dtype = h_TD.dtype
-        ctx.w = param[0] if param else None  # in place: the parameter, and its nodes (kernels/wgrad.py)
-        ctx.nodes = wgrad.grad_nodes(weight_VD, ctx.w) if param else None
+        ctx.w, ctx.copies = param if param else (None, None)  # in place: the parameter, the run's copies
+        ctx.nodes = wgrad.grad_nodes(weight_VD, ctx.w) if param else None  # and its nodes (kernels/wgrad.py)
         return total
 
     @staticmethod
@@ -72,13 +72,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if ctx.w is not None:  # in place
             if ctx.nodes[0] is None or not wgrad.will_run(ctx.nodes[0]):  # e.g. the pipeline's input-only pass
                 return dh, None, None, None, None
-            g, fresh = wgrad.target(ctx.w, ctx.nodes[1])
+            g, fresh = wgrad.target(ctx.w, ctx.nodes[1], ctx.copies)
             if g is not None:  # float32 arithmetic either way (an expanded scale takes part in promotion)
                 if fresh:
                     torch.mul(dw, grad_out.expand_as(dw), out=g)
                 else:
                     g.addcmul_(dw, grad_out)
-                wgrad.count(ctx.w)
+                wgrad.count(ctx.w, ctx.copies)
                 return dh, None, None, None, None
         return dh, dw * grad_out.to(dw.dtype), None, None, None
 
@@ -96,9 +96,10 @@ def _ce_grad_torch(logits, labels):
     return probs.mul_(valid[:, None]), loss
 
 
-def linear_cross_entropy_sum(h_TD, weight_VD, labels_T, chunk: int = 4096, in_place: bool = False):
+def linear_cross_entropy_sum(h_TD, weight_VD, labels_T, chunk: int = 4096, in_place: bool = False, copies=None):
     """Sum of token cross-entropies of (h @ W^T) against labels (-100 ignored). in_place: W's
-    gradient accumulates in place (module docstring), where W is a plain parameter."""
+    gradient accumulates in place (module docstring), where W is a plain parameter (`copies`: the
+    run's precision.WeightCopies, kernels/wgrad.target)."""
     if in_place and weight_VD.requires_grad and type(weight_VD) is torch.nn.Parameter:
-        return _LinearCrossEntropy.apply(h_TD, weight_VD.view_as(weight_VD), labels_T, chunk, (weight_VD,))
+        return _LinearCrossEntropy.apply(h_TD, weight_VD.view_as(weight_VD), labels_T, chunk, (weight_VD, copies))
     return _LinearCrossEntropy.apply(h_TD, weight_VD, labels_T, chunk, ())

@@ -17,9 +17,9 @@ micro-batches (docs/perf-notes.md). Here each op adds its result into the gradie
 Where the gradient goes, per micro-batch (`target`):
 
   first micro-batch  bf16 parameters: autograd as before (its tensor becomes p.grad, no copy).
-                     Under parallelize.bf16_weights the op writes the float32 master's .grad
-                     itself (`owner`: made here, written rather than added to), instead of a
-                     bf16 gradient that bf16_weights' hook would cast into it
+                     On a bf16 copy of a float32 master (precision.WeightCopies, `copies`) the
+                     op writes the master's .grad itself (`owner`: made here, written rather
+                     than added to), instead of a bf16 gradient the copy's hook would cast into it
   later ones         the tensor the gradient accumulates into exists: p.grad, or its float32
                      master's .grad; the op adds into it (float32 arithmetic, one rounding to its
                      dtype) and autograd gets None for the weight
@@ -75,24 +75,23 @@ def grad_nodes(w_view: torch.Tensor, p: torch.Tensor) -> tuple:
             get_gradient_edge(p).node if p.requires_grad else None)
 
 
-def owner(w: torch.Tensor) -> torch.Tensor:
-    """The parameter w's gradient accumulates in: under parallelize.bf16_weights the float32 master
-    (`w.master`, a weak reference: the master keeps its copy alive, not the other way round), else w."""
-    ref = getattr(w, "master", None)
-    p = ref() if ref is not None else None
+def owner(w: torch.Tensor, copies=None) -> torch.Tensor:
+    """The parameter w's gradient accumulates in: the float32 master when w is its bf16 copy
+    (`copies`: the run's precision.WeightCopies, bound by use_kernels), else w."""
+    p = copies.master(w) if copies is not None else None
     return w if p is None else p
 
 
-def target(w: torch.Tensor, acc_node) -> tuple[torch.Tensor | None, bool]:
+def target(w: torch.Tensor, acc_node, copies=None) -> tuple[torch.Tensor | None, bool]:
     """In backward, once w's gradient is wanted: (the tensor to add it into, False); on the first
-    micro-batch under parallelize.bf16_weights (the float32 master's .grad, made here empty, True:
-    write it, do not add); else (None, False): return the gradient to autograd."""
+    micro-batch on a bf16 copy (the float32 master's .grad, made here empty, True: write it, do not
+    add); else (None, False): return the gradient to autograd."""
     try:
         if acc_node is None or not will_run(acc_node):
             return None, False
     except RuntimeError:  # autograd.grad(): the gradient is returned, .grad stays untouched
         return None, False
-    p = owner(w)
+    p = owner(w, copies)
     dtensor = isinstance(p, DTensor)  # experts FSDP leaves out: the master's local block is w's
     g = p.grad
     if g is None:
@@ -111,8 +110,8 @@ def target(w: torch.Tensor, acc_node) -> tuple[torch.Tensor | None, bool]:
     return (g, False) if ok else (None, False)
 
 
-def count(w: torch.Tensor) -> None:
-    p = owner(w)
+def count(w: torch.Tensor, copies=None) -> None:
+    p = owner(w, copies)
     p.wgrad_adds = getattr(p, "wgrad_adds", 0) + 1  # the witness: in_place_adds
 
 
@@ -120,11 +119,12 @@ class _GroupedMM(torch.autograd.Function):
     """x and w come in as views made for this call (grouped_mm), so their nodes are never leaves:
     the engine answers whether each gradient is wanted in every kind of backward. `param` (in a
     tuple: not an autograd input) is the parameter itself, whose AccumulateGrad node tells
-    .backward() (it may accumulate) from autograd.grad() (it raises there: gradients are returned)."""
+    .backward() (it may accumulate) from autograd.grad() (it raises there: gradients are returned),
+    and the run's WeightCopies (or None)."""
 
     @staticmethod
     def forward(ctx, x_XD, w_EDF, offs_E, param):
-        (p,) = param
+        p, ctx.copies = param
         ctx.save_for_backward(x_XD, offs_E)
         ctx.w = p  # its .grad (or its master's) is written in backward
         ctx.x_node = get_gradient_edge(x_XD).node if x_XD.requires_grad else None
@@ -140,12 +140,12 @@ class _GroupedMM(torch.autograd.Function):
         if ctx.x_node is not None and will_run(ctx.x_node):
             dx = F.grouped_mm(dy_XF, w.transpose(-2, -1), offs=offs_E)
         if w_node is not None and will_run(w_node):
-            g, fresh = target(w, acc_node)
+            g, fresh = target(w, acc_node, ctx.copies)
             if g is None:
                 dw = F.grouped_mm(x_XD.t(), dy_XF, offs=offs_E)
             else:
                 accumulate(g, x_XD, dy_XF, offs_E, add=not fresh)
-                count(w)
+                count(w, ctx.copies)
         return dx, dw, None, None
 
 
@@ -156,10 +156,11 @@ def in_place_adds(model: torch.nn.Module) -> int:
     return sum(getattr(p, "wgrad_adds", 0) for p in model.parameters())
 
 
-def grouped_mm(x_XD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor, *, reference) -> torch.Tensor:
-    """`reference` (models.common.grouped_mm, bound by use_kernels) with the same result, whose
-    weight gradient accumulates in place (see `target`), where the kernel applies: CUDA, bf16 rows,
-    a plain bf16 parameter (bf16 parameters, or parallelize.bf16_weights' copies inside a step) and
+def grouped_mm(x_XD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor, *, reference,
+               copies=None) -> torch.Tensor:
+    """`reference` (models.common.grouped_mm, bound by use_kernels with the run's `copies`) with the
+    same result, whose weight gradient accumulates in place (see `target`), where the kernel applies:
+    CUDA, bf16 rows, a plain bf16 parameter (bf16 parameters, or the bf16 copies inside a step) and
     autograd on; also CPU float32, for the tests of the autograd logic. Elsewhere (evaluation
     without gradients, float32 weights outside a step, widths torch's grouped GEMM cannot take) the
     reference itself: nothing accumulates there. kernels.configure turns it on only for CUDA runs
@@ -168,7 +169,7 @@ def grouped_mm(x_XD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor, *,
     if (torch.is_grad_enabled() and dtype_ok and type(w_EDF) is torch.nn.Parameter
             and all(n % 8 == 0 for n in w_EDF.shape[1:])):
         x_XD = x_XD.contiguous()
-        return _GroupedMM.apply(x_XD.view_as(x_XD), w_EDF.view_as(w_EDF), offs_E.to(torch.int32), (w_EDF,))
+        return _GroupedMM.apply(x_XD.view_as(x_XD), w_EDF.view_as(w_EDF), offs_E.to(torch.int32), (w_EDF, copies))
     return reference(x_XD, w_EDF, offs_E)
 
 
@@ -178,7 +179,7 @@ class _Embedding(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ids, w_VD, param):
-        (p,) = param
+        p, ctx.copies = param
         ctx.save_for_backward(ids)
         ctx.w, ctx.nodes = p, grad_nodes(w_VD, p)
         return F.embedding(ids, w_VD)
@@ -189,20 +190,20 @@ class _Embedding(torch.autograd.Function):
         w, (w_node, acc_node) = ctx.w, ctx.nodes
         if w_node is None or not will_run(w_node):
             return None, None, None
-        g, fresh = target(w, acc_node)
+        g, fresh = target(w, acc_node, ctx.copies)
         if g is None:
             return None, torch.ops.aten.embedding_dense_backward(dy, ids, w.shape[0], -1, False), None
         if fresh:
             g.zero_()
         g.index_put_((ids.reshape(-1),), dy.reshape(-1, dy.shape[-1]).to(g.dtype), accumulate=True)
-        count(w)
+        count(w, ctx.copies)
         return None, None, None
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def embedding(ids: torch.Tensor, weight: torch.Tensor, copies=None) -> torch.Tensor:
     """F.embedding(ids, weight) whose weight gradient accumulates in place (common.Embedding.lookup,
-    bound by use_kernels). Without gradients, or for a weight that is not a plain parameter (an
-    FSDP shard), F.embedding itself."""
+    bound by use_kernels with the run's `copies`). Without gradients, or for a weight that is not a
+    plain parameter (an FSDP shard), F.embedding itself."""
     if torch.is_grad_enabled() and weight.requires_grad and type(weight) is torch.nn.Parameter:
-        return _Embedding.apply(ids, weight.view_as(weight), (weight,))
+        return _Embedding.apply(ids, weight.view_as(weight), (weight, copies))
     return F.embedding(ids, weight)

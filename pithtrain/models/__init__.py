@@ -3,8 +3,9 @@
 Every family's causal-LM module has the same plain attributes, which the trainer, the pipeline
 engine and `parallelize` use directly: `embed_tokens`, `rotary` (positions -> rope tables),
 `layers` (ModuleList of decoder layers called as `layer(h_BSD, rope)`), `norm`, `lm_head`,
-`cross_entropy` (the head's loss), `init_weights()`, and `forward(input_ids, positions=None, labels=None, docs=None)` returning logits,
-or the summed token loss when labels are given (docs: document index per token, document masking). Inside the layers, the units `parallelize` swaps are
+`cross_entropy` (the head's loss), `init_weights()`, and `forward(input_ids, positions=None,
+labels=None, docs=None)` returning logits, or the summed token loss when labels are given (docs:
+document index per token, document masking). Inside the layers, the units `parallelize` swaps are
 plain attributes too: each MoE block's `dispatcher`, `experts` (GroupedExperts) and
 `balance.stats_sum` (models/balance.py), and each attention module's `attention` call
 (distributed/parallelize.py). The kernel choice is bound into attributes the same way

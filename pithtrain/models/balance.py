@@ -170,6 +170,16 @@ class Balance(nn.Module):
             self.bias_E += (self.bias_update_rate * torch.sign(load.mean() - load)).to(self.bias_E.dtype)
 
 
+def reset_step_stats(model: nn.Module) -> None:
+    """Start the next step's statistics: each MoE block's balancing counts (`Balance.stats`) and its
+    experts' `rows_computed` (the train step calls it after the balancing update, or instead of it
+    on a skipped step)."""
+    for m in model.modules():
+        if isinstance(getattr(m, "balance", None), Balance):
+            m.balance.stats.zero_()
+            m.experts.rows_computed = 0
+
+
 def local_sum(t):
     """`stats_sum` when one rank holds the micro-batch's tokens: nothing to sum."""
     return t

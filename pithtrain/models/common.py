@@ -13,15 +13,13 @@ import contextlib
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.models.balance import Balance
-
 
 # ---------------------------------------------------------------------------------------------
 # Token embedding, norm and rotary embeddings
@@ -199,9 +197,10 @@ def attention(q_BHSd, k_BKSd, v_BKSe, *, scale: float, window: int | None = None
     Hugging Face's convention), learned sinks (an extra logit per head that takes softmax mass) and
     document masking (keys of the query's own document only).
     GQA: K may divide H. With `fa4`, half-precision attention runs on flash-attn-4 (kernels/fa4.py;
-    documents through its varlen interface, `docs.cu_seqlens`). Otherwise the plain case uses SDPA, trying the backends `sdpa_first` first
-    (cuDNN's fused kernel takes GQA as is, and d_qk != d_v as in DeepSeek's MLA, where SDPA's own
-    order falls back to the slower memory-efficient kernel), else in SDPA's own order.
+    documents through its varlen interface, `docs.cu_seqlens`). Otherwise the plain case uses SDPA,
+    trying the backends `sdpa_first` first (cuDNN's fused kernel takes GQA as is, and d_qk != d_v
+    as in DeepSeek's MLA, where SDPA's own order falls back to the slower memory-efficient
+    kernel), else in SDPA's own order.
     Windows / sinks / documents go to `flex` (a kernels.flex.FlexAttention; document masks come
     built in `docs.block_masks`), else to the eager reference. use_kernels binds `sdpa_first`,
     `flex` and `fa4` per model (each attention module's `attention` is this function, bound)."""
@@ -298,7 +297,7 @@ def grouped_mm(x_XD, w_EDF, offs_E):
     """rows of x (expert-contiguous, offs = cumulative end row per expert) @ w[e], in x's dtype
     (w: the parameter; expert parallel's DTensor gives its local block). torch's grouped matmul
     where its dtype, device and alignment rules allow it; the per-expert loop otherwise."""
-    w_EDF = _local(w_EDF).to(x_XD.dtype)
+    w_EDF = local(w_EDF).to(x_XD.dtype)
     ok = (x_XD.dtype in (torch.float32, torch.bfloat16)
           and (x_XD.is_cuda or x_XD.dtype == torch.float32)
           and all((n * x_XD.element_size()) % 16 == 0 for n in w_EDF.shape[1:]))
@@ -309,7 +308,7 @@ def grouped_mm(x_XD, w_EDF, offs_E):
 
 def grouped_mm_loop(x_XD, w_EDF, offs_E):
     """Reference: one matmul per expert over its contiguous rows."""
-    w_EDF = _local(w_EDF).to(x_XD.dtype)
+    w_EDF = local(w_EDF).to(x_XD.dtype)
     out = x_XD.new_empty(x_XD.shape[0], w_EDF.shape[-1])
     start = 0
     for e, end in enumerate(offs_E.tolist()):
@@ -353,10 +352,10 @@ class GroupedExperts(nn.Module):
         if self.b13_EF2 is not None:
             expert_X = torch.repeat_interleave(torch.arange(len(counts_E), device=x_XD.device),
                                                counts_E, output_size=x_XD.shape[0])
-            h_XF2 = self.bias_add(h_XF2, _local(self.b13_EF2).to(x_XD.dtype), expert_X, offs_E)
+            h_XF2 = self.bias_add(h_XF2, local(self.b13_EF2).to(x_XD.dtype), expert_X, offs_E)
         y_XD = self.mm(self.swiglu(h_XF2, self.alpha, self.limit), self.w2_EFD, offs_E)
         if self.b2_ED is not None:
-            y_XD = self.bias_add(y_XD, _local(self.b2_ED).to(x_XD.dtype), expert_X, offs_E)
+            y_XD = self.bias_add(y_XD, local(self.b2_ED).to(x_XD.dtype), expert_X, offs_E)
         return y_XD
 
 
@@ -400,7 +399,7 @@ def add_expert_bias(h_XN, b_EN, expert_X, offs_E):
     return h_XN + b_EN[expert_X]
 
 
-def _local(w):
+def local(w):
     """Expert parallel makes the stacked weights DTensors split by expert (distributed/
     parallelize.py); the rows a rank receives are for its own experts, so it computes on its block."""
     return w.to_local() if hasattr(w, "to_local") else w
@@ -443,10 +442,6 @@ class LocalDispatcher:
         w_X = w_TA.reshape(-1)[order_X].to(y_XD.dtype)
         out_TD = y_XD.new_zeros(T, y_XD.shape[-1])
         return out_TD.index_add(0, order_X // w_TA.shape[1], y_XD * w_X[:, None])
-
-    def __call__(self, x_TD, idx_TA, w_TA, experts: GroupedExperts):
-        x_XD, w, counts_E, info = self.dispatch(x_TD, idx_TA, w_TA, experts.num_experts)
-        return self.combine(experts(x_XD, counts_E), w, info)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -525,14 +520,6 @@ def route_and_observe(moe, x_TD, sequences: int | None, count: bool, loss: bool)
     return w_TA, idx_TA, moe.balance.observe(logits_TE, probs_TE, idx_TA, sequences, count, loss)
 
 
-def routed_experts(moe, x_TD, sequences: int | None = None):
-    """Route, then dispatch -> grouped experts -> combine through `moe.dispatcher`; the
-    load-balancing gradient rides on the output."""
-    w_TA, idx_TA, aux = route_tokens(moe, x_TD, sequences)
-    y_TD = moe.dispatcher(x_TD, idx_TA, w_TA, moe.experts)
-    return y_TD if aux is None else AuxLoss.apply(y_TD, aux, moe.balance.loss_scale)
-
-
 @dataclass
 class Phase:
     """One step of a layer's forward over named values: `fn(**{name: value for name in inputs})`
@@ -566,25 +553,15 @@ class DecoderLayer(nn.Module):
         return h1, self.post_attention_layernorm(h1)
 
     def forward(self, x_BSD, rope):
-        state = {"h": x_BSD}
-        for ph in self.phases(rope):
-            state.update(ph.fn(**{n: state[n] for n in ph.inputs}))
-        return state["out"]
+        return run_phases(self.phases(rope), {"h": x_BSD})["out"]
 
     def phases(self, rope) -> list[Phase]:
-        """The layer as phases from "h" (B, S, D) to "out". Any family: the layer calls its
-        attention module, and a MoE block through the protocol every family's block keeps
-        (`route` via route_tokens, `dispatcher.dispatch / combine`, `experts`, optional
-        `shared_experts`); a block without a dispatcher (dense MLP) is one phase.
+        """The layer as phases from "h" (B, S, D) to "out": its attention, then its MLP block's
+        phases (mlp_phases). The pipeline runs the same list (distributed/overlap.py).
 
             attn      h -> h1 = h + attention(norm(h)), x = norm(h1)
-            route     x -> top-k weights w, ids idx, load-balancing loss aux (or None)
-            dispatch  comm: x, idx, w -> expert rows xd, weights wd, counts, info
-            experts   xd -> yd (grouped experts); x -> ys (shared experts, if any)
-            combine   comm: yd, wd -> y (T, D)
-            residual  out = h1 + (y with aux's gradient attached) (+ ys)
         """
-        attn, mlp, unit = self.self_attn, self.mlp, self
+        attn = self.self_attn
 
         def attention(h):
             h1, x = self.attend(h, rope)
@@ -594,46 +571,67 @@ class DecoderLayer(nn.Module):
             return [*attn.parameters(), *self.input_layernorm.parameters(),
                     *self.post_attention_layernorm.parameters()]
 
-        phases = [Phase("attn", False, attention, ("h",), attn_params, unit)]
-        if not hasattr(mlp, "dispatcher"):
-            phases.append(Phase("mlp", False, lambda h1, x: {"out": h1 + mlp(x)}, ("h1", "x"),
-                                lambda: list(mlp.parameters()), unit))
-            return phases
-        shared = getattr(mlp, "shared_experts", None)
+        return [Phase("attn", False, attention, ("h",), attn_params, self), *mlp_phases(self.mlp, self)]
 
-        def route(x):
-            w_TA, idx_TA, aux = route_tokens(mlp, x.flatten(0, 1), sequences=x.shape[0])
-            return {"w": w_TA, "idx": idx_TA, "aux": aux}
 
-        def dispatch(x, idx, w):
-            x_XD, w_d, counts_E, info = mlp.dispatcher.dispatch(x.flatten(0, 1), idx, w,
-                                                                mlp.experts.num_experts)  # not the router's width
-            return {"xd": x_XD, "wd": w_d, "counts": counts_E, "info": info}
+def run_phases(phases: list[Phase], state: dict) -> dict:
+    """Run `phases` in order over `state` (name -> value): each reads its inputs and adds its
+    outputs. DecoderLayer.forward is this over its phases."""
+    for ph in phases:
+        state.update(ph.fn(**{n: state[n] for n in ph.inputs}))
+    return state
 
-        def experts(xd, counts, x):
-            out = {"yd": mlp.experts(xd, counts)}
-            if shared is not None:
-                out["ys"] = shared(x.flatten(0, 1))
-            return out
 
-        def combine(yd, wd, info):
-            return {"y": mlp.dispatcher.combine(yd, wd, info)}
+def mlp_phases(mlp: nn.Module, unit: nn.Module | None = None) -> list[Phase]:
+    """A layer's MLP block as phases from "h1" (the residual) and "x" (its normalised input,
+    (B, S, D)) to "out". A dense block (no `dispatcher`) is one phase, `h1 + mlp(x)`. A MoE
+    block of any family has no forward of its own: these phases are its computation, calling
+    what every family's block keeps (`route` through route_tokens, `dispatcher.dispatch /
+    combine`, `experts`, optional `shared_experts`), so a variant's code goes in those.
 
-        def residual(h1, y, aux, ys=None):
-            y_TD = y if aux is None else AuxLoss.apply(y, aux, mlp.balance.loss_scale)
-            if ys is not None:
-                y_TD = y_TD + ys
-            return {"out": h1 + y_TD.view(h1.shape)}
+        route     x -> top-k weights w, ids idx, load-balancing loss aux (or None)
+        dispatch  comm: x, idx, w -> expert rows xd, weights wd, counts, info
+        experts   xd -> yd (grouped experts); x -> ys (shared experts, if any)
+        combine   comm: yd, wd -> y (T, D)
+        residual  out = h1 + (y with aux's gradient attached) (+ ys)
+    """
+    if not hasattr(mlp, "dispatcher"):
+        return [Phase("mlp", False, lambda h1, x: {"out": h1 + mlp(x)}, ("h1", "x"),
+                      lambda: list(mlp.parameters()), unit)]
+    shared = getattr(mlp, "shared_experts", None)
 
-        def router_params():
-            return [p for n, p in mlp.named_parameters() if not n.startswith(("experts.", "shared_experts."))]
+    def route(x):
+        w_TA, idx_TA, aux = route_tokens(mlp, x.flatten(0, 1), sequences=x.shape[0])
+        return {"w": w_TA, "idx": idx_TA, "aux": aux}
 
-        def expert_params():
-            return [*mlp.experts.parameters(), *(shared.parameters() if shared is not None else ())]
+    def dispatch(x, idx, w):
+        x_XD, w_d, counts_E, info = mlp.dispatcher.dispatch(x.flatten(0, 1), idx, w,
+                                                            mlp.experts.num_experts)  # not the router's width
+        return {"xd": x_XD, "wd": w_d, "counts": counts_E, "info": info}
 
-        none = list
-        return phases + [
-            Phase("route", False, route, ("x",), router_params, unit),
+    def experts(xd, counts, x):
+        out = {"yd": mlp.experts(xd, counts)}
+        if shared is not None:
+            out["ys"] = shared(x.flatten(0, 1))
+        return out
+
+    def combine(yd, wd, info):
+        return {"y": mlp.dispatcher.combine(yd, wd, info)}
+
+    def residual(h1, y, aux, ys=None):
+        y_TD = y if aux is None else AuxLoss.apply(y, aux, mlp.balance.loss_scale)
+        if ys is not None:
+            y_TD = y_TD + ys
+        return {"out": h1 + y_TD.view(h1.shape)}
+
+    def router_params():
+        return [p for n, p in mlp.named_parameters() if not n.startswith(("experts.", "shared_experts."))]
+
+    def expert_params():
+        return [*mlp.experts.parameters(), *(shared.parameters() if shared is not None else ())]
+
+    none = list
+    return [Phase("route", False, route, ("x",), router_params, unit),
             Phase("dispatch", True, dispatch, ("x", "idx", "w"), none, unit),
             Phase("experts", False, experts, ("xd", "counts", "x"), expert_params, unit),
             Phase("combine", True, combine, ("yd", "wd", "info"), none, unit),
@@ -641,10 +639,19 @@ class DecoderLayer(nn.Module):
                   none, unit)]
 
 
-def use_kernels(model: nn.Module, use: dict) -> nn.Module:
+def mlp_output(mlp: nn.Module, x_BSD):
+    """An MLP block's output on x (B, S, D) alone, computed by its phases (mlp_phases: the code a
+    layer runs in training) with a zero residual: tests and a variant's checks call a block this
+    way, since a MoE block has no forward of its own."""
+    return run_phases(mlp_phases(mlp), {"h1": torch.zeros_like(x_BSD), "x": x_BSD})["out"]
+
+
+def use_kernels(model: nn.Module, use: dict, copies=None) -> nn.Module:
     """Resolve a run's kernel choice (kernels.configure: name -> on) into `model`'s own swappable
     attributes, in place: the fused operator where `use` says so, the reference elsewhere. Before
-    parallelize (context parallel then replaces the attention call) and before compile."""
+    parallelize (context parallel then replaces the attention call) and before compile. `copies`:
+    the run's bf16 weight copies (precision.WeightCopies, or None), whose masters the in-place
+    weight gradients write (kernels/wgrad.py)."""
     flex = None
     if use["flex"]:
         from pithtrain.kernels.flex import FlexAttention
@@ -652,11 +659,12 @@ def use_kernels(model: nn.Module, use: dict) -> nn.Module:
     model.rotary.flex, model.rotary.fa4 = flex, use["fa4"]
     bound = functools.partial(attention, sdpa_first=SDPA_CUDNN_FIRST if use["cudnn_sdpa"] else None, flex=flex,
                               fa4=use["fa4"])
-    model.cross_entropy = functools.partial(cross_entropy_sum, fused=use["linear_ce"], in_place=use["wgrad_ends"])
+    model.cross_entropy = functools.partial(cross_entropy_sum, fused=use["linear_ce"], in_place=use["wgrad_ends"],
+                                            copies=copies)
     for m in model.modules():
         if isinstance(m, Embedding):
             from pithtrain.kernels import wgrad
-            m.lookup = wgrad.embedding if use["wgrad_ends"] else F.embedding
+            m.lookup = functools.partial(wgrad.embedding, copies=copies) if use["wgrad_ends"] else F.embedding
         call = getattr(m, "attention", None)
         if attention in (call, getattr(call, "func", None)):  # not context parallel's
             m.attention = bound
@@ -666,13 +674,13 @@ def use_kernels(model: nn.Module, use: dict) -> nn.Module:
             m.mm = grouped_mm
             if use["fp8"] and use["deepgemm"]:  # each its own FP8 weight cache
                 from pithtrain.kernels import deepgemm
-                m.mm = deepgemm.FP8GroupedMM(deepgemm.load(), in_place=use["wgrad"])
+                m.mm = deepgemm.FP8GroupedMM(deepgemm.load(), in_place=use["wgrad"], copies=copies)
             elif use["fp8"]:
                 from pithtrain.kernels.fp8_linear import FP8GroupedMM
                 m.mm = FP8GroupedMM()
             elif use["wgrad"]:
-                from pithtrain.kernels.wgrad import grouped_mm as accumulating_grouped_mm
-                m.mm = functools.partial(accumulating_grouped_mm, reference=grouped_mm)
+                from pithtrain.kernels.wgrad import grouped_mm as in_place_mm
+                m.mm = functools.partial(in_place_mm, reference=grouped_mm, copies=copies)
             m.swiglu, m.bias_add = swiglu, add_expert_bias
             if use["swiglu"]:
                 from pithtrain.kernels.swiglu import swiglu as fused_swiglu
@@ -716,17 +724,18 @@ def head_loss(model, h_BSD, labels_BS):
 # Loss
 
 
-def cross_entropy_sum(h_TD, weight_VD, labels_T, chunk: int = 4096, fused: bool = False, in_place: bool = False):
+def cross_entropy_sum(h_TD, weight_VD, labels_T, chunk: int = 4096, fused: bool = False, in_place: bool = False,
+                      copies=None):
     """Sum of token cross-entropies (labels == -100 ignored), with logits made `chunk` rows at a
     time under activation checkpointing, so (T, V) logits never exist at once in fp32.
     `fused` (use_kernels binds it into the model's `cross_entropy`) and gradients wanted: each
     chunk once, its gradients made in the forward pass (kernels/linear_ce.py), saving the
     recomputed LM-head matmul; `in_place` there: the head's weight gradient accumulates in place
-    over micro-batches (kernels/wgrad.py)."""
+    over micro-batches (kernels/wgrad.py; into the master of a bf16 copy in `copies`)."""
     wants_grad = torch.is_grad_enabled() and (h_TD.requires_grad or weight_VD.requires_grad)
     if fused and wants_grad:
         from pithtrain.kernels.linear_ce import linear_cross_entropy_sum
-        return linear_cross_entropy_sum(h_TD, weight_VD, labels_T, chunk, in_place)
+        return linear_cross_entropy_sum(h_TD, weight_VD, labels_T, chunk, in_place, copies)
     total = h_TD.new_zeros((), dtype=torch.float32)
     for s in range(0, h_TD.shape[0], chunk):
         total = total + torch.utils.checkpoint.checkpoint(

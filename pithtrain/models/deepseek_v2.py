@@ -28,11 +28,10 @@ from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (DecoderLayer, Embedding, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
-                                     SwiGLUMLP, apply_rope, attention, causal_lm_forward, cross_entropy_sum, init_normal,
-                                     routed_experts)
+                                     SwiGLUMLP, apply_rope, attention, causal_lm_forward, cross_entropy_sum,
+                                     init_normal)
 from pithtrain.models.hub import hub_name, native_name, per_expert_to_stacked, stacked_to_per_expert
 from pithtrain.models.init import init_by_block
-
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -255,9 +254,11 @@ class Attention(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router -> dispatch -> grouped experts -> combine, plus the always-on shared experts.
-    `dispatcher` is the one swappable unit (LocalDispatcher here; the expert-parallel all-to-all
-    dispatcher after `parallelize`)."""
+    """Router, grouped experts, the always-on shared experts and the swappable `dispatcher`
+    (LocalDispatcher here; the expert-parallel all-to-all one after `parallelize`). No forward:
+    the layer runs the block as its phases (common.mlp_phases: route -> dispatch -> experts, with
+    the shared experts -> combine -> residual, which adds both), which call `route` and these parts;
+    a variant's code goes there."""
 
     def __init__(self, cfg: DeepseekV2Config):
         super().__init__()
@@ -291,13 +292,6 @@ class MoE(nn.Module):
         idx_TA = torch.topk(scores_TE, self.top_k, dim=-1, sorted=False).indices
         w_TA = probs_TE.gather(1, idx_TA) * self.routed_scaling_factor
         return logits_TE, probs_TE, w_TA.to(x_TD.dtype), idx_TA
-
-    def forward(self, x_BSD):
-        x_TD = x_BSD.flatten(0, 1)
-        y_TD = routed_experts(self, x_TD, sequences=x_BSD.shape[0])
-        if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(x_TD)
-        return y_TD.view_as(x_BSD)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,8 +22,7 @@ from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (DecoderLayer, Embedding, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
-                                     apply_rope, attention, causal_lm_forward, cross_entropy_sum, init_normal,
-                                     routed_experts)
+                                     apply_rope, attention, causal_lm_forward, cross_entropy_sum, init_normal)
 from pithtrain.models.hub import hub_name, native_name
 from pithtrain.models.init import init_by_block
 
@@ -234,8 +233,10 @@ class Attention(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router -> dispatch -> grouped experts -> combine. `dispatcher` is the one swappable unit
-    (LocalDispatcher here; the expert-parallel all-to-all dispatcher after `parallelize`)."""
+    """Router, grouped experts and the swappable `dispatcher` (LocalDispatcher here; the
+    expert-parallel all-to-all one after `parallelize`). No forward: the layer runs the block as
+    its phases (common.mlp_phases: route -> dispatch -> experts -> combine), which call `route` and
+    these parts; a variant's code goes there."""
 
     def __init__(self, cfg: GptOssConfig):
         super().__init__()
@@ -254,9 +255,6 @@ class MoE(nn.Module):
         idx_TA = torch.topk(self.balance.choice_scores(logits_TE), self.top_k, dim=-1).indices
         w_TA = F.softmax(logits_TE.gather(1, idx_TA), dim=-1, dtype=torch.float32)
         return logits_TE, F.softmax(logits_TE, dim=-1, dtype=torch.float32), w_TA.to(x_TD.dtype), idx_TA
-
-    def forward(self, x_BSD):
-        return routed_experts(self, x_BSD.flatten(0, 1), sequences=x_BSD.shape[0]).view_as(x_BSD)
 
 
 # ---------------------------------------------------------------------------------------------

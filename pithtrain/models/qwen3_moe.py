@@ -16,11 +16,10 @@ from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (DecoderLayer, Embedding, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
-                                     SwiGLUMLP, apply_rope, attention, causal_lm_forward, cross_entropy_sum, init_normal,
-                                     routed_experts)
+                                     SwiGLUMLP, apply_rope, attention, causal_lm_forward, cross_entropy_sum,
+                                     init_normal)
 from pithtrain.models.hub import hub_name, native_name, per_expert_to_stacked, stacked_to_per_expert
 from pithtrain.models.init import init_by_block
-
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -161,8 +160,10 @@ class Attention(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router -> dispatch -> grouped experts -> combine. `dispatcher` is the one swappable unit
-    (LocalDispatcher here; the expert-parallel all-to-all dispatcher after `parallelize`)."""
+    """Router, grouped experts and the swappable `dispatcher` (LocalDispatcher here; the
+    expert-parallel all-to-all one after `parallelize`). No forward: the layer runs the block as
+    its phases (common.mlp_phases: route -> dispatch -> experts -> combine), which call `route` and
+    these parts; a variant's code goes there."""
 
     def __init__(self, cfg: Qwen3MoeConfig):
         super().__init__()
@@ -183,9 +184,6 @@ class MoE(nn.Module):
         if self.norm_topk_prob:
             w_TA = w_TA / w_TA.sum(dim=-1, keepdim=True)
         return logits_TE, probs_TE, w_TA.to(x_TD.dtype), idx_TA
-
-    def forward(self, x_BSD):
-        return routed_experts(self, x_BSD.flatten(0, 1), sequences=x_BSD.shape[0]).view_as(x_BSD)
 
 
 # ---------------------------------------------------------------------------------------------
