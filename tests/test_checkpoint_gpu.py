@@ -13,9 +13,9 @@ import sys
 
 import pytest
 import torch
+from test_checkpoint import SUB_ENV, TINY, losses
 
 from pithtrain.checkpoint.dcp import resolve, verify
-from test_checkpoint import SUB_ENV, TINY, losses
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
