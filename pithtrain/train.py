@@ -21,6 +21,15 @@ import sys
 import time
 from typing import NamedTuple
 
+STOPPED_EARLY = "pithtrain: stopped by SIGINT before training began; nothing saved"
+if __name__ == "__main__":  # Ctrl-C while the imports below load (seconds): one line, not their traceback
+    def _stopped_early(*_):
+        if os.environ.get("RANK", "0") == "0":
+            print(STOPPED_EARLY, file=sys.stderr, flush=True)
+        raise SystemExit(130)
+
+    signal.signal(signal.SIGINT, _stopped_early)
+
 import torch
 from safetensors import SafetensorError
 
@@ -471,19 +480,32 @@ def main(argv: list[str] | None = None) -> int:
                    help="continue from this checkpoint (a step_N dir, or a run dir's newest valid one); "
                         "default: the newest valid checkpoint in log.run_dir, if any")
     g.add_argument("--no-resume", action="store_true", help="start fresh even if log.run_dir has checkpoints")
+    p.add_argument("--check", type=int, metavar="WORLD", help="only resolve and check the recipe for WORLD "
+                   "processes, then exit (invoke train does, before torchrun starts them)")
     args = p.parse_intermixed_args(argv)  # flags may sit between overrides
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe:  # only overrides were given
         recipe, overrides = None, [recipe, *overrides]
+    rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(recipe, overrides)
+        if args.check:  # parallel: auto's layout (no memory plan off the GPU; rank -1: silent), then the world size
+            check_launch(cfg, torch.device("cpu"), args.check, rank=-1)
+            ParallelDims.from_config(cfg, args.check, rank=0)
+            return 0
         train(cfg, resume=False if args.no_resume else (args.resume or True))
     except Ended as e:  # a notice (128 + its signal's number) or a collective timed out: the line is out
         return e.code
     except KeyboardInterrupt:  # before train() took SIGINT over
-        print("pithtrain: stopped by SIGINT before training began; nothing saved", file=sys.stderr)
+        if rank == 0:
+            print(STOPPED_EARLY, file=sys.stderr)
         return 130
-    except (ConfigError, CheckpointError) as e:
+    except ConfigError as e:  # every rank meets the same one: rank 0 says it, and torchrun then ends
+        if rank:  # the others while they wait here; one still here met its own (a file only it reads)
+            time.sleep(5)
+        print(f"error: {f'rank {rank}: ' if rank else ''}{e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except FloatingPointError as e:  # training diverged: the weights and checkpoints stay finite
@@ -493,4 +515,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # main() and train() take Ctrl-C from here
     sys.exit(main())
