@@ -255,10 +255,10 @@ def tokenizer_of(data_cfg) -> dict:
     """What the run's token ids mean (checkpoints record it; resume compares it): the shards'
     tokenizer fingerprint, EOS and vocabulary, or the stdlib bytes."""
     if data_cfg.source == "stdlib":
-        return {"tokenizer": "stdlib bytes", "tokenizer_sha256": "stdlib-bytes", "eos_id": EOS,
+        return {"tokenizer": "stdlib bytes", "tokenizer_sha256": "stdlib-bytes", "eos_id": EOS, "bos_id": BOS,
                 "vocab_size": DATA_VOCAB_SIZE}
     meta = read_meta(data_cfg.path)
-    return {k: meta.get(k) for k in ("tokenizer", "tokenizer_sha256", "eos_id", "eos", "vocab_size")}
+    return {k: meta.get(k) for k in ("tokenizer", "tokenizer_sha256", "eos_id", "eos", "bos_id", "vocab_size")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,18 +281,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def _looks_local(name: str) -> bool:
-    """A path, not a hub id (ORG/NAME): it starts with . / ~, has a backslash or more than one /,
-    ends in .json, or its first part exists here."""
+    """A path, not a hub id (ORG/NAME): it starts with . / ~, ends with /, has a backslash or more
+    than one /, ends in .json, or its first part exists here."""
     parts = Path(name).parts
-    return (name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or name.endswith(".json")
-            or (len(parts) > 1 and Path(parts[0]).exists()))
+    return (name.startswith((".", "/", "~")) or name.endswith("/") or "\\" in name or name.count("/") > 1
+            or name.endswith(".json") or (len(parts) > 1 and Path(parts[0]).exists()))
+
+
+def _hub_id(name: str) -> bool:
+    """A name the hub may hold (ORG/NAME); any other that does not exist here is a missing path."""
+    return name.count("/") == 1 and not _looks_local(name)
 
 
 def _not_found(name: str) -> str:
     p = q = Path(name).expanduser()
     while not q.exists() and q != q.parent:
         q = q.parent  # the nearest part of the path that exists
-    return f"{name}: not found ({q / p.relative_to(q).parts[0]} does not exist)"
+    hint = "; a hub id is ORG/NAME" if "/" not in name and not _looks_local(name) else ""
+    return f"{name}: not found ({q / p.relative_to(q).parts[0]} does not exist{hint})"
 
 
 def load_tokenizer(name: str):
@@ -307,7 +313,7 @@ def load_tokenizer(name: str):
             raise FileNotFoundError(f"{p}: no tokenizer.json in the tokenizer directory")
     if p.is_file():
         return Tokenizer.from_file(str(p))
-    if _looks_local(name):
+    if not _hub_id(name):
         raise FileNotFoundError(_not_found(name))
     return Tokenizer.from_pretrained(name)
 
@@ -345,7 +351,7 @@ def _iter_source(src: str, text_key: str, split: str):
         return n, _iter_jsonl(p, text_key)
     if p.is_file() and p.suffix == ".txt":
         return 1, iter([p.read_bytes().decode("utf-8", errors="replace")])
-    if not p.exists() and (_looks_local(src) or src.count("/") != 1):  # a hub id is ORG/NAME
+    if not p.exists() and not _hub_id(src):
         raise FileNotFoundError(_not_found(src))
     import datasets  # the data extra: pip install 'pithtrain[data]'
 
@@ -430,9 +436,40 @@ def _batched(it, n: int):
         yield batch
 
 
-def find_eos(tokenizer, name: str | None, where: str) -> int:
-    """The id of the document separator: `name` (--eos), else the first of EOS_NAMES the tokenizer has."""
-    for n in [name] if name else EOS_NAMES:
+def declared_tokens(directory: str | Path) -> dict[str, str]:
+    """bos_token, eos_token and pad_token as a tokenizer directory names them (tokenizer_config.json
+    over special_tokens_map.json; a value may be the token or {"content": token, ...})."""
+    out = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        try:
+            d = json.loads((Path(directory).expanduser() / name).read_text())
+        except (OSError, ValueError):
+            continue
+        for key in ("bos_token", "eos_token", "pad_token") if isinstance(d, dict) else ():
+            v = d.get(key)
+            v = v.get("content") if isinstance(v, dict) else v
+            if isinstance(v, str):
+                out[key] = v
+    return out
+
+
+def added_around(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer's post-processor puts before and after a text (a BOS, an EOS: its
+    template), as transformers' tokenizer(text) adds them at inference."""
+    e = tokenizer.encode("hello world 0")
+    mask, n = e.special_tokens_mask, len(e.ids)
+    lead = next((i for i, m in enumerate(mask) if not m), n)
+    trail = next((i for i, m in enumerate(reversed(mask)) if not m), 0) if lead < n else 0
+    return e.ids[:lead], e.ids[n - trail:]
+
+
+def find_eos(tokenizer, name: str | None, where: str, declared: dict | None = None) -> int:
+    """The id of the document separator: `name` (--eos), else the token the post-processor ends a
+    text with, else the directory's eos_token (`declared_tokens`), else the first of EOS_NAMES it has."""
+    after = added_around(tokenizer)[1]
+    names = [name] if name else [*(tokenizer.id_to_token(i) for i in after[-1:]), (declared or {}).get("eos_token"),
+                                 *EOS_NAMES]
+    for n in filter(None, names):
         if (i := tokenizer.token_to_id(n)) is not None:
             return i
     special = ", ".join(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
@@ -446,8 +483,10 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
                  split: str = "train", batch_docs: int = 256, eos: str | None = None,
                  weights: list[float] | None = None) -> dict:
     """Tokenize documents (see above) with a Hugging Face tokenizer (a directory with
-    tokenizer.json, the file, or a hub id), each followed by the EOS token (`eos`, else the first
-    of EOS_NAMES it has; none is an error), into shards of about shard_tokens_max tokens.
+    tokenizer.json, the file, or a hub id) into shards of about shard_tokens_max tokens. A
+    document is what the tokenizer makes of its text, its post-processor's tokens included (a BOS
+    before it, as at inference), ending with the EOS token once (`find_eos`; none is an error):
+    appended unless the post-processor already put it last.
     weights: how many times each input's documents are written (_weighted); meta.json's "inputs"
     records each one's documents and tokens. The tokenizer files are saved beside the shards and
     meta.json records its fingerprint, so training can check it (train.init_from, resume)."""
@@ -456,7 +495,9 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
     tokenizer = load_tokenizer(tokenizer_dir)
     vocab = tokenizer.get_vocab_size()
     dtype = np.uint16 if vocab <= 65535 else np.uint32
-    eos_id = find_eos(tokenizer, eos, tokenizer_dir)
+    tok_dir = Path(tokenizer_dir).expanduser()
+    eos_id = find_eos(tokenizer, eos, tokenizer_dir, declared_tokens(tok_dir) if tok_dir.is_dir() else None)
+    before = added_around(tokenizer)[0]
     weights = [1.0] * len(inputs) if weights is None else weights
     if len(weights) != len(inputs) or not all(0 < w < math.inf for w in weights):
         raise ValueError(f"--weights: {len(inputs)} numbers > 0 for the {len(inputs)} inputs, got {weights}")
@@ -464,7 +505,6 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out / "tokenizer.json"))
-    tok_dir = Path(tokenizer_dir).expanduser()
     for f in TOKENIZER_FILES[1:] if tok_dir.is_dir() else ():
         if (tok_dir / f).is_file():
             shutil.copyfile(tok_dir / f, out / f)
@@ -497,7 +537,7 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
             n_docs = n_tokens = 0
             for batch in encoded:
                 for ids in batch:
-                    buf.append(np.asarray(ids + [eos_id], dtype=np.int64))
+                    buf.append(np.asarray(ids if ids[-1:] == [eos_id] else ids + [eos_id], dtype=np.int64))
                     buf_tokens += len(buf[-1])
                     n_tokens += len(buf[-1])
                     if buf_tokens >= shard_tokens_max:
@@ -514,7 +554,9 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
         raise ValueError("no documents found in the inputs")
     meta = {"dtype": np.dtype(dtype).name, "vocab_size": vocab, "tokenizer": str(tokenizer_dir),
             "tokenizer_sha256": tokenizer_fingerprint(tokenizer), "eos_id": eos_id,
-            "eos": tokenizer.id_to_token(eos_id), "documents": sum(i["documents"] for i in per_input),
+            "eos": tokenizer.id_to_token(eos_id), "bos_id": before[0] if before else None,
+            "bos": tokenizer.id_to_token(before[0]) if before else None,
+            "documents": sum(i["documents"] for i in per_input),
             "inputs": per_input, "files": files}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     return meta
@@ -523,9 +565,10 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
 def summary(meta: dict, out: str) -> str:
     """prepare-data's last lines: documents, tokens, shards, vocabulary, EOS (and each input's share)."""
     tokens = sum(f["tokens"] for f in meta["files"])
+    bos = f"BOS {meta['bos']!r} (id {meta['bos_id']}, its post-processor's)" if meta.get("bos") else "no BOS"
     lines = [f"prepare-data: {meta['documents']:,} documents, {tokens:,} tokens in {len(meta['files'])} "
              f"shard(s) ({meta['dtype']}) -> {out}; vocabulary {meta['vocab_size']:,}, EOS {meta['eos']!r} "
-             f"(id {meta['eos_id']}); tokenizer {meta['tokenizer']} (sha256 {meta['tokenizer_sha256'][:12]})"]
+             f"(id {meta['eos_id']}), {bos}; tokenizer {meta['tokenizer']} (sha256 {meta['tokenizer_sha256'][:12]})"]
     if len(meta["inputs"]) > 1:
         lines += [f"  {i['input']}: {i['documents']:,} documents (x{i['weight']:g}), {i['tokens']:,} tokens "
                   f"({100 * i['tokens'] / tokens:.1f}%)" for i in meta["inputs"]]

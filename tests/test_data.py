@@ -444,7 +444,7 @@ def test_prepare_data_mixes_inputs_by_weight_and_ends_with_a_summary(tmp_path, t
     n_a = sum(len(tok.encode(t).ids) + 1 for t in want[:8])
     out = capsys.readouterr().out.splitlines()
     assert out == [f"prepare-data: 10 documents, {len(ids)} tokens in 1 shard(s) (uint16) -> {tmp_path / 'o'}; "
-                   f"vocabulary {tok.get_vocab_size()}, EOS '<|endoftext|>' (id {eos}); tokenizer {tokenizer_dir} "
+                   f"vocabulary {tok.get_vocab_size()}, EOS '<|endoftext|>' (id {eos}), no BOS; tokenizer {tokenizer_dir} "
                    f"(sha256 {json.loads((tmp_path / 'o/meta.json').read_text())['tokenizer_sha256'][:12]})",
                    f"  {a}: 8 documents (x2), {n_a} tokens ({100 * n_a / len(ids):.1f}%)",
                    f"  {b}: 2 documents (x0.5), {len(ids) - n_a} tokens ({100 - 100 * n_a / len(ids):.1f}%)"]
@@ -480,7 +480,8 @@ def test_a_tokenizer_without_a_known_end_of_text_token_needs_eos(tmp_path, capsy
 
 
 @pytest.mark.parametrize("name, missing", [("./tok", "tok"), ("data/tok", "data/tok"), ("a/b/tokenizer.json", "a"),
-                                           ("tok.json", "tok.json"), ("~/no/such/tok", "~/no")])
+                                           ("tok.json", "tok.json"), ("~/no/such/tok", "~/no"), ("tokk/", "tokk"),
+                                           ("tokk", "tokk")])
 def test_a_tokenizer_name_that_looks_like_a_path_never_goes_to_the_hub(tmp_path, monkeypatch, name, missing):
     """A mistyped local path was taken for a hub id (25 s of retries, then "check your connection"):
     one line now names the part of the path that is missing. ORG/NAME still goes to the hub."""
@@ -501,10 +502,58 @@ def test_a_tokenizer_name_that_looks_like_a_path_never_goes_to_the_hub(tmp_path,
     with pytest.raises(FileNotFoundError) as e:
         load_tokenizer(name)
     home = str(Path("~").expanduser())
-    assert str(e.value).replace(home, "~") == f"{name}: not found ({missing} does not exist)" and asked == []
+    hint = "; a hub id is ORG/NAME" if name == "tokk" else ""  # a bare name: the hub's are ORG/NAME
+    assert str(e.value).replace(home, "~") == f"{name}: not found ({missing} does not exist{hint})" and asked == []
     assert load_tokenizer("org/name") == "from the hub" and asked == ["org/name"]
     with pytest.raises(FileNotFoundError, match=r"data/corpus: not found \(data/corpus does not exist\)"):
         _iter_source("data/corpus", "text", "train")  # was streamed from the hub as a dataset id
+
+
+def _templated_tokenizer(d: Path, single: str, config: dict | None = None) -> Path:
+    """A byte-level BPE with <s>, </s> and <|endoftext|> whose post-processor is the template `single`
+    (e.g. "<s> $A </s>": what many hub tokenizers add to every text), saved in directory d."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["hello world 0 one two"] * 20, trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<s>", "</s>", "<|endoftext|>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if single:
+        tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=[("<s>", 0), ("</s>", 1)])
+    d.mkdir()
+    tok.save(str(d / "tokenizer.json"))
+    if config:
+        (d / "tokenizer_config.json").write_text(json.dumps(config))
+    return d
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("single, config, bos, eos", [
+    ("<s> $A </s>", None, "<s>", "</s>"),  # was <s> text </s></s>
+    ("$A </s>", None, None, "</s>"),  # was text </s></s>
+    ("<s> $A", {"eos_token": {"content": "<|endoftext|>"}}, "<s>", "<|endoftext|>"),  # the directory names its EOS
+    ("", None, None, "</s>")])  # no post-processor: the first of EOS_NAMES it has
+def test_a_document_ends_with_one_eos_and_keeps_the_tokenizers_bos(tmp_path, single, config, bos, eos, capsys):
+    """prepare-data reads the post-processor: its BOS stays (inference's tokenizer(text) adds it too),
+    and its EOS is the separator, never doubled; meta.json and the summary say which."""
+    from tokenizers import Tokenizer
+
+    from pithtrain.data import main
+    tok_dir = _templated_tokenizer(tmp_path / "tok", single, config)
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    texts = ["hello world", "one two 0", "hello"]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    assert main(["--inputs", str(tmp_path / "a.jsonl"), "--tokenizer", str(tok_dir), "--out", str(tmp_path / "o"),
+                 "--num-proc", "1"]) == 0
+    meta = json.loads((tmp_path / "o/meta.json").read_text())
+    ids = np.asarray(shard_tokens(tmp_path / "o")[:]).tolist()
+    b, e = tok.token_to_id(bos) if bos else None, tok.token_to_id(eos)
+    want = [i for t in texts for i in [b] * (b is not None) + tok.encode(t, add_special_tokens=False).ids + [e]]
+    assert ids == want and ids.count(e) == len(texts)
+    assert (meta["bos_id"], meta["bos"], meta["eos_id"], meta["eos"]) == (b, bos, e, eos)
+    said = f"BOS {bos!r} (id {b}, its post-processor's)" if bos else "no BOS"
+    assert f"EOS {eos!r} (id {e}), {said}; tokenizer" in capsys.readouterr().out
 
 
 def test_data_path_with_the_stdlib_source_is_refused():
