@@ -634,14 +634,18 @@ def sample(c, ckpt, prompt="", tokens=200, temperature=0.8, dry_run=False):
                                      str(tokens), "--temperature", str(temperature)])], dry_run)
 
 
-@task(help={"ckpt": "checkpoint directory written by training",
+@task(help={"ckpt": "checkpoint directory written by training (a step_N dir, checkpoints dir or run dir)",
             "out": "output directory for the Hugging Face model",
+            "dtype": "the weights' dtype: bfloat16 | float32 (default: bfloat16)",
+            "shard_mb": "output shard size in MB (default: the export's)",
             "gpu": H_GPU, "runtime": H_RUNTIME, "dry_run": H_DRY})
-def export_hf(c, ckpt, out, gpu="", runtime="", dry_run=False):
-    """Export a checkpoint as a Hugging Face model directory (safetensors + config)."""
+def export_hf(c, ckpt, out, dtype="", shard_mb=0, gpu="", runtime="", dry_run=False):
+    """Export a checkpoint as a Hugging Face model directory (safetensors, config, tokenizer); the
+    options are python -m pithtrain.checkpoint.export's."""
     gpu_ = _gpu(gpu)
+    extra = (["--dtype", dtype] if dtype else []) + (["--shard-mb", str(shard_mb)] if shard_mb else [])
     _emit(c, _python(_runtime(runtime, gpu_, dry_run), gpu_,
-                     ["-m", "pithtrain.checkpoint.export", "--ckpt", ckpt, "--out", out]), dry_run)
+                     ["-m", "pithtrain.checkpoint.export", "--ckpt", ckpt, "--out", out, *extra]), dry_run)
 
 
 @task(help={"model": H_MODEL, "gpu": H_GPU, "runtime": H_RUNTIME, "dry_run": H_DRY})

@@ -430,6 +430,21 @@ def test_other_tasks_dry_run():
     assert "python -m tools.appliance check-loss runs/validate/default-" in lines[2]
 
 
+def test_export_hf_takes_every_option_of_the_export_module():
+    """docs/checkpoints.md's `--dtype float32` was "No idea what '--dtype' is!" through invoke."""
+    import inspect
+
+    import tasks
+    from pithtrain.checkpoint.export import parser
+
+    module = {a.dest for a in parser()._actions if a.option_strings and a.dest != "help"}
+    task = set(inspect.signature(tasks.export_hf.body).parameters) - {"c", "gpu", "runtime", "dry_run"}
+    assert module == task == {"ckpt", "out", "dtype", "shard_mb"}
+    r = _invoke("export-hf", "--ckpt=runs/x", "--out=hf", "--dtype=float32", "--shard-mb=64", "--dry-run")
+    assert r.stdout.strip() == (f"{sys.executable} -m pithtrain.checkpoint.export --ckpt runs/x --out hf "
+                                "--dtype float32 --shard-mb 64")
+
+
 def test_every_task_argument_has_help():
     import inspect
 

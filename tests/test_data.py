@@ -264,6 +264,25 @@ def test_a_run_on_a_small_vocabulary_trains_and_exports_with_its_checkpoints_tok
     assert export_main(["--ckpt", str(tmp_path / "run3"), "--out", str(tmp_path / "hf3")]) == 0
     assert "export: no tokenizer: the run trained on stdlib bytes" in capsys.readouterr().out
     assert not (tmp_path / "hf3/tokenizer.json").exists()
+    # the special ids travel in config.json and generation_config.json (generate stops at EOS): the bytes'
+    special = {"bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 257}
+    assert json.loads((tmp_path / "hf3/generation_config.json").read_text()) == special
+    assert special.items() <= json.loads((tmp_path / "hf3/config.json").read_text()).items()
+
+
+@pytest.mark.quick
+def test_special_token_ids_of_an_export_come_from_the_checkpoints_tokenizer(tmp_path):
+    """A tokenizer whose post-processor puts <s> first and declares <pad>: BOS, the run's EOS and pad."""
+    from pithtrain.checkpoint.export import special_token_ids
+
+    ckpt = _templated_tokenizer(tmp_path / "ckpt", "<s> $A </s>", {"pad_token": "<pad>"})
+    (ckpt / "trainer.json").write_text(json.dumps({"data": {"eos_id": 1}}))
+    shards = {"data": {"source": "shards"}}
+    assert special_token_ids(ckpt, shards) == {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 3}
+    (ckpt / "tokenizer_config.json").unlink()  # no pad declared: EOS pads; no BOS added: none
+    _templated_tokenizer(tmp_path / "t2", "$A </s>")
+    (ckpt / "tokenizer.json").write_bytes((tmp_path / "t2/tokenizer.json").read_bytes())
+    assert special_token_ids(ckpt, shards) == {"eos_token_id": 1, "pad_token_id": 1}
 
 
 def _shard_bytes(d):
