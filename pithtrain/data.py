@@ -3,7 +3,8 @@ memory-mapped token shards written by `prepare_data` (`invoke prepare-data`).
 
 Batches are a pure function of (seed, step, micro-batch index): the global batch of a step is the
 same whatever the parallel layout, each data-parallel rank takes its rows, and resuming needs only
-the step number (the data-loader position saved in checkpoints).
+the step number (the data-loader position saved in checkpoints). An epoch is one pass over the
+windows of the data, in a seeded permutation (`TokenBatches`, data.sampler).
 """
 
 from __future__ import annotations
@@ -164,16 +165,26 @@ class ShardedTokens:
 
 
 class TokenBatches:
-    """Random windows of seq_len + 1 tokens. `batch(step)` returns the step's global batch
-    (inputs, labels), each (global_batch, seq_len) int64; callers slice their micro-batch rows
-    (`rows`). Validation (`val_batch`) reads `val_tokens` when given, else the last 1% of tokens
-    when `hold_out` (evaluation on), else there is none. `source` names the data in errors.
-    eos: the document separator; with mask_separator, the label after each one (the next
-    document's first token, predicted from the previous document) carries no loss."""
+    """Windows of seq_len + 1 tokens. `batch(step)` returns the step's global batch (inputs,
+    labels), each (global_batch, seq_len) int64; callers slice their micro-batch rows (`rows`).
+
+    sampler "epochs" (data.sampler, the default): the training tokens are cut into windows once
+    (`windows`), and the batches read the stream of them epoch after epoch, each epoch a
+    permutation seeded by (seed, epoch): step s takes stream items s * global_batch onwards, so a
+    batch is a pure function of (seed, step) and an epoch is one pass over the data, each label
+    position once (prepare-data's mixture weights exactly). With `align` (document masking) a
+    window holds whole documents from a document's first token, padded with separators that carry
+    no loss. sampler "random": each row a window at a random start, drawn with replacement.
+
+    Validation (`val_batch`) reads `val_tokens` when given, else the last 1% of tokens when
+    `hold_out` (evaluation on), else there is none. `source` names the data in errors. eos: the
+    document separator; with mask_separator, the label after each one (the next document's first
+    token, predicted from the previous document) carries no loss."""
 
     def __init__(self, tokens: np.ndarray | ShardedTokens, seq_len: int, global_batch: int, seed: int,
                  source: str = "the token data", hold_out: bool = True, val_tokens=None,
-                 eos: int | None = None, mask_separator: bool = False):
+                 eos: int | None = None, mask_separator: bool = False, sampler: str = "epochs",
+                 align: bool = False):
         n_val = max(seq_len + 1, len(tokens) // 100) if hold_out and val_tokens is None else 0
         if len(tokens) - n_val <= seq_len + 1:  # i.e. fewer than 2 * seq_len + 3 tokens with a hold-out
             need = 2 * seq_len + 3 if n_val else seq_len + 2
@@ -186,20 +197,47 @@ class TokenBatches:
         # validation windows start in [val_lo, val_hi - seq_len - 1] of val (read lazily like training's)
         self.val, self.val_lo = (val_tokens, 0) if val_tokens is not None else (tokens, self.n_train)
         self.val_hi = len(self.val) if val_tokens is not None or n_val else None
-        self.eos, self.mask_separator = eos, mask_separator
+        self.eos, self.mask_separator, self.sampler = eos, mask_separator, sampler
+        if sampler == "epochs":
+            self.starts, self.lens = windows(tokens, self.n_train, seq_len, eos if align else None)
+            self._orders = {}  # epoch -> its permutation of the windows (the current and the previous)
 
-    def _windows(self, tokens, starts):
-        rows = np.stack([np.asarray(tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
+    def epochs(self, steps: int) -> float:
+        """Passes over the training data that `steps` steps make (random: tokens drawn / tokens)."""
+        if self.sampler == "random":
+            return steps * self.global_batch * self.seq_len / self.n_train
+        return steps * self.global_batch / len(self.starts)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.starts))
+        return self._orders[epoch]
+
+    def _windows(self, tokens, starts, lens=None):
+        """Rows of tokens[start : start + seq_len + 1]; a row of length n < seq_len + 1 is padded with
+        separators whose labels are -100."""
+        width = self.seq_len + 1
+        rows = np.full((len(starts), width), self.eos or 0, dtype=np.int64)
+        for r, s in enumerate(starts):
+            n = width if lens is None else int(lens[r])
+            rows[r, :n] = tokens[int(s):int(s) + n]
         t = torch.from_numpy(rows)
         x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        if lens is not None:
+            y[torch.arange(self.seq_len) >= torch.as_tensor(lens)[:, None] - 1] = -100
         if self.mask_separator:
             y[x == self.eos] = -100
         return x, y
 
     def batch(self, step: int):
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, self.n_train - self.seq_len - 1, (self.global_batch,), generator=g)
-        return self._windows(self.tokens, starts.tolist())
+        if self.sampler == "random":
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+            starts = torch.randint(0, self.n_train - self.seq_len - 1, (self.global_batch,), generator=g)
+            return self._windows(self.tokens, starts.tolist())
+        epoch, at = np.divmod(np.arange(step * self.global_batch, (step + 1) * self.global_batch), len(self.starts))
+        picked = np.array([self._order(int(e))[a] for e, a in zip(epoch, at)])
+        return self._windows(self.tokens, self.starts[picked], None if self.lens is None else self.lens[picked])
 
     def val_batch(self, i: int = 0):
         """The i-th validation batch: the same windows at every evaluation and on every layout."""
@@ -213,6 +251,28 @@ class TokenBatches:
     def documents(self, x_BS: torch.Tensor) -> torch.Tensor:
         """Document index of each input token (for document masking): see document_ids."""
         return document_ids(x_BS, self.eos)
+
+
+def windows(tokens, n: int, seq_len: int, eos: int | None = None, chunk: int = 1 << 26):
+    """(starts, lengths) of an epoch's windows over tokens[:n], in order. Without `eos`: one every
+    seq_len tokens, each seq_len + 1 long (its last token is the next one's first), lengths None;
+    every position from 1 to the last whole window's end is a label once (the last < seq_len
+    tokens are in none). With `eos` (document masking): a window starts at a document's first
+    token and ends at the last document end it reaches (lengths <= seq_len + 1: the rest is
+    padding); a document longer than a window is cut as above, its next window starting inside it."""
+    if eos is None:
+        return np.arange((n - 1) // seq_len, dtype=np.int64) * seq_len, None
+    ends = np.unique(np.concatenate([np.flatnonzero(np.asarray(tokens[i:min(i + chunk, n)]) == eos) + i + 1
+                                     for i in range(0, n, chunk)] + [[n]]))  # after each separator, and n
+    starts, lens, pos = [], [], 0
+    while n - pos >= 2:  # a window of one token has no label
+        k = int(np.searchsorted(ends, pos + seq_len + 1, side="right")) - 1
+        whole = k >= 0 and ends[k] > pos + 1  # a document ends inside: stop there
+        end = int(ends[k]) if whole else pos + seq_len + 1
+        starts.append(pos)
+        lens.append(end - pos)
+        pos = end if whole else end - 1
+    return np.array(starts, dtype=np.int64), np.array(lens, dtype=np.int64)
 
 
 def document_ids(x_BS: torch.Tensor, eos: int) -> torch.Tensor:
@@ -245,9 +305,17 @@ def build_batches(data_cfg, seq_len: int, global_batch: int, seed: int, hold_out
                  f"vocabulary {meta['vocab_size']}, EOS id {eos})")
     val = shard_tokens(data_cfg.val_path) if hold_out and data_cfg.val_path else None
     batches = TokenBatches(tokens, seq_len, global_batch, seed, source, hold_out=hold_out, val_tokens=val,
-                           eos=eos, mask_separator=data_cfg.mask_separator_loss)
+                           eos=eos, mask_separator=data_cfg.mask_separator_loss, sampler=data_cfg.sampler,
+                           align=data_cfg.document_mask)
     held = f"data.val_path {data_cfg.val_path}" if val is not None else "the last 1% held out" if hold_out else "none"
-    batches.about = f"{about}; validation: {held}"  # the start-up line: what the run trains on
+    if data_cfg.sampler == "random":
+        sampled = "random windows, drawn with replacement (data.sampler: random)"
+    else:
+        padded = int(((seq_len + 1) - batches.lens).sum()) if batches.lens is not None else 0
+        sampled = (f"epochs of {len(batches.starts):,} windows, each epoch a seeded permutation"
+                   + (f" (whole documents a window; {padded / (len(batches.starts) * (seq_len + 1)):.1%} padding)"
+                      if batches.lens is not None else ""))
+    batches.about = f"{about}; validation: {held}; batches: {sampled}"  # the start-up line: what the run trains on
     return batches
 
 

@@ -167,15 +167,15 @@ def collapse_watch(m, n: int = 3):
 
 
 def summary_line(cfg: Config, history: list[dict], batches, global_batch: int, wall_s: float) -> str:
-    """The run's last line: steps, tokens seen, epochs of the data, final loss and validation loss,
-    wall time, and the checkpoint to resume (or export) from."""
+    """The run's last line: steps, tokens seen, passes over the training data (`TokenBatches.epochs`),
+    final loss and validation loss, wall time, and the checkpoint to resume (or export) from."""
     t = cfg.train
     seen = t.steps * global_batch * t.seq_len
     loss = f"{history[-1]['loss']:.4f}" if history else "-"
     val = next((f"{r['val_loss']:.4f}" for r in reversed(history) if "val_loss" in r), "-")
     kept = step_dirs(checkpoints_dir(cfg.log.run_dir))
     return (f"pithtrain: done: {t.steps} steps ({len(history)} in this process), {seen / 1e6:.2f}M tokens seen "
-            f"({seen / batches.n_train:.2f} epochs of {batches.n_train / 1e6:.2f}M), loss {loss}, val_loss {val}, "
+            f"({batches.epochs(t.steps):.2f} epochs of {batches.n_train / 1e6:.2f}M), loss {loss}, val_loss {val}, "
             f"{wall_s:.0f} s; checkpoint {kept[0] if kept else 'none (checkpoint.final is false)'}")
 
 

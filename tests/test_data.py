@@ -8,7 +8,7 @@ import torch
 
 from pithtrain.config import ConfigError, load_config
 from pithtrain.data import (BOS, DATA_VOCAB_SIZE, EOS, ShardedTokens, TokenBatches, build_batches, prepare_data,
-                            rows, shard_tokens, stdlib_tokens)
+                            rows, shard_tokens, stdlib_tokens, windows)
 
 
 def test_stdlib_tokens_are_bytes_with_document_markers():
@@ -33,6 +33,89 @@ def test_batches_are_deterministic_and_shifted():
     assert not torch.equal(b.batch(4)[0], x1)
     xv, _ = b.val_batch()
     assert xv.shape == (4, 32)
+
+
+def _label_positions(b: TokenBatches, steps: range) -> list[int]:
+    """The token positions the labels of these steps' batches cover (tokens are their positions)."""
+    ys = torch.cat([b.batch(s)[1] for s in steps]).flatten()
+    return ys[ys != -100].tolist()
+
+
+@pytest.mark.quick
+def test_an_epoch_is_one_pass_over_the_windows_in_a_seeded_order():
+    """The sampler drew windows with replacement: at "1.21 epochs" 29.5% of the positions had never
+    been in a batch. Now an epoch covers every window position once (the last partial window's
+    tokens in none), each epoch in its own order, a function of (seed, step) alone."""
+    S, G, n = 16, 8, 2003
+    t = np.arange(n, dtype=np.uint16)
+    b = TokenBatches(t, S, G, seed=3, hold_out=False)
+    W = len(b.starts)
+    assert W == (n - 1) // S == 125 and b.epochs(W) == G
+    stream = torch.cat([b.batch(s)[1] for s in range(2 * W // G + 1)])  # past two epochs (W is not a multiple of G)
+    first, second = stream[:W], stream[W:2 * W]
+    for epoch in (first, second):
+        assert sorted(epoch.flatten().tolist()) == list(range(1, W * S + 1))  # each label position once
+    assert not torch.equal(first, second) and not torch.equal(first[:, 0], torch.arange(W) * S + 1)  # shuffled
+    again = TokenBatches(t, S, G, seed=3, hold_out=False)  # a resumed run: no history, the same batch
+    assert all(torch.equal(again.batch(s)[0], b.batch(s)[0]) for s in (2 * W // G, 0, 17))
+    assert not torch.equal(TokenBatches(t, S, G, seed=4, hold_out=False).batch(0)[0], b.batch(0)[0])
+    # the sampler before, named: random starts, with replacement
+    old = TokenBatches(t, S, G, seed=3, hold_out=False, sampler="random")
+    g = torch.Generator().manual_seed(3 * 1_000_003 + 5)
+    starts = torch.randint(0, n - S - 1, (G,), generator=g)
+    assert torch.equal(old.batch(5)[0], torch.stack([torch.arange(s, s + S) for s in starts.tolist()]))
+    assert old.epochs(100) == pytest.approx(100 * G * S / n)
+
+
+@pytest.mark.quick
+def test_document_masking_windows_hold_whole_documents_and_cover_each_position_once():
+    """With document masking a window starts at a document's first token and stops at the last
+    document end it reaches (padded, no loss), but for a document longer than a window, which
+    continues in the next; over an epoch every position is a label once, but a document's first token
+    where it starts a window (predicting it from the previous document's separator: no loss there)."""
+    rng = np.random.default_rng(0)
+    S, eos, lengths = 32, 1, rng.integers(2, 90, 60)  # documents shorter and longer than a window
+    t = np.arange(2, 2 + lengths.sum(), dtype=np.uint16)
+    t[np.cumsum(lengths) - 1] = eos  # each document ends with its separator
+    starts, lens = windows(t, len(t), S, eos)
+    assert starts[0] == 0 and (lens <= S + 1).all()
+    for i, (s, n) in enumerate(zip(starts, lens)):
+        w = t[s:s + n]
+        # a document's first token, or inside one longer than a window: the previous window is cut, full
+        assert i == 0 or t[s - 1] == eos or (lens[i - 1] == S + 1 and starts[i - 1] + S == s)
+        # it ends with a document's separator (or the data), or it holds no document end: cut
+        assert w[-1] == eos or s + n == len(t) or (n == S + 1 and not (w[:-1] == eos).any())
+    assert sum(t[s - 1] != eos for s in starts[1:]) > 5  # long documents were cut
+    firsts = set(starts.tolist())
+    labels = sorted(p for s, n in zip(starts, lens) for p in range(s + 1, s + n))
+    assert labels == [p for p in range(1, len(t)) if not (p in firsts and t[p - 1] == eos)]  # a cut: in both
+    b = TokenBatches(t, S, 4, seed=0, hold_out=False, eos=eos, align=True)
+    W = len(b.starts)
+    x, y = map(torch.cat, zip(*[b.batch(i) for i in range(-(-W // 4))]))
+    assert sorted(y[:W][y[:W] != -100].tolist()) == sorted(int(t[p]) for p in labels)  # one epoch: each once
+    assert ((x == eos) | (y != -100)).all()  # padding is separators, and carries no loss
+
+
+def test_one_epoch_honours_prepare_datas_mixture_weights(tmp_path, tokenizer_dir):
+    """--weights 2,1: one epoch's labels hold each input's tokens as meta.json counts them (to
+    within the part of one window the epoch leaves out)."""
+    from tokenizers import Tokenizer
+
+    a, b_ = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(json.dumps({"text": "hello " * (i % 5 + 1)}) for i in range(40)))
+    b_.write_text("\n".join(json.dumps({"text": "world " * (i % 3 + 1)}) for i in range(60)))
+    meta = prepare_data([str(a), str(b_)], str(tokenizer_dir), str(tmp_path / "o"), progress=False,
+                        weights=[2.0, 1.0])
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    hello, world = (tok.encode(w).ids[0] for w in ("hello", " world"))
+    S, G = 16, 4
+    b = TokenBatches(shard_tokens(tmp_path / "o"), S, G, seed=1, hold_out=False)
+    W = len(b.starts)
+    y = torch.cat([b.batch(i)[1] for i in range(-(-W // G))])[:W]
+    whole = np.asarray(shard_tokens(tmp_path / "o")[:])
+    for word in (hello, world):
+        assert int((whole == word).sum()) - S <= int((y == word).sum()) <= int((whole == word).sum())
+    assert meta["inputs"][0]["documents"] == 80
 
 
 @pytest.mark.quick
