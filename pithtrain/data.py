@@ -9,8 +9,10 @@ windows of the data, in a seeded permutation (`TokenBatches`, data.sampler).
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -39,12 +41,10 @@ def stdlib_tokens(max_bytes: int) -> np.ndarray:
     files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
     if not files:
         raise RuntimeError(f"no standard-library sources found under {root}")
-    chunks, total = [], 0
+    chunks = []
     for p in files:
-        data = p.read_bytes()
-        chunks.append(np.concatenate([[BOS], np.frombuffer(data, dtype=np.uint8), [EOS]]).astype(np.uint16))
-        total += len(data) + 2
-        if total >= max_bytes:
+        chunks.append(np.concatenate([[BOS], np.frombuffer(p.read_bytes(), dtype=np.uint8), [EOS]]).astype(np.uint16))
+        if sum(map(len, chunks)) >= max_bytes:
             break
     return np.concatenate(chunks)
 
@@ -198,34 +198,24 @@ class TokenBatches:
         self.val, self.val_lo = (val_tokens, 0) if val_tokens is not None else (tokens, self.n_train)
         self.val_hi = len(self.val) if val_tokens is not None or n_val else None
         self.eos, self.mask_separator, self.sampler = eos, mask_separator, sampler
-        if sampler == "epochs":
-            self.starts, self.lens = windows(tokens, self.n_train, seq_len, eos if align else None)
-            self._orders = {}  # epoch -> its permutation of the windows (the current and the previous)
+        self.starts, self.lens = windows(tokens, self.n_train, seq_len, eos if align else None)
+        # epoch -> its permutation of the windows (a batch reads at most two epochs)
+        self._order = functools.lru_cache(2)(lambda e: np.random.default_rng([seed, e]).permutation(len(self.starts)))
 
     def epochs(self, steps: int) -> float:
         """Passes over the training data that `steps` steps make (random: tokens drawn / tokens)."""
-        if self.sampler == "random":
-            return steps * self.global_batch * self.seq_len / self.n_train
-        return steps * self.global_batch / len(self.starts)
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
-            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.starts))
-        return self._orders[epoch]
+        return steps * self.global_batch * (self.seq_len / self.n_train if self.sampler == "random" else 1 / len(self.starts))
 
     def _windows(self, tokens, starts, lens=None):
-        """Rows of tokens[start : start + seq_len + 1]; a row of length n < seq_len + 1 is padded with
-        separators whose labels are -100."""
-        width = self.seq_len + 1
-        rows = np.full((len(starts), width), self.eos or 0, dtype=np.int64)
-        for r, s in enumerate(starts):
-            n = width if lens is None else int(lens[r])
-            rows[r, :n] = tokens[int(s):int(s) + n]
+        """Rows of tokens[start : start + seq_len + 1]; a row of length n < seq_len + 1 (`lens`) is
+        padded with separators whose labels are -100."""
+        lens = np.full(len(starts), self.seq_len + 1) if lens is None else lens
+        rows = np.full((len(starts), self.seq_len + 1), self.eos or 0, dtype=np.int64)
+        for r, (s, n) in enumerate(zip(starts, lens)):
+            rows[r, :n] = tokens[int(s):int(s) + int(n)]
         t = torch.from_numpy(rows)
         x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
-        if lens is not None:
-            y[torch.arange(self.seq_len) >= torch.as_tensor(lens)[:, None] - 1] = -100
+        y[torch.arange(self.seq_len) >= torch.as_tensor(lens)[:, None] - 1] = -100
         if self.mask_separator:
             y[x == self.eos] = -100
         return x, y
@@ -236,8 +226,8 @@ class TokenBatches:
             starts = torch.randint(0, self.n_train - self.seq_len - 1, (self.global_batch,), generator=g)
             return self._windows(self.tokens, starts.tolist())
         epoch, at = np.divmod(np.arange(step * self.global_batch, (step + 1) * self.global_batch), len(self.starts))
-        picked = np.array([self._order(int(e))[a] for e, a in zip(epoch, at)])
-        return self._windows(self.tokens, self.starts[picked], None if self.lens is None else self.lens[picked])
+        w = np.array([self._order(int(e))[a] for e, a in zip(epoch, at)])  # the step's windows
+        return self._windows(self.tokens, self.starts[w], self.lens[w])
 
     def val_batch(self, i: int = 0):
         """The i-th validation batch: the same windows at every evaluation and on every layout."""
@@ -255,24 +245,22 @@ class TokenBatches:
 
 def windows(tokens, n: int, seq_len: int, eos: int | None = None, chunk: int = 1 << 26):
     """(starts, lengths) of an epoch's windows over tokens[:n], in order. Without `eos`: one every
-    seq_len tokens, each seq_len + 1 long (its last token is the next one's first), lengths None;
+    seq_len tokens, each seq_len + 1 long (its last token is the next one's first);
     every position from 1 to the last whole window's end is a label once (the last < seq_len
     tokens are in none). With `eos` (document masking): a window starts at a document's first
     token and ends at the last document end it reaches (lengths <= seq_len + 1: the rest is
     padding); a document longer than a window is cut as above, its next window starting inside it."""
     if eos is None:
-        return np.arange((n - 1) // seq_len, dtype=np.int64) * seq_len, None
+        return np.arange((n - 1) // seq_len) * seq_len, np.full((n - 1) // seq_len, seq_len + 1)
     ends = np.unique(np.concatenate([np.flatnonzero(np.asarray(tokens[i:min(i + chunk, n)]) == eos) + i + 1
                                      for i in range(0, n, chunk)] + [[n]]))  # after each separator, and n
-    starts, lens, pos = [], [], 0
-    while n - pos >= 2:  # a window of one token has no label
-        k = int(np.searchsorted(ends, pos + seq_len + 1, side="right")) - 1
-        whole = k >= 0 and ends[k] > pos + 1  # a document ends inside: stop there
-        end = int(ends[k]) if whole else pos + seq_len + 1
-        starts.append(pos)
-        lens.append(end - pos)
-        pos = end if whole else end - 1
-    return np.array(starts, dtype=np.int64), np.array(lens, dtype=np.int64)
+    starts, lens = [0], []
+    while n - starts[-1] >= 2:  # a window of one token has no label
+        pos, k = starts[-1], np.searchsorted(ends, starts[-1] + seq_len + 1, side="right")
+        cut = not k or ends[k - 1] <= pos + 1  # no document ends inside: a long one, cut (as without eos)
+        lens.append(seq_len + 1 if cut else ends[k - 1] - pos)
+        starts.append(pos + lens[-1] - cut)
+    return np.array(starts[:-1]), np.array(lens)
 
 
 def document_ids(x_BS: torch.Tensor, eos: int) -> torch.Tensor:
@@ -308,13 +296,9 @@ def build_batches(data_cfg, seq_len: int, global_batch: int, seed: int, hold_out
                            eos=eos, mask_separator=data_cfg.mask_separator_loss, sampler=data_cfg.sampler,
                            align=data_cfg.document_mask)
     held = f"data.val_path {data_cfg.val_path}" if val is not None else "the last 1% held out" if hold_out else "none"
-    if data_cfg.sampler == "random":
-        sampled = "random windows, drawn with replacement (data.sampler: random)"
-    else:
-        padded = int(((seq_len + 1) - batches.lens).sum()) if batches.lens is not None else 0
-        sampled = (f"epochs of {len(batches.starts):,} windows, each epoch a seeded permutation"
-                   + (f" (whole documents a window; {padded / (len(batches.starts) * (seq_len + 1)):.1%} padding)"
-                      if batches.lens is not None else ""))
+    sampled = ("random windows, drawn with replacement (data.sampler: random)" if data_cfg.sampler == "random" else
+               f"epochs of {len(batches.starts):,} windows{' of whole documents' * data_cfg.document_mask}, "
+               "each epoch a seeded permutation")
     batches.about = f"{about}; validation: {held}; batches: {sampled}"  # the start-up line: what the run trains on
     return batches
 
@@ -348,24 +332,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 
 
-def _looks_local(name: str) -> bool:
-    """A path, not a hub id (ORG/NAME): it starts with . / ~, ends with /, has a backslash or more
-    than one /, ends in .json, or its first part exists here."""
-    parts = Path(name).parts
-    return (name.startswith((".", "/", "~")) or name.endswith("/") or "\\" in name or name.count("/") > 1
-            or name.endswith(".json") or (len(parts) > 1 and Path(parts[0]).exists()))
-
-
 def _hub_id(name: str) -> bool:
-    """A name the hub may hold (ORG/NAME); any other that does not exist here is a missing path."""
-    return name.count("/") == 1 and not _looks_local(name)
+    """ORG/NAME, which the hub may hold, unless it looks local: it starts with . / ~, ends with / or
+    .json, has a backslash, or its first part exists here. Any other name not here is not found."""
+    return name.count("/") == 1 and not (name.startswith((".", "/", "~")) or name.endswith(("/", ".json"))
+                                         or "\\" in name or Path(name.split("/")[0]).exists())
 
 
 def _not_found(name: str) -> str:
     p = q = Path(name).expanduser()
     while not q.exists() and q != q.parent:
         q = q.parent  # the nearest part of the path that exists
-    hint = "; a hub id is ORG/NAME" if "/" not in name and not _looks_local(name) else ""
+    hint = "; a hub id is ORG/NAME" if "/" not in name and "." not in name else ""  # `gpt2`
     return f"{name}: not found ({q / p.relative_to(q).parts[0]} does not exist{hint})"
 
 
@@ -494,49 +472,36 @@ def _encode(texts: list[str], tokenizer=None) -> list[list[int]]:
 
 
 def _batched(it, n: int):
-    batch = []
-    for x in it:
-        batch.append(x)
-        if len(batch) == n:
-            yield batch
-            batch = []
-    if batch:
+    it = iter(it)
+    while batch := list(itertools.islice(it, n)):
         yield batch
 
 
 def declared_tokens(directory: str | Path) -> dict[str, str]:
-    """bos_token, eos_token and pad_token as a tokenizer directory names them (tokenizer_config.json
-    over special_tokens_map.json; a value may be the token or {"content": token, ...})."""
-    out = {}
-    for name in ("special_tokens_map.json", "tokenizer_config.json"):
-        try:
-            d = json.loads((Path(directory).expanduser() / name).read_text())
-        except (OSError, ValueError):
-            continue
-        for key in ("bos_token", "eos_token", "pad_token") if isinstance(d, dict) else ():
-            v = d.get(key)
-            v = v.get("content") if isinstance(v, dict) else v
-            if isinstance(v, str):
-                out[key] = v
-    return out
+    """bos_token, eos_token and pad_token as a tokenizer directory's tokenizer_config.json names them
+    (a value may be the token or {"content": token, ...})."""
+    try:
+        d = json.loads((Path(directory).expanduser() / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):  # none, or not JSON (transformers would not read it either)
+        return {}
+    d = {k: v.get("content") if isinstance(v, dict) else v for k, v in d.items()} if isinstance(d, dict) else {}
+    return {k: d[k] for k in ("bos_token", "eos_token", "pad_token") if isinstance(d.get(k), str)}
 
 
 def added_around(tokenizer) -> tuple[list[int], list[int]]:
     """The ids the tokenizer's post-processor puts before and after a text (a BOS, an EOS: its
     template), as transformers' tokenizer(text) adds them at inference."""
     e = tokenizer.encode("hello world 0")
-    mask, n = e.special_tokens_mask, len(e.ids)
-    lead = next((i for i, m in enumerate(mask) if not m), n)
-    trail = next((i for i, m in enumerate(reversed(mask)) if not m), 0) if lead < n else 0
-    return e.ids[:lead], e.ids[n - trail:]
+    text = np.flatnonzero(np.array(e.special_tokens_mask) == 0)  # the text's own tokens
+    return (e.ids[:text[0]], e.ids[text[-1] + 1:]) if len(text) else (e.ids, [])
 
 
-def find_eos(tokenizer, name: str | None, where: str, declared: dict | None = None) -> int:
+def find_eos(tokenizer, name: str | None, where: str) -> int:
     """The id of the document separator: `name` (--eos), else the token the post-processor ends a
-    text with, else the directory's eos_token (`declared_tokens`), else the first of EOS_NAMES it has."""
-    after = added_around(tokenizer)[1]
-    names = [name] if name else [*(tokenizer.id_to_token(i) for i in after[-1:]), (declared or {}).get("eos_token"),
-                                 *EOS_NAMES]
+    text with, else the eos_token of the directory `where` (`declared_tokens`), else the first of
+    EOS_NAMES the tokenizer has."""
+    after = [tokenizer.id_to_token(i) for i in added_around(tokenizer)[1][-1:]]
+    names = [name] if name else [*after, declared_tokens(where).get("eos_token"), *EOS_NAMES]
     for n in filter(None, names):
         if (i := tokenizer.token_to_id(n)) is not None:
             return i
@@ -563,9 +528,7 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
     tokenizer = load_tokenizer(tokenizer_dir)
     vocab = tokenizer.get_vocab_size()
     dtype = np.uint16 if vocab <= 65535 else np.uint32
-    tok_dir = Path(tokenizer_dir).expanduser()
-    eos_id = find_eos(tokenizer, eos, tokenizer_dir, declared_tokens(tok_dir) if tok_dir.is_dir() else None)
-    before = added_around(tokenizer)[0]
+    eos_id, before = find_eos(tokenizer, eos, tokenizer_dir), added_around(tokenizer)[0]
     weights = [1.0] * len(inputs) if weights is None else weights
     if len(weights) != len(inputs) or not all(0 < w < math.inf for w in weights):
         raise ValueError(f"--weights: {len(inputs)} numbers > 0 for the {len(inputs)} inputs, got {weights}")
@@ -573,6 +536,7 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out / "tokenizer.json"))
+    tok_dir = Path(tokenizer_dir).expanduser()
     for f in TOKENIZER_FILES[1:] if tok_dir.is_dir() else ():
         if (tok_dir / f).is_file():
             shutil.copyfile(tok_dir / f, out / f)

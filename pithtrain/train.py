@@ -21,14 +21,16 @@ import sys
 import time
 from typing import NamedTuple
 
-STOPPED_EARLY = "pithtrain: stopped by SIGINT before training began; nothing saved"
-if __name__ == "__main__":  # Ctrl-C while the imports below load (seconds): one line, not their traceback
-    def _stopped_early(*_):
-        if os.environ.get("RANK", "0") == "0":
-            print(STOPPED_EARLY, file=sys.stderr, flush=True)
-        raise SystemExit(130)
 
-    signal.signal(signal.SIGINT, _stopped_early)
+def stopped_early(*_):
+    """Ctrl-C before train() takes SIGINT over: one line (rank 0), exit 130, not a traceback."""
+    if os.environ.get("RANK", "0") == "0":
+        print("pithtrain: stopped by SIGINT before training began; nothing saved", file=sys.stderr, flush=True)
+    raise SystemExit(130)
+
+
+if __name__ == "__main__":  # while the imports below load (seconds)
+    signal.signal(signal.SIGINT, stopped_early)
 
 import torch
 from safetensors import SafetensorError
@@ -497,16 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     except Ended as e:  # a notice (128 + its signal's number) or a collective timed out: the line is out
         return e.code
     except KeyboardInterrupt:  # before train() took SIGINT over
-        if rank == 0:
-            print(STOPPED_EARLY, file=sys.stderr)
-        return 130
-    except ConfigError as e:  # every rank meets the same one: rank 0 says it, and torchrun then ends
-        if rank:  # the others while they wait here; one still here met its own (a file only it reads)
-            time.sleep(5)
+        stopped_early()
+    except (ConfigError, CheckpointError) as e:  # every rank meets the same one: rank 0 says it, and torchrun
+        time.sleep(5 if rank else 0)  # ends the others while they wait; one still here met its own (a file only it reads)
         print(f"error: {f'rank {rank}: ' if rank else ''}{e}", file=sys.stderr)
-        return 2
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
         return 2
     except FloatingPointError as e:  # training diverged: the weights and checkpoints stay finite
         print(f"error: {e}", file=sys.stderr)

@@ -432,14 +432,21 @@ def test_other_tasks_dry_run():
 
 def test_export_hf_takes_every_option_of_the_export_module():
     """docs/checkpoints.md's `--dtype float32` was "No idea what '--dtype' is!" through invoke."""
+    import contextlib
     import inspect
+    import io
+    import re
 
     import tasks
-    from pithtrain.checkpoint.export import parser
+    from pithtrain.checkpoint.export import main
 
-    module = {a.dest for a in parser()._actions if a.option_strings and a.dest != "help"}
-    task = set(inspect.signature(tasks.export_hf.body).parameters) - {"c", "gpu", "runtime", "dry_run"}
-    assert module == task == {"ckpt", "out", "dtype", "shard_mb"}
+    usage = io.StringIO()
+    with contextlib.redirect_stdout(usage), pytest.raises(SystemExit):
+        main(["--help"])
+    module = set(re.findall(r"^  --([\w-]+)", usage.getvalue(), re.M)) - {"help"}
+    task = {a.replace("_", "-") for a in inspect.signature(tasks.export_hf.body).parameters} - {
+        "c", "gpu", "runtime", "dry-run"}
+    assert module == task == {"ckpt", "out", "dtype", "shard-mb"}
     r = _invoke("export-hf", "--ckpt=runs/x", "--out=hf", "--dtype=float32", "--shard-mb=64", "--dry-run")
     assert r.stdout.strip() == (f"{sys.executable} -m pithtrain.checkpoint.export --ckpt runs/x --out hf "
                                 "--dtype float32 --shard-mb 64")

@@ -135,18 +135,15 @@ def special_token_ids(ckpt: Path, saved_recipe: dict) -> dict:
     generation_config.json (so that generate stops at the end of a text): the stdlib bytes' BOS 256
     and EOS 257, or from the checkpoint's tokenizer: EOS the one its documents ended with
     (trainer.json), BOS the one its post-processor puts first (prepare-data keeps it), else the
-    declared bos_token, pad the declared pad_token, else EOS. Those there is none of are left out."""
-    tok_file = checkpoint_tokenizer(ckpt, saved_recipe)
-    if tok_file is None:
+    declared bos_token (tokenizer_config.json), pad the declared pad_token, else EOS. Those there is
+    none of are left out."""
+    if (tok_file := checkpoint_tokenizer(ckpt, saved_recipe)) is None:
         return {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": EOS}
-    tok, declared = load_tokenizer(str(tok_file)), declared_tokens(ckpt)
-    data = json.loads((ckpt / TRAINER).read_text()).get("data") or {}
-    before = added_around(tok)[0]
-    ids = {"bos_token_id": before[0] if before else tok.token_to_id(declared.get("bos_token", "")),
-           "eos_token_id": data["eos_id"] if data.get("eos_id") is not None else
-           tok.token_to_id(declared.get("eos_token", "")),
-           "pad_token_id": tok.token_to_id(declared.get("pad_token", ""))}
-    ids["pad_token_id"] = ids["eos_token_id"] if ids["pad_token_id"] is None else ids["pad_token_id"]
+    tok = load_tokenizer(str(tok_file))
+    before, ids = added_around(tok)[0], {f"{k}_id": tok.token_to_id(v) for k, v in declared_tokens(ckpt).items()}
+    eos = (json.loads((ckpt / TRAINER).read_text()).get("data") or {}).get("eos_id")  # what the documents ended with
+    ids = {"bos_token_id": before[0] if before else ids.get("bos_token_id"), "eos_token_id": eos,
+           "pad_token_id": ids.get("pad_token_id", eos)}
     return {k: v for k, v in ids.items() if v is not None}
 
 
@@ -189,8 +186,7 @@ def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SH
     if rank == 0:
         dt = str(dtype).removeprefix("torch.")
         special = special_token_ids(path, saved)
-        (out / "config.json").write_text(json.dumps({**mcfg.to_hf(), **special, "torch_dtype": dt, "dtype": dt},
-                                                    indent=2))
+        (out / "config.json").write_text(json.dumps({**mcfg.to_hf(), **special, "torch_dtype": dt, "dtype": dt}, indent=2))
         (out / "generation_config.json").write_text(json.dumps(special, indent=2))
         if len(shards) > 1:
             meta_state = {key: v for n in state for key, v in fam.native_to_hf(mcfg, n, state[n])}
@@ -218,20 +214,14 @@ def _verify_shared(ckpt: Path, rank: int, world: int):
         raise CheckpointError(error)
 
 
-def parser() -> argparse.ArgumentParser:
-    """The command line (`invoke export-hf` takes the same options: tests/test_appliance.py)."""
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pithtrain.checkpoint.export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="step_N dir, checkpoints dir or run dir")
     p.add_argument("--out", required=True, help="output directory (Hugging Face layout)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the weights' dtype")
     p.add_argument("--shard-mb", type=int, default=SHARD_BYTES >> 20, help="output shard size (MB)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = parser()
-    args = p.parse_args(argv)
+    args = p.parse_args(argv)  # `invoke export-hf` takes every option (tests/test_appliance.py)
     if args.shard_mb < 1:
         p.error("--shard-mb must be >= 1")
     torchrun = int(os.environ.get("WORLD_SIZE", 1)) > 1
