@@ -296,9 +296,8 @@ def build_batches(data_cfg, seq_len: int, global_batch: int, seed: int, hold_out
                            eos=eos, mask_separator=data_cfg.mask_separator_loss, sampler=data_cfg.sampler,
                            align=data_cfg.document_mask)
     held = f"data.val_path {data_cfg.val_path}" if val is not None else "the last 1% held out" if hold_out else "none"
-    sampled = ("random windows, drawn with replacement (data.sampler: random)" if data_cfg.sampler == "random" else
-               f"epochs of {len(batches.starts):,} windows{' of whole documents' * data_cfg.document_mask}, "
-               "each epoch a seeded permutation")
+    sampled = (f"epochs of {len(batches.starts):,} windows{' of whole documents' * data_cfg.document_mask}, each epoch "
+               "a seeded permutation" if data_cfg.sampler == "epochs" else "random windows, drawn with replacement")
     batches.about = f"{about}; validation: {held}; batches: {sampled}"  # the start-up line: what the run trains on
     return batches
 

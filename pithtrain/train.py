@@ -482,8 +482,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="continue from this checkpoint (a step_N dir, or a run dir's newest valid one); "
                         "default: the newest valid checkpoint in log.run_dir, if any")
     g.add_argument("--no-resume", action="store_true", help="start fresh even if log.run_dir has checkpoints")
-    p.add_argument("--check", type=int, metavar="WORLD", help="only resolve and check the recipe for WORLD "
-                   "processes, then exit (invoke train does, before torchrun starts them)")
+    p.add_argument("--check", type=int, metavar="WORLD", help="only check the recipe for WORLD processes (invoke train)")
     args = p.parse_intermixed_args(argv)  # flags may sit between overrides
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe:  # only overrides were given
