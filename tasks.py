@@ -9,7 +9,9 @@
 Runtime. `--gpu` names the hardware and so the image (h100/h200 -> hopper, b200/b300 -> blackwell,
 auto -> ask nvidia-smi) and adds the GPU's recipe overrides (pithtrain/gpus.py).
 With `--gpu`, commands run in that pinned image through the compose files (`--runtime=docker`);
-without it, or when already inside the image, they run here (`--runtime=native`). `--dry-run`
+without it, or when already inside the image, they run here (`--runtime=native`). Either way
+`train --gpu` starts one process per visible GPU (`--nproc` chooses), and natively says how many
+and why, after checking the recipe for that many here. `--dry-run`
 prints the exact commands instead of running them. The command lines themselves are built by
 tools/appliance.py; this file only chooses and runs them.
 
@@ -20,6 +22,7 @@ from its root, which `--dry-run` shows.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -46,7 +49,8 @@ H_DRY = "print the exact commands instead of running them"
 H_MODEL = "embedded recipe name, pithtrain/recipes/<MODEL>.yaml (e.g. gpt-oss-20b)"
 H_RECIPE = "recipe YAML file or embedded recipe name (default: embedded default)"
 H_SET = "override section.key=value (repeatable)"
-H_NPROC = "processes per node (default: 1 native; every visible GPU in docker and for multi-node launch)"
+H_NPROC = ("processes per node (default: every visible GPU with --gpu, in docker and for multi-node launch; "
+           "else 1)")
 
 
 def _py(c, args: str, **kw):
@@ -146,7 +150,7 @@ def _run_trainer(c, lines: list[str], dry_run: bool, echo: bool = True):
     """_emit for train and launch: the last line (the trainer, torchrun or the container) runs in
     its own process group, and SIGTERM, SIGINT and SIGUSR1 sent to this task are passed on to it
     once; the task waits for it (no trainer is left holding the run dir) and exits with its code
-    (after a notice 128 + its number, which the ranks return: torchrun itself returns 1)."""
+    (after a notice 128 + its number, which the ranks return, and NATIVE_TORCHRUN with them)."""
     _emit(c, lines[:-1], dry_run)
     line = lines[-1]
     if dry_run:
@@ -195,14 +199,67 @@ def _python(runtime: str, gpu: str | None, module_args: list[str]) -> list[str]:
     return _in_image(gpu, ["python", *module_args])
 
 
+def _visible_gpus() -> int:
+    """The GPUs this process sees, as torchrun's --nproc-per-node=gpu counts them (torch imported
+    here: a docker host needs none)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _native_procs(nproc: str, gpu: str | None) -> tuple[str, str | None]:
+    """How many trainer processes start here natively, and why (None: nothing was chosen, the
+    plain one-process run without --gpu or --nproc). With --gpu, as in the image: every visible GPU."""
+    if nproc:
+        return nproc, f"--nproc={nproc}"
+    if gpu is None:
+        return "1", None
+    n = _visible_gpus()
+    if n > 1:
+        return str(n), f"--gpu={gpu}: one per visible GPU; --nproc=N for fewer"
+    return "1", f"--gpu={gpu}: {n} GPU visible"
+
+
+def _world(nproc: str, nodes: int = 1) -> int:
+    """The world size torchrun will make of --nproc-per-node (a number, gpu, auto or cpu)."""
+    if nproc.isdigit():
+        n = int(nproc)
+    else:
+        n = _visible_gpus() if nproc in ("gpu", "auto") else 0
+        n = n or os.cpu_count() or 1  # auto and cpu without a GPU: one per core, as torchrun does
+    return n * nodes
+
+
+def _check_recipe(args: list[str], world: int):
+    """Resolve and check the recipe for `world` processes here, before torchrun starts them: a
+    mistake is one line, once, exit 2, not one per rank inside torchrun's traceback."""
+    from pithtrain.train import main as trainer
+
+    code = trainer(["--check", str(world), *args])
+    if code:
+        raise Exit(code=code)
+
+
+@contextlib.contextmanager
+def _starting():
+    """Ctrl-C before the trainer starts (counting GPUs and the recipe check import torch: seconds)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise Exit("invoke: stopped by SIGINT before the trainer started; nothing saved", 130) from None
+
+
+# torchrun here: the trainer's code and words at its end, not torchrun's traceback (tools/appliance.py)
+NATIVE_TORCHRUN = [sys.executable, "-m", "tools.appliance", "torchrun"]
+
+
 def _train_lines(runtime, gpu, args, nproc, multinode=None) -> list[str]:
     if runtime == "native":
         if multinode is None and nproc in ("", "1"):
             return [f"{PY} -m pithtrain.train {shlex.join(args)}".rstrip()]
         # a multi-node launch (compose's default command, inside the image) uses every GPU of the node
         default = "gpu" if multinode is not None else "1"
-        cmd = ap.torchrun(nproc or default, args, multinode, launcher=[sys.executable, "-m",
-                                                                       "torch.distributed.run"])
+        cmd = ap.torchrun(nproc or default, args, multinode, launcher=NATIVE_TORCHRUN)
         return [shlex.join(cmd)]
     cmd = ap.torchrun(nproc or "gpu", args, multinode)
     env = {k: multinode[k] for k in (*ap.MULTINODE_ENV, "RUN_ID")} if multinode else None
@@ -227,11 +284,19 @@ def train(c, recipe="", model="", set=None, gpu="", runtime="", nproc="", dry_ru
     rt = _runtime(runtime, gpu_, dry_run)
     args = ap.train_args(_recipe(recipe, model), gpu_, set or [])
     args += [f"--resume={resume}"] if resume else ["--no-resume"] if no_resume else []
-    if rt == "native" and not dry_run and nproc in ("", "1"):
-        # Exactly the pre-appliance command (README quick start, CI): no echo, same exit code.
-        _run_trainer(c, [f"{PY} -m pithtrain.train {' '.join(shlex.quote(a) for a in args)}"], dry_run, echo=False)
+    if rt == "docker":
+        _run_trainer(c, _train_lines(rt, gpu_, args, nproc), dry_run)
         return
-    _run_trainer(c, _train_lines(rt, gpu_, args, nproc), dry_run)
+    with _starting():
+        n, why = _native_procs(nproc, gpu_)
+        if why:
+            print(f"invoke: {n} process{'' if n == '1' else 'es'} ({why})", file=sys.stderr)
+        if n != "1" and not dry_run:
+            _check_recipe(args, _world(n))
+    if n == "1":  # the plain command (README quick start, CI): no echo, the trainer's exit code
+        _run_trainer(c, [f"{PY} -m pithtrain.train {shlex.join(args)}".rstrip()], dry_run, echo=False)
+        return
+    _run_trainer(c, _train_lines(rt, gpu_, args, n), dry_run)
 
 
 @task(help={"recipe": H_RECIPE, "model": H_MODEL + " (default: $PITHTRAIN_MODEL)", "set": H_SET,
@@ -251,6 +316,9 @@ def launch(c, recipe="", model="", set=None, gpu="", runtime="", nproc="", dry_r
     rt = _runtime(runtime, gpu_, dry_run)
     recipe_ = _recipe(recipe, model) or os.environ.get("PITHTRAIN_MODEL", "")
     args = ap.train_args(recipe_, gpu_, set or [])
+    if rt == "native" and not dry_run:  # torchrun starts here: the recipe is checked first
+        with _starting():
+            _check_recipe(args, _world(nproc or "gpu", int(env["NNODES"])))
     _run_trainer(c, _train_lines(rt, gpu_, args, nproc, multinode=env), dry_run)
 
 
@@ -567,14 +635,18 @@ def sample(c, ckpt, prompt="", tokens=200, temperature=0.8, dry_run=False):
                                      str(tokens), "--temperature", str(temperature)])], dry_run)
 
 
-@task(help={"ckpt": "checkpoint directory written by training",
+@task(help={"ckpt": "checkpoint directory written by training (a step_N dir, checkpoints dir or run dir)",
             "out": "output directory for the Hugging Face model",
+            "dtype": "the weights' dtype: bfloat16 | float32 (default: bfloat16)",
+            "shard_mb": "output shard size in MB (default: the export's)",
             "gpu": H_GPU, "runtime": H_RUNTIME, "dry_run": H_DRY})
-def export_hf(c, ckpt, out, gpu="", runtime="", dry_run=False):
-    """Export a checkpoint as a Hugging Face model directory (safetensors + config)."""
+def export_hf(c, ckpt, out, dtype="", shard_mb=0, gpu="", runtime="", dry_run=False):
+    """Export a checkpoint as a Hugging Face model directory (safetensors, config, tokenizer); the
+    options are python -m pithtrain.checkpoint.export's."""
     gpu_ = _gpu(gpu)
+    extra = (["--dtype", dtype] if dtype else []) + (["--shard-mb", str(shard_mb)] if shard_mb else [])
     _emit(c, _python(_runtime(runtime, gpu_, dry_run), gpu_,
-                     ["-m", "pithtrain.checkpoint.export", "--ckpt", ckpt, "--out", out]), dry_run)
+                     ["-m", "pithtrain.checkpoint.export", "--ckpt", ckpt, "--out", out, *extra]), dry_run)
 
 
 @task(help={"model": H_MODEL, "gpu": H_GPU, "runtime": H_RUNTIME, "dry_run": H_DRY})

@@ -130,6 +130,9 @@ class DataConfig:
     mask_separator_loss: bool = False  # no loss on predicting a document's first token from its separator
     # resume onto shards of another tokenizer than the checkpoint's (refused otherwise: the ids change meaning)
     allow_tokenizer_change: bool = False
+    # epochs: each epoch a seeded permutation of the data's windows (one pass); random: windows drawn
+    # at random starts with replacement (the sampler before epochs)
+    sampler: Literal["epochs", "random"] = "epochs"
 
     def validate(self, err):
         if self.source == "stdlib" and self.path is not None:

@@ -3,13 +3,16 @@ memory-mapped token shards written by `prepare_data` (`invoke prepare-data`).
 
 Batches are a pure function of (seed, step, micro-batch index): the global batch of a step is the
 same whatever the parallel layout, each data-parallel rank takes its rows, and resuming needs only
-the step number (the data-loader position saved in checkpoints).
+the step number (the data-loader position saved in checkpoints). An epoch is one pass over the
+windows of the data, in a seeded permutation (`TokenBatches`, data.sampler).
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -38,12 +41,10 @@ def stdlib_tokens(max_bytes: int) -> np.ndarray:
     files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
     if not files:
         raise RuntimeError(f"no standard-library sources found under {root}")
-    chunks, total = [], 0
+    chunks = []
     for p in files:
-        data = p.read_bytes()
-        chunks.append(np.concatenate([[BOS], np.frombuffer(data, dtype=np.uint8), [EOS]]).astype(np.uint16))
-        total += len(data) + 2
-        if total >= max_bytes:
+        chunks.append(np.concatenate([[BOS], np.frombuffer(p.read_bytes(), dtype=np.uint8), [EOS]]).astype(np.uint16))
+        if sum(map(len, chunks)) >= max_bytes:
             break
     return np.concatenate(chunks)
 
@@ -164,16 +165,26 @@ class ShardedTokens:
 
 
 class TokenBatches:
-    """Random windows of seq_len + 1 tokens. `batch(step)` returns the step's global batch
-    (inputs, labels), each (global_batch, seq_len) int64; callers slice their micro-batch rows
-    (`rows`). Validation (`val_batch`) reads `val_tokens` when given, else the last 1% of tokens
-    when `hold_out` (evaluation on), else there is none. `source` names the data in errors.
-    eos: the document separator; with mask_separator, the label after each one (the next
-    document's first token, predicted from the previous document) carries no loss."""
+    """Windows of seq_len + 1 tokens. `batch(step)` returns the step's global batch (inputs,
+    labels), each (global_batch, seq_len) int64; callers slice their micro-batch rows (`rows`).
+
+    sampler "epochs" (data.sampler, the default): the training tokens are cut into windows once
+    (`windows`), and the batches read the stream of them epoch after epoch, each epoch a
+    permutation seeded by (seed, epoch): step s takes stream items s * global_batch onwards, so a
+    batch is a pure function of (seed, step) and an epoch is one pass over the data, each label
+    position once (prepare-data's mixture weights exactly). With `align` (document masking) a
+    window holds whole documents from a document's first token, padded with separators that carry
+    no loss. sampler "random": each row a window at a random start, drawn with replacement.
+
+    Validation (`val_batch`) reads `val_tokens` when given, else the last 1% of tokens when
+    `hold_out` (evaluation on), else there is none. `source` names the data in errors. eos: the
+    document separator; with mask_separator, the label after each one (the next document's first
+    token, predicted from the previous document) carries no loss."""
 
     def __init__(self, tokens: np.ndarray | ShardedTokens, seq_len: int, global_batch: int, seed: int,
                  source: str = "the token data", hold_out: bool = True, val_tokens=None,
-                 eos: int | None = None, mask_separator: bool = False):
+                 eos: int | None = None, mask_separator: bool = False, sampler: str = "epochs",
+                 align: bool = False):
         n_val = max(seq_len + 1, len(tokens) // 100) if hold_out and val_tokens is None else 0
         if len(tokens) - n_val <= seq_len + 1:  # i.e. fewer than 2 * seq_len + 3 tokens with a hold-out
             need = 2 * seq_len + 3 if n_val else seq_len + 2
@@ -186,20 +197,37 @@ class TokenBatches:
         # validation windows start in [val_lo, val_hi - seq_len - 1] of val (read lazily like training's)
         self.val, self.val_lo = (val_tokens, 0) if val_tokens is not None else (tokens, self.n_train)
         self.val_hi = len(self.val) if val_tokens is not None or n_val else None
-        self.eos, self.mask_separator = eos, mask_separator
+        self.eos, self.mask_separator, self.sampler = eos, mask_separator, sampler
+        self.starts, self.lens = windows(tokens, self.n_train, seq_len, eos if align else None)
+        # epoch -> its permutation of the windows (a batch reads at most two epochs)
+        self._order = functools.lru_cache(2)(lambda e: np.random.default_rng([seed, e]).permutation(len(self.starts)))
 
-    def _windows(self, tokens, starts):
-        rows = np.stack([np.asarray(tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
+    def epochs(self, steps: int) -> float:
+        """Passes over the training data that `steps` steps make (random: tokens drawn / tokens)."""
+        return steps * self.global_batch * (self.seq_len / self.n_train if self.sampler == "random" else 1 / len(self.starts))
+
+    def _windows(self, tokens, starts, lens=None):
+        """Rows of tokens[start : start + seq_len + 1]; a row of length n < seq_len + 1 (`lens`) is
+        padded with separators whose labels are -100."""
+        lens = np.full(len(starts), self.seq_len + 1) if lens is None else lens
+        rows = np.full((len(starts), self.seq_len + 1), self.eos or 0, dtype=np.int64)
+        for r, (s, n) in enumerate(zip(starts, lens)):
+            rows[r, :n] = tokens[int(s):int(s) + int(n)]
         t = torch.from_numpy(rows)
         x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        y[torch.arange(self.seq_len) >= torch.as_tensor(lens)[:, None] - 1] = -100
         if self.mask_separator:
             y[x == self.eos] = -100
         return x, y
 
     def batch(self, step: int):
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, self.n_train - self.seq_len - 1, (self.global_batch,), generator=g)
-        return self._windows(self.tokens, starts.tolist())
+        if self.sampler == "random":
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+            starts = torch.randint(0, self.n_train - self.seq_len - 1, (self.global_batch,), generator=g)
+            return self._windows(self.tokens, starts.tolist())
+        epoch, at = np.divmod(np.arange(step * self.global_batch, (step + 1) * self.global_batch), len(self.starts))
+        w = np.array([self._order(int(e))[a] for e, a in zip(epoch, at)])  # the step's windows
+        return self._windows(self.tokens, self.starts[w], self.lens[w])
 
     def val_batch(self, i: int = 0):
         """The i-th validation batch: the same windows at every evaluation and on every layout."""
@@ -213,6 +241,26 @@ class TokenBatches:
     def documents(self, x_BS: torch.Tensor) -> torch.Tensor:
         """Document index of each input token (for document masking): see document_ids."""
         return document_ids(x_BS, self.eos)
+
+
+def windows(tokens, n: int, seq_len: int, eos: int | None = None, chunk: int = 1 << 26):
+    """(starts, lengths) of an epoch's windows over tokens[:n], in order. Without `eos`: one every
+    seq_len tokens, each seq_len + 1 long (its last token is the next one's first);
+    every position from 1 to the last whole window's end is a label once (the last < seq_len
+    tokens are in none). With `eos` (document masking): a window starts at a document's first
+    token and ends at the last document end it reaches (lengths <= seq_len + 1: the rest is
+    padding); a document longer than a window is cut as above, its next window starting inside it."""
+    if eos is None:
+        return np.arange((n - 1) // seq_len) * seq_len, np.full((n - 1) // seq_len, seq_len + 1)
+    ends = np.unique(np.concatenate([np.flatnonzero(np.asarray(tokens[i:min(i + chunk, n)]) == eos) + i + 1
+                                     for i in range(0, n, chunk)] + [[n]]))  # after each separator, and n
+    starts, lens = [0], []
+    while n - starts[-1] >= 2:  # a window of one token has no label
+        pos, k = starts[-1], np.searchsorted(ends, starts[-1] + seq_len + 1, side="right")
+        cut = not k or ends[k - 1] <= pos + 1  # no document ends inside: a long one, cut (as without eos)
+        lens.append(seq_len + 1 if cut else ends[k - 1] - pos)
+        starts.append(pos + lens[-1] - cut)
+    return np.array(starts[:-1]), np.array(lens)
 
 
 def document_ids(x_BS: torch.Tensor, eos: int) -> torch.Tensor:
@@ -245,9 +293,12 @@ def build_batches(data_cfg, seq_len: int, global_batch: int, seed: int, hold_out
                  f"vocabulary {meta['vocab_size']}, EOS id {eos})")
     val = shard_tokens(data_cfg.val_path) if hold_out and data_cfg.val_path else None
     batches = TokenBatches(tokens, seq_len, global_batch, seed, source, hold_out=hold_out, val_tokens=val,
-                           eos=eos, mask_separator=data_cfg.mask_separator_loss)
+                           eos=eos, mask_separator=data_cfg.mask_separator_loss, sampler=data_cfg.sampler,
+                           align=data_cfg.document_mask)
     held = f"data.val_path {data_cfg.val_path}" if val is not None else "the last 1% held out" if hold_out else "none"
-    batches.about = f"{about}; validation: {held}"  # the start-up line: what the run trains on
+    sampled = (f"epochs of {len(batches.starts):,} windows{' of whole documents' * data_cfg.document_mask}, each epoch "
+               "a seeded permutation" if data_cfg.sampler == "epochs" else "random windows, drawn with replacement")
+    batches.about = f"{about}; validation: {held}; batches: {sampled}"  # the start-up line: what the run trains on
     return batches
 
 
@@ -255,10 +306,10 @@ def tokenizer_of(data_cfg) -> dict:
     """What the run's token ids mean (checkpoints record it; resume compares it): the shards'
     tokenizer fingerprint, EOS and vocabulary, or the stdlib bytes."""
     if data_cfg.source == "stdlib":
-        return {"tokenizer": "stdlib bytes", "tokenizer_sha256": "stdlib-bytes", "eos_id": EOS,
+        return {"tokenizer": "stdlib bytes", "tokenizer_sha256": "stdlib-bytes", "eos_id": EOS, "bos_id": BOS,
                 "vocab_size": DATA_VOCAB_SIZE}
     meta = read_meta(data_cfg.path)
-    return {k: meta.get(k) for k in ("tokenizer", "tokenizer_sha256", "eos_id", "eos", "vocab_size")}
+    return {k: meta.get(k) for k in ("tokenizer", "tokenizer_sha256", "eos_id", "eos", "bos_id", "vocab_size")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,19 +331,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 
 
-def _looks_local(name: str) -> bool:
-    """A path, not a hub id (ORG/NAME): it starts with . / ~, has a backslash or more than one /,
-    ends in .json, or its first part exists here."""
-    parts = Path(name).parts
-    return (name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or name.endswith(".json")
-            or (len(parts) > 1 and Path(parts[0]).exists()))
+def _hub_id(name: str) -> bool:
+    """ORG/NAME, which the hub may hold, unless it looks local: it starts with . / ~, ends with / or
+    .json, has a backslash, or its first part exists here. Any other name not here is not found."""
+    return name.count("/") == 1 and not (name.startswith((".", "/", "~")) or name.endswith(("/", ".json"))
+                                         or "\\" in name or Path(name.split("/")[0]).exists())
 
 
 def _not_found(name: str) -> str:
     p = q = Path(name).expanduser()
     while not q.exists() and q != q.parent:
         q = q.parent  # the nearest part of the path that exists
-    return f"{name}: not found ({q / p.relative_to(q).parts[0]} does not exist)"
+    hint = "; a hub id is ORG/NAME" if "/" not in name and "." not in name else ""  # `gpt2`
+    return f"{name}: not found ({q / p.relative_to(q).parts[0]} does not exist{hint})"
 
 
 def load_tokenizer(name: str):
@@ -307,7 +358,7 @@ def load_tokenizer(name: str):
             raise FileNotFoundError(f"{p}: no tokenizer.json in the tokenizer directory")
     if p.is_file():
         return Tokenizer.from_file(str(p))
-    if _looks_local(name):
+    if not _hub_id(name):
         raise FileNotFoundError(_not_found(name))
     return Tokenizer.from_pretrained(name)
 
@@ -345,7 +396,7 @@ def _iter_source(src: str, text_key: str, split: str):
         return n, _iter_jsonl(p, text_key)
     if p.is_file() and p.suffix == ".txt":
         return 1, iter([p.read_bytes().decode("utf-8", errors="replace")])
-    if not p.exists() and (_looks_local(src) or src.count("/") != 1):  # a hub id is ORG/NAME
+    if not p.exists() and not _hub_id(src):
         raise FileNotFoundError(_not_found(src))
     import datasets  # the data extra: pip install 'pithtrain[data]'
 
@@ -420,19 +471,37 @@ def _encode(texts: list[str], tokenizer=None) -> list[list[int]]:
 
 
 def _batched(it, n: int):
-    batch = []
-    for x in it:
-        batch.append(x)
-        if len(batch) == n:
-            yield batch
-            batch = []
-    if batch:
+    it = iter(it)
+    while batch := list(itertools.islice(it, n)):
         yield batch
 
 
+def declared_tokens(directory: str | Path) -> dict[str, str]:
+    """bos_token, eos_token and pad_token as a tokenizer directory's tokenizer_config.json names them
+    (a value may be the token or {"content": token, ...})."""
+    try:
+        d = json.loads((Path(directory).expanduser() / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):  # none, or not JSON (transformers would not read it either)
+        return {}
+    d = {k: v.get("content") if isinstance(v, dict) else v for k, v in d.items()} if isinstance(d, dict) else {}
+    return {k: d[k] for k in ("bos_token", "eos_token", "pad_token") if isinstance(d.get(k), str)}
+
+
+def added_around(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer's post-processor puts before and after a text (a BOS, an EOS: its
+    template), as transformers' tokenizer(text) adds them at inference."""
+    e = tokenizer.encode("hello world 0")
+    text = np.flatnonzero(np.array(e.special_tokens_mask) == 0)  # the text's own tokens
+    return (e.ids[:text[0]], e.ids[text[-1] + 1:]) if len(text) else (e.ids, [])
+
+
 def find_eos(tokenizer, name: str | None, where: str) -> int:
-    """The id of the document separator: `name` (--eos), else the first of EOS_NAMES the tokenizer has."""
-    for n in [name] if name else EOS_NAMES:
+    """The id of the document separator: `name` (--eos), else the token the post-processor ends a
+    text with, else the eos_token of the directory `where` (`declared_tokens`), else the first of
+    EOS_NAMES the tokenizer has."""
+    after = [tokenizer.id_to_token(i) for i in added_around(tokenizer)[1][-1:]]
+    names = [name] if name else [*after, declared_tokens(where).get("eos_token"), *EOS_NAMES]
+    for n in filter(None, names):
         if (i := tokenizer.token_to_id(n)) is not None:
             return i
     special = ", ".join(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
@@ -446,8 +515,10 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
                  split: str = "train", batch_docs: int = 256, eos: str | None = None,
                  weights: list[float] | None = None) -> dict:
     """Tokenize documents (see above) with a Hugging Face tokenizer (a directory with
-    tokenizer.json, the file, or a hub id), each followed by the EOS token (`eos`, else the first
-    of EOS_NAMES it has; none is an error), into shards of about shard_tokens_max tokens.
+    tokenizer.json, the file, or a hub id) into shards of about shard_tokens_max tokens. A
+    document is what the tokenizer makes of its text, its post-processor's tokens included (a BOS
+    before it, as at inference), ending with the EOS token once (`find_eos`; none is an error):
+    appended unless the post-processor already put it last.
     weights: how many times each input's documents are written (_weighted); meta.json's "inputs"
     records each one's documents and tokens. The tokenizer files are saved beside the shards and
     meta.json records its fingerprint, so training can check it (train.init_from, resume)."""
@@ -456,7 +527,7 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
     tokenizer = load_tokenizer(tokenizer_dir)
     vocab = tokenizer.get_vocab_size()
     dtype = np.uint16 if vocab <= 65535 else np.uint32
-    eos_id = find_eos(tokenizer, eos, tokenizer_dir)
+    eos_id, before = find_eos(tokenizer, eos, tokenizer_dir), added_around(tokenizer)[0]
     weights = [1.0] * len(inputs) if weights is None else weights
     if len(weights) != len(inputs) or not all(0 < w < math.inf for w in weights):
         raise ValueError(f"--weights: {len(inputs)} numbers > 0 for the {len(inputs)} inputs, got {weights}")
@@ -497,7 +568,7 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
             n_docs = n_tokens = 0
             for batch in encoded:
                 for ids in batch:
-                    buf.append(np.asarray(ids + [eos_id], dtype=np.int64))
+                    buf.append(np.asarray(ids if ids[-1:] == [eos_id] else ids + [eos_id], dtype=np.int64))
                     buf_tokens += len(buf[-1])
                     n_tokens += len(buf[-1])
                     if buf_tokens >= shard_tokens_max:
@@ -514,7 +585,9 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
         raise ValueError("no documents found in the inputs")
     meta = {"dtype": np.dtype(dtype).name, "vocab_size": vocab, "tokenizer": str(tokenizer_dir),
             "tokenizer_sha256": tokenizer_fingerprint(tokenizer), "eos_id": eos_id,
-            "eos": tokenizer.id_to_token(eos_id), "documents": sum(i["documents"] for i in per_input),
+            "eos": tokenizer.id_to_token(eos_id), "bos_id": before[0] if before else None,
+            "bos": tokenizer.id_to_token(before[0]) if before else None,
+            "documents": sum(i["documents"] for i in per_input),
             "inputs": per_input, "files": files}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     return meta
@@ -523,9 +596,10 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
 def summary(meta: dict, out: str) -> str:
     """prepare-data's last lines: documents, tokens, shards, vocabulary, EOS (and each input's share)."""
     tokens = sum(f["tokens"] for f in meta["files"])
+    bos = f"BOS {meta['bos']!r} (id {meta['bos_id']}, its post-processor's)" if meta.get("bos") else "no BOS"
     lines = [f"prepare-data: {meta['documents']:,} documents, {tokens:,} tokens in {len(meta['files'])} "
              f"shard(s) ({meta['dtype']}) -> {out}; vocabulary {meta['vocab_size']:,}, EOS {meta['eos']!r} "
-             f"(id {meta['eos_id']}); tokenizer {meta['tokenizer']} (sha256 {meta['tokenizer_sha256'][:12]})"]
+             f"(id {meta['eos_id']}), {bos}; tokenizer {meta['tokenizer']} (sha256 {meta['tokenizer_sha256'][:12]})"]
     if len(meta["inputs"]) > 1:
         lines += [f"  {i['input']}: {i['documents']:,} documents (x{i['weight']:g}), {i['tokens']:,} tokens "
                   f"({100 * i['tokens'] / tokens:.1f}%)" for i in meta["inputs"]]

@@ -387,7 +387,7 @@ def refusal(cfg: Config, result: dict, world_size: int) -> str:
         hints.append(f"a smaller train.micro_batch_size (now {cfg.train.micro_batch_size})")
     if not cfg.parallel.auto:
         hints.append("parallel: auto (it adds pipeline stages when needed)")
-    hints.append(f"more GPUs than {world_size}")
+    hints.append(f"more GPUs than {world_size} (invoke train --nproc N: one process per GPU)")
     return (f"{cfg.source}: parallel: the memory plan does not fit: {describe(result)}, over by "
             f"{over:.1f} GiB (`invoke plan` shows each part); try {', or '.join(hints)}")
 

@@ -25,6 +25,17 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+
+def stopped_early(*_):
+    """Ctrl-C before train() takes SIGINT over: one line (rank 0), exit 130, not a traceback."""
+    if os.environ.get("RANK", "0") == "0":
+        print("pithtrain: stopped by SIGINT before training began; nothing saved", file=sys.stderr, flush=True)
+    raise SystemExit(130)
+
+
+if __name__ == "__main__":  # while the imports below load (seconds)
+    signal.signal(signal.SIGINT, stopped_early)
+
 import torch
 import torch.distributed as dist
 
@@ -95,15 +106,15 @@ def collapse_watch(m, n: int = 3):
 
 
 def summary_line(cfg: Config, history: list[dict], batches, global_batch: int, wall_s: float) -> str:
-    """The run's last line: steps, tokens seen, epochs of the data, final loss and validation loss,
-    wall time, and the checkpoint to resume (or export) from."""
+    """The run's last line: steps, tokens seen, passes over the training data (`TokenBatches.epochs`),
+    final loss and validation loss, wall time, and the checkpoint to resume (or export) from."""
     t = cfg.train
     seen = t.steps * global_batch * t.seq_len
     loss = f"{history[-1]['loss']:.4f}" if history else "-"
     val = next((f"{r['val_loss']:.4f}" for r in reversed(history) if "val_loss" in r), "-")
     kept = step_dirs(checkpoints_dir(cfg.log.run_dir))
     return (f"pithtrain: done: {t.steps} steps ({len(history)} in this process), {seen / 1e6:.2f}M tokens seen "
-            f"({seen / batches.n_train:.2f} epochs of {batches.n_train / 1e6:.2f}M), loss {loss}, val_loss {val}, "
+            f"({batches.epochs(t.steps):.2f} epochs of {batches.n_train / 1e6:.2f}M), loss {loss}, val_loss {val}, "
             f"{wall_s:.0f} s; checkpoint {kept[0] if kept else 'none (checkpoint.final is false)'}")
 
 
@@ -418,20 +429,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="continue from this checkpoint (a step_N dir, or a run dir's newest valid one); "
                         "default: the newest valid checkpoint in log.run_dir, if any")
     g.add_argument("--no-resume", action="store_true", help="start fresh even if log.run_dir has checkpoints")
+    p.add_argument("--check", type=int, metavar="WORLD", help="only check the recipe for WORLD processes (invoke train)")
     args = p.parse_intermixed_args(argv)  # flags may sit between overrides
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe:  # only overrides were given
         recipe, overrides = None, [recipe, *overrides]
+    rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(recipe, overrides)
+        if args.check:  # parallel: auto's layout (no memory plan off the GPU; rank -1: silent), then the world size
+            check_launch(cfg, torch.device("cpu"), args.check, rank=-1)
+            ParallelDims.from_config(cfg, args.check, rank=0)
+            return 0
         train(cfg, resume=False if args.no_resume else (args.resume or True))
     except Ended as e:  # a notice (128 + its signal's number) or a collective timed out: the line is out
         return e.code
     except KeyboardInterrupt:  # before train() took SIGINT over
-        print("pithtrain: stopped by SIGINT before training began; nothing saved", file=sys.stderr)
-        return 130
-    except (ConfigError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        stopped_early()
+    except (ConfigError, CheckpointError) as e:  # every rank meets the same one: rank 0 says it, and torchrun
+        time.sleep(5 if rank else 0)  # ends the others while they wait; one still here met its own (a file only it reads)
+        print(f"error: {f'rank {rank}: ' if rank else ''}{e}", file=sys.stderr)
         return 2
     except FloatingPointError as e:  # training diverged: the weights and checkpoints stay finite
         print(f"error: {e}", file=sys.stderr)
@@ -440,4 +457,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # main() and train() take Ctrl-C from here
     sys.exit(main())

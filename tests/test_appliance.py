@@ -304,7 +304,7 @@ def test_train_is_native_without_gpu_and_inside_the_image():
     r = _invoke("train", "--set=train.steps=5", "--dry-run")
     assert r.stdout.strip() == f"{sys.executable} -m pithtrain.train train.steps=5"
     r = _invoke("train", "--gpu=h200", "--nproc=2", "--dry-run", env={"PITHTRAIN_TARGET": "hopper"})
-    assert r.stdout.strip() == (f"{sys.executable} -m torch.distributed.run --nproc-per-node=2 "
+    assert r.stdout.strip() == (f"{sys.executable} -m tools.appliance torchrun --nproc-per-node=2 "
                                 "--standalone -m pithtrain.train train.device=cuda "
                                 "train.dtype=bfloat16")
     r = _invoke("train", "--runtime=docker", "--dry-run")
@@ -360,14 +360,14 @@ def test_launch_multinode_dry_run():
     r = _invoke("launch", "--runtime=native", "--nproc=8", "--dry-run",
                 env={**MULTINODE, "PITHTRAIN_TARGET": "hopper", "PITHTRAIN_MODEL": "m",
                      "PITHTRAIN_GPU": "h200"})
-    assert r.stdout.strip() == (f"{sys.executable} -m torch.distributed.run --nproc-per-node=8 "
+    assert r.stdout.strip() == (f"{sys.executable} -m tools.appliance torchrun --nproc-per-node=8 "
                                 "--nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=node0:29500 "
                                 "--rdzv-id=pithtrain --rdzv-conf=is_host=true -m pithtrain.train "
                                 "m train.device=cuda train.dtype=bfloat16")
     # ...and without --nproc (compose's command) every GPU of the node, not one process per node
     r = _invoke("launch", "--runtime=native", "--dry-run",
                 env={**MULTINODE, "PITHTRAIN_TARGET": "hopper", "PITHTRAIN_GPU": "h200"})
-    assert r.stdout.startswith(f"{sys.executable} -m torch.distributed.run --nproc-per-node=gpu --nnodes=2 ")
+    assert r.stdout.startswith(f"{sys.executable} -m tools.appliance torchrun --nproc-per-node=gpu --nnodes=2 ")
 
 
 def test_launch_names_every_missing_variable():
@@ -429,6 +429,28 @@ def test_other_tasks_dry_run():
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 3 and "log.every=1" in lines[1] and lines[2].endswith("metrics.jsonl")
     assert "python -m tools.appliance check-loss runs/validate/default-" in lines[2]
+
+
+def test_export_hf_takes_every_option_of_the_export_module():
+    """docs/checkpoints.md's `--dtype float32` was "No idea what '--dtype' is!" through invoke."""
+    import contextlib
+    import inspect
+    import io
+    import re
+
+    import tasks
+    from pithtrain.checkpoint.export import main
+
+    usage = io.StringIO()
+    with contextlib.redirect_stdout(usage), pytest.raises(SystemExit):
+        main(["--help"])
+    module = set(re.findall(r"^  --([\w-]+)", usage.getvalue(), re.M)) - {"help"}
+    task = {a.replace("_", "-") for a in inspect.signature(tasks.export_hf.body).parameters} - {
+        "c", "gpu", "runtime", "dry-run"}
+    assert module == task == {"ckpt", "out", "dtype", "shard-mb"}
+    r = _invoke("export-hf", "--ckpt=runs/x", "--out=hf", "--dtype=float32", "--shard-mb=64", "--dry-run")
+    assert r.stdout.strip() == (f"{sys.executable} -m pithtrain.checkpoint.export --ckpt runs/x --out hf "
+                                "--dtype float32 --shard-mb 64")
 
 
 def test_every_task_argument_has_help():

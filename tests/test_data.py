@@ -18,6 +18,7 @@ from pithtrain.data import (
     rows,
     shard_tokens,
     stdlib_tokens,
+    windows,
 )
 
 
@@ -43,6 +44,89 @@ def test_batches_are_deterministic_and_shifted():
     assert not torch.equal(b.batch(4)[0], x1)
     xv, _ = b.val_batch()
     assert xv.shape == (4, 32)
+
+
+def _label_positions(b: TokenBatches, steps: range) -> list[int]:
+    """The token positions the labels of these steps' batches cover (tokens are their positions)."""
+    ys = torch.cat([b.batch(s)[1] for s in steps]).flatten()
+    return ys[ys != -100].tolist()
+
+
+@pytest.mark.quick
+def test_an_epoch_is_one_pass_over_the_windows_in_a_seeded_order():
+    """The sampler drew windows with replacement: at "1.21 epochs" 29.5% of the positions had never
+    been in a batch. Now an epoch covers every window position once (the last partial window's
+    tokens in none), each epoch in its own order, a function of (seed, step) alone."""
+    S, G, n = 16, 8, 2003
+    t = np.arange(n, dtype=np.uint16)
+    b = TokenBatches(t, S, G, seed=3, hold_out=False)
+    W = len(b.starts)
+    assert W == (n - 1) // S == 125 and b.epochs(W) == G
+    stream = torch.cat([b.batch(s)[1] for s in range(2 * W // G + 1)])  # past two epochs (W is not a multiple of G)
+    first, second = stream[:W], stream[W:2 * W]
+    for epoch in (first, second):
+        assert sorted(epoch.flatten().tolist()) == list(range(1, W * S + 1))  # each label position once
+    assert not torch.equal(first, second) and not torch.equal(first[:, 0], torch.arange(W) * S + 1)  # shuffled
+    again = TokenBatches(t, S, G, seed=3, hold_out=False)  # a resumed run: no history, the same batch
+    assert all(torch.equal(again.batch(s)[0], b.batch(s)[0]) for s in (2 * W // G, 0, 17))
+    assert not torch.equal(TokenBatches(t, S, G, seed=4, hold_out=False).batch(0)[0], b.batch(0)[0])
+    # the sampler before, named: random starts, with replacement
+    old = TokenBatches(t, S, G, seed=3, hold_out=False, sampler="random")
+    g = torch.Generator().manual_seed(3 * 1_000_003 + 5)
+    starts = torch.randint(0, n - S - 1, (G,), generator=g)
+    assert torch.equal(old.batch(5)[0], torch.stack([torch.arange(s, s + S) for s in starts.tolist()]))
+    assert old.epochs(100) == pytest.approx(100 * G * S / n)
+
+
+@pytest.mark.quick
+def test_document_masking_windows_hold_whole_documents_and_cover_each_position_once():
+    """With document masking a window starts at a document's first token and stops at the last
+    document end it reaches (padded, no loss), but for a document longer than a window, which
+    continues in the next; over an epoch every position is a label once, but a document's first token
+    where it starts a window (predicting it from the previous document's separator: no loss there)."""
+    rng = np.random.default_rng(0)
+    S, eos, lengths = 32, 1, rng.integers(2, 90, 60)  # documents shorter and longer than a window
+    t = np.arange(2, 2 + lengths.sum(), dtype=np.uint16)
+    t[np.cumsum(lengths) - 1] = eos  # each document ends with its separator
+    starts, lens = windows(t, len(t), S, eos)
+    assert starts[0] == 0 and (lens <= S + 1).all()
+    for i, (s, n) in enumerate(zip(starts, lens)):
+        w = t[s:s + n]
+        # a document's first token, or inside one longer than a window: the previous window is cut, full
+        assert i == 0 or t[s - 1] == eos or (lens[i - 1] == S + 1 and starts[i - 1] + S == s)
+        # it ends with a document's separator (or the data), or it holds no document end: cut
+        assert w[-1] == eos or s + n == len(t) or (n == S + 1 and not (w[:-1] == eos).any())
+    assert sum(t[s - 1] != eos for s in starts[1:]) > 5  # long documents were cut
+    firsts = set(starts.tolist())
+    labels = sorted(p for s, n in zip(starts, lens) for p in range(s + 1, s + n))
+    assert labels == [p for p in range(1, len(t)) if not (p in firsts and t[p - 1] == eos)]  # a cut: in both
+    b = TokenBatches(t, S, 4, seed=0, hold_out=False, eos=eos, align=True)
+    W = len(b.starts)
+    x, y = map(torch.cat, zip(*[b.batch(i) for i in range(-(-W // 4))]))
+    assert sorted(y[:W][y[:W] != -100].tolist()) == sorted(int(t[p]) for p in labels)  # one epoch: each once
+    assert ((x == eos) | (y != -100)).all()  # padding is separators, and carries no loss
+
+
+def test_one_epoch_honours_prepare_datas_mixture_weights(tmp_path, tokenizer_dir):
+    """--weights 2,1: one epoch's labels hold each input's tokens as meta.json counts them (to
+    within the part of one window the epoch leaves out)."""
+    from tokenizers import Tokenizer
+
+    a, b_ = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(json.dumps({"text": "hello " * (i % 5 + 1)}) for i in range(40)))
+    b_.write_text("\n".join(json.dumps({"text": "world " * (i % 3 + 1)}) for i in range(60)))
+    meta = prepare_data([str(a), str(b_)], str(tokenizer_dir), str(tmp_path / "o"), progress=False,
+                        weights=[2.0, 1.0])
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    hello, world = (tok.encode(w).ids[0] for w in ("hello", " world"))
+    S, G = 16, 4
+    b = TokenBatches(shard_tokens(tmp_path / "o"), S, G, seed=1, hold_out=False)
+    W = len(b.starts)
+    y = torch.cat([b.batch(i)[1] for i in range(-(-W // G))])[:W]
+    whole = np.asarray(shard_tokens(tmp_path / "o")[:])
+    for word in (hello, world):
+        assert int((whole == word).sum()) - S <= int((y == word).sum()) <= int((whole == word).sum())
+    assert meta["inputs"][0]["documents"] == 80
 
 
 @pytest.mark.quick
@@ -276,6 +360,25 @@ def test_a_run_on_a_small_vocabulary_trains_and_exports_with_its_checkpoints_tok
     assert export_main(["--ckpt", str(tmp_path / "run3"), "--out", str(tmp_path / "hf3")]) == 0
     assert "export: no tokenizer: the run trained on stdlib bytes" in capsys.readouterr().out
     assert not (tmp_path / "hf3/tokenizer.json").exists()
+    # the special ids travel in config.json and generation_config.json (generate stops at EOS): the bytes'
+    special = {"bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 257}
+    assert json.loads((tmp_path / "hf3/generation_config.json").read_text()) == special
+    assert special.items() <= json.loads((tmp_path / "hf3/config.json").read_text()).items()
+
+
+@pytest.mark.quick
+def test_special_token_ids_of_an_export_come_from_the_checkpoints_tokenizer(tmp_path):
+    """A tokenizer whose post-processor puts <s> first and declares <pad>: BOS, the run's EOS and pad."""
+    from pithtrain.checkpoint.export import special_token_ids
+
+    ckpt = _templated_tokenizer(tmp_path / "ckpt", "<s> $A </s>", {"pad_token": "<pad>"})
+    (ckpt / "trainer.json").write_text(json.dumps({"data": {"eos_id": 1}}))
+    shards = {"data": {"source": "shards"}}
+    assert special_token_ids(ckpt, shards) == {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 3}
+    (ckpt / "tokenizer_config.json").unlink()  # no pad declared: EOS pads; no BOS added: none
+    _templated_tokenizer(tmp_path / "t2", "$A </s>")
+    (ckpt / "tokenizer.json").write_bytes((tmp_path / "t2/tokenizer.json").read_bytes())
+    assert special_token_ids(ckpt, shards) == {"eos_token_id": 1, "pad_token_id": 1}
 
 
 def _shard_bytes(d):
@@ -456,7 +559,7 @@ def test_prepare_data_mixes_inputs_by_weight_and_ends_with_a_summary(tmp_path, t
     n_a = sum(len(tok.encode(t).ids) + 1 for t in want[:8])
     out = capsys.readouterr().out.splitlines()
     assert out == [f"prepare-data: 10 documents, {len(ids)} tokens in 1 shard(s) (uint16) -> {tmp_path / 'o'}; "
-                   f"vocabulary {tok.get_vocab_size()}, EOS '<|endoftext|>' (id {eos}); tokenizer {tokenizer_dir} "
+                   f"vocabulary {tok.get_vocab_size()}, EOS '<|endoftext|>' (id {eos}), no BOS; tokenizer {tokenizer_dir} "
                    f"(sha256 {json.loads((tmp_path / 'o/meta.json').read_text())['tokenizer_sha256'][:12]})",
                    f"  {a}: 8 documents (x2), {n_a} tokens ({100 * n_a / len(ids):.1f}%)",
                    f"  {b}: 2 documents (x0.5), {len(ids) - n_a} tokens ({100 - 100 * n_a / len(ids):.1f}%)"]
@@ -492,7 +595,8 @@ def test_a_tokenizer_without_a_known_end_of_text_token_needs_eos(tmp_path, capsy
 
 
 @pytest.mark.parametrize("name, missing", [("./tok", "tok"), ("data/tok", "data/tok"), ("a/b/tokenizer.json", "a"),
-                                           ("tok.json", "tok.json"), ("~/no/such/tok", "~/no")])
+                                           ("tok.json", "tok.json"), ("~/no/such/tok", "~/no"), ("tokk/", "tokk"),
+                                           ("tokk", "tokk")])
 def test_a_tokenizer_name_that_looks_like_a_path_never_goes_to_the_hub(tmp_path, monkeypatch, name, missing):
     """A mistyped local path was taken for a hub id (25 s of retries, then "check your connection"):
     one line now names the part of the path that is missing. ORG/NAME still goes to the hub."""
@@ -513,10 +617,58 @@ def test_a_tokenizer_name_that_looks_like_a_path_never_goes_to_the_hub(tmp_path,
     with pytest.raises(FileNotFoundError) as e:
         load_tokenizer(name)
     home = str(Path("~").expanduser())
-    assert str(e.value).replace(home, "~") == f"{name}: not found ({missing} does not exist)" and asked == []
+    hint = "; a hub id is ORG/NAME" if name == "tokk" else ""  # a bare name: the hub's are ORG/NAME
+    assert str(e.value).replace(home, "~") == f"{name}: not found ({missing} does not exist{hint})" and asked == []
     assert load_tokenizer("org/name") == "from the hub" and asked == ["org/name"]
     with pytest.raises(FileNotFoundError, match=r"data/corpus: not found \(data/corpus does not exist\)"):
         _iter_source("data/corpus", "text", "train")  # was streamed from the hub as a dataset id
+
+
+def _templated_tokenizer(d: Path, single: str, config: dict | None = None) -> Path:
+    """A byte-level BPE with <s>, </s> and <|endoftext|> whose post-processor is the template `single`
+    (e.g. "<s> $A </s>": what many hub tokenizers add to every text), saved in directory d."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["hello world 0 one two"] * 20, trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<s>", "</s>", "<|endoftext|>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if single:
+        tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=[("<s>", 0), ("</s>", 1)])
+    d.mkdir()
+    tok.save(str(d / "tokenizer.json"))
+    if config:
+        (d / "tokenizer_config.json").write_text(json.dumps(config))
+    return d
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("single, config, bos, eos", [
+    ("<s> $A </s>", None, "<s>", "</s>"),  # was <s> text </s></s>
+    ("$A </s>", None, None, "</s>"),  # was text </s></s>
+    ("<s> $A", {"eos_token": {"content": "<|endoftext|>"}}, "<s>", "<|endoftext|>"),  # the directory names its EOS
+    ("", None, None, "</s>")])  # no post-processor: the first of EOS_NAMES it has
+def test_a_document_ends_with_one_eos_and_keeps_the_tokenizers_bos(tmp_path, single, config, bos, eos, capsys):
+    """prepare-data reads the post-processor: its BOS stays (inference's tokenizer(text) adds it too),
+    and its EOS is the separator, never doubled; meta.json and the summary say which."""
+    from tokenizers import Tokenizer
+
+    from pithtrain.data import main
+    tok_dir = _templated_tokenizer(tmp_path / "tok", single, config)
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    texts = ["hello world", "one two 0", "hello"]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    assert main(["--inputs", str(tmp_path / "a.jsonl"), "--tokenizer", str(tok_dir), "--out", str(tmp_path / "o"),
+                 "--num-proc", "1"]) == 0
+    meta = json.loads((tmp_path / "o/meta.json").read_text())
+    ids = np.asarray(shard_tokens(tmp_path / "o")[:]).tolist()
+    b, e = tok.token_to_id(bos) if bos else None, tok.token_to_id(eos)
+    want = [i for t in texts for i in [b] * (b is not None) + tok.encode(t, add_special_tokens=False).ids + [e]]
+    assert ids == want and ids.count(e) == len(texts)
+    assert (meta["bos_id"], meta["bos"], meta["eos_id"], meta["eos"]) == (b, bos, e, eos)
+    said = f"BOS {bos!r} (id {b}, its post-processor's)" if bos else "no BOS"
+    assert f"EOS {eos!r} (id {e}), {said}; tokenizer" in capsys.readouterr().out
 
 
 def test_data_path_with_the_stdlib_source_is_refused():

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pithtrain.config import load_config
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = "docs/data.md"  # where the walkthrough lives (its first ```bash block)
 # Added to the doc's `invoke train` line: a tiny model for a few seconds on two cores.
@@ -91,9 +93,13 @@ def test_the_docs_data_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys
     cmds = doc_commands()
     assert [c[:2] for c in cmds] == [["invoke", "prepare-data"], ["invoke", "train"], ["invoke", "sample"],
                                      ["invoke", "export-hf"]], cmds
-    ckpt = str(work / "runs" / "default")  # sample and export run elsewhere: the run dir named from there
+    # the walkthrough's run has a directory of its own: the Quick start's (the default recipe's) holds a
+    # stdlib-bytes run, onto which this one would not resume
+    run_dir = next(w.split("=", 1)[1] for w in cmds[1] if w.startswith("log.run_dir="))
+    assert run_dir != load_config(None).log.run_dir and [c[c.index("--ckpt") + 1] for c in cmds[2:]] == [run_dir] * 2
+    ckpt = str(work / run_dir)  # sample and export run elsewhere: the run dir named from there
     cmds[1] += [f"--set={o}" for o in TINY]
-    cmds[2:] = [[ckpt if w == "runs/default" else w for w in c] for c in cmds[2:]]
+    cmds[2:] = [[ckpt if w == run_dir else w for w in c] for c in cmds[2:]]
     prepare, train, sample, export = translate(cmds)
     assert [prepare[0], train[0], sample[0], export[0]] == ["pithtrain.data", "pithtrain.train", "pithtrain.sample",
                                                             "pithtrain.checkpoint.export"]
@@ -105,13 +111,16 @@ def test_the_docs_data_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys
                      r"sha256 [0-9a-f]{12}, vocabulary 300, EOS id 0\); validation: the last 1% held out", out), out
     assert "pithtrain: model.vocab_size: auto -> 320 (data/train/meta.json vocab_size 300" in out
     assert re.search(r"pithtrain: done: 4 steps \(4 in this process\), [\d.]+M tokens seen \([\d.]+ epochs of "
-                     r"[\d.]+M\), loss [\d.]+, val_loss [\d.]+, \d+ s; checkpoint runs/default/checkpoints/step_4", out)
+                     rf"[\d.]+M\), loss [\d.]+, val_loss [\d.]+, \d+ s; checkpoint {run_dir}/checkpoints/step_4", out)
 
     # From another directory, on the checkpoint alone (its recipe's data.path is relative to `work`)
     prompt = sample[sample.index("--prompt") + 1]
     assert run(sample, elsewhere, monkeypatch, capsys).startswith(prompt)
     assert "export: tokenizer from" in run(export, elsewhere, monkeypatch, capsys)
     hf = elsewhere / export[export.index("--out") + 1]
+    eos = tok.token_to_id("<|endoftext|>")  # the separator; the BPE's post-processor adds no BOS
+    assert transformers.GenerationConfig.from_pretrained(hf).eos_token_id == eos
+    assert {"eos_token_id": eos, "pad_token_id": eos}.items() <= json.loads((hf / "config.json").read_text()).items()
     theirs_tok = transformers.AutoTokenizer.from_pretrained(hf)
     assert theirs_tok(prompt).input_ids == tok.encode(prompt).ids and theirs_tok.eos_token == "<|endoftext|>"
     from pithtrain.checkpoint.export import load_checkpoint_model
@@ -122,7 +131,6 @@ def test_the_docs_data_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys
 
     # ... and train.init_from takes the export with its tokenizer: the shards' fingerprint matches it,
     # and shards without a tokenizer.json (made by hand) get the checkpoint's into the run's checkpoints
-    from pithtrain.config import load_config
     from pithtrain.train import train
     bare = tmp_path / "bare"
     shutil.copytree(work / "data" / "train", bare)

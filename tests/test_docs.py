@@ -1,5 +1,6 @@
 """The documents stand alone and agree with the tree: no citation of a file outside the repository,
-AGENTS.md's map names every module, and CI runs exactly the README's Quick start."""
+AGENTS.md's map names every module, CI runs exactly the README's Quick start, and the memory-plan
+tables of docs/parallelism.md are what `python -m pithtrain.plan` prints."""
 
 import re
 import shlex
@@ -8,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.quick  # cheap, and a doc edit's inner loop
 ROOT = Path(__file__).resolve().parent.parent
 # Documents that live outside the repository: the sibling shared/ folder and its BENCH/STYLE/DESIGN.
 OUTSIDE_RE = re.compile(r"\bshared/|\b(?:BENCH|STYLE|DESIGN)\.md\b|\bDESIGN/STYLE\b")
@@ -21,6 +21,7 @@ def repo_files(*paths: str) -> list[str]:
     return sorted(set(r.stdout.split()))
 
 
+@pytest.mark.quick  # cheap, and a doc edit's inner loop
 def test_docs_and_code_cite_only_the_repository():
     files = repo_files("pithtrain", "tools", "scripts", "skills", "docs", "tasks.py", "README.md", "AGENTS.md")
     assert "pithtrain/bench.py" in files and "README.md" in files
@@ -29,6 +30,7 @@ def test_docs_and_code_cite_only_the_repository():
     assert hits == [], "cite docs/bench.md or AGENTS.md's rules instead:\n" + "\n".join(hits)
 
 
+@pytest.mark.quick  # cheap, and a doc edit's inner loop
 def test_agents_md_maps_every_module_and_document():
     text = (ROOT / "AGENTS.md").read_text()
     files = [f for f in repo_files("pithtrain", "docs")
@@ -37,6 +39,7 @@ def test_agents_md_maps_every_module_and_document():
     assert [f for f in files if f"`{f}`" not in text] == []
 
 
+@pytest.mark.quick  # cheap, and a doc edit's inner loop
 def test_readme_is_a_front_page_that_points_at_every_doc():
     """At most 250 lines (the manual is docs/, one file per concern), and every docs file is named."""
     readme = (ROOT / "README.md").read_text()
@@ -44,6 +47,7 @@ def test_readme_is_a_front_page_that_points_at_every_doc():
     assert [f for f in repo_files("docs") if f.endswith(".md") and f"`{f}`" not in readme] == []
 
 
+@pytest.mark.quick  # cheap, and a doc edit's inner loop
 def test_ci_runs_exactly_the_readme_quick_start():
     readme = (ROOT / "README.md").read_text()
     quick = re.search(r"^## Quick start\n\n```bash\n(.*?)^```", readme, re.S | re.M)[1].splitlines()
@@ -73,6 +77,7 @@ def code_spans(text: str) -> list[str]:
     return [ln for b in blocks for ln in b.splitlines()] + [" ".join(s.split()) for s in re.findall(r"`([^`]+)`", rest)]
 
 
+@pytest.mark.quick  # cheap, and a doc edit's inner loop
 def test_every_path_the_docs_name_exists():
     missing = []
     for doc in DOCS:
@@ -106,6 +111,7 @@ def _module_file(module: str) -> Path | None:
     return path if path.is_file() else ROOT / module.replace(".", "/") / "__main__.py"
 
 
+@pytest.mark.quick  # cheap, and a doc edit's inner loop
 def test_every_command_the_docs_show_exists_with_its_options():
     """`invoke TASK --opt`: the task and each option exist in tasks.py; `python -m pithtrain.X --opt`
     and `python path.py --opt`: the module or script exists and names the option."""
@@ -144,4 +150,82 @@ def test_every_command_the_docs_show_exists_with_its_options():
                         bad.append(f"{doc}: `{cmd.strip()}`: no script {words[1]}")
                         continue
                     bad += [f"{doc}: `{cmd.strip()}`: {words[1]} has no {o}" for o in opts if o not in src.read_text()]
+    assert bad == [], "\n".join(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/parallelism.md's tables: every row whose first cell is `--model ...` is run through
+# `python -m pithtrain.plan ... --json` (its main, in this process) and each cell it quotes compared.
+
+
+def _table_rows(text: str):
+    """(header cells, row cells) of every markdown table row whose first cell quotes plan arguments."""
+    header = None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+        elif set(line) - set("|- ") and (m := re.match(r"`(--model [^`]+)`", cells[0])):
+            yield header, cells, m[1]
+
+
+def _plan_json(args: str) -> dict:
+    import contextlib
+    import io
+    import json
+
+    from pithtrain.plan import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        main([*shlex.split(args), "--json"])  # exit 1 for a plan that does not fit: its JSON is printed
+    return json.loads(out.getvalue())
+
+
+def _cell_problems(column: str, cell: str, r: dict, row: dict) -> list[str]:
+    """What a cell of `column` says that the plan `r` does not (numbers as the cell rounds them)."""
+    def num(x: float, text: str) -> bool:
+        return text == f"{x:.{len(text.split('.')[1]) if '.' in text else 0}f}"
+
+    nums = re.findall(r"\d+(?:\.\d+)?", cell)
+    pred = r.get("prediction") or {}
+    gib = 2 ** 30
+    if "layout" in column:
+        said = dict(re.findall(r"\b(pp|dp|fsdp|cp|ep)=(\d+)", cell))
+        have = {k: str(v) for k, v in r["layout"].items() if v > 1}
+        return [] if said == have or (cell.startswith("all 1") and not have) else [f"layout {have}"]
+    if column.startswith("peak"):
+        ok = num(r["peak_gib"], nums[0]) and (" of " not in cell or num(r["usable_gib"], nums[1]))
+        return [] if ok else [f"peak {r['peak_gib']:.1f} of {r['usable_gib']:.1f}"]
+    if column == "fits":
+        return [] if cell == ("yes" if r["fits"] else "no") else [f"fits {r['fits']}"]
+    if column.startswith("FSDP bytes"):
+        t = r["ranks"][0]["fsdp_bytes_per_step"]
+        ok = cell == "-" if not t["float32"] else num(t["float32"] / gib, nums[0]) and num(t["policy"] / gib, nums[1])
+        return [] if ok else [f"FSDP {t['float32'] / gib:.1f} -> {t['policy'] / gib:.1f}"]
+    if column.startswith("step s"):
+        want = (pred["step_s"], pred["parts_s"]["compute"], pred["parts_s"]["all_to_all"])
+        ok = all(num(x, t) for x, t in zip(want, nums, strict=True))
+        return [] if ok else ["step {:.2f} ({:.2f} / {:.2f})".format(*want)]
+    if column.startswith("predicted tokens/s"):
+        return [] if num(pred["tokens_per_s_per_gpu"] / 1e3, nums[0]) else [
+            f"predicted {pred['tokens_per_s_per_gpu'] / 1e3:.1f}K"]
+    if column == "ratio":
+        peer = float(re.findall(r"\d+(?:\.\d+)?", row["published peer"])[0])
+        return [] if num(pred["tokens_per_s_per_gpu"] / 1e3 / peer, cell) else ["ratio"]
+    return []
+
+
+def test_parallelism_tables_are_what_the_plan_prints():
+    """The memory-plan tables had drifted from the code (60.9 / 65.8 GiB where `invoke plan` said 67.0 /
+    68.9; GPT-OSS on B200 fsdp=8 ep=8 80.3 GiB where it picked fsdp=8 ep=2 at 96.4)."""
+    bad, rows = [], list(_table_rows((ROOT / "docs" / "parallelism.md").read_text()))
+    assert len(rows) >= 16  # three tables
+    for header, cells, args in rows:
+        r, row = _plan_json(args), dict(zip(header, cells))
+        bad += [f"`{args}` {col}: the doc says {cell!r}, the plan {p}" for col, cell in row.items()
+                for p in _cell_problems(col, cell, r, row)]
     assert bad == [], "\n".join(bad)

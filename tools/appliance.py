@@ -3,6 +3,7 @@
     invoke train --gpu=b200 --model=gpt-oss-20b --dry-run   # prints what tasks.py would run
     python tools/appliance.py manifest --out FILE            # run by the image build (stdlib + yaml)
     python -m tools.appliance check-loss runs/x/metrics.jsonl  # from the repository root
+    python -m tools.appliance torchrun --nproc-per-node=2 --standalone -m pithtrain.train  # invoke train --nproc=2
 
 Plain functions that build argument lists; tasks.py prints or runs them. This file must stay
 importable on its own (the Dockerfiles copy it alone into the image to write the manifest), so it
@@ -400,6 +401,37 @@ def count_lines(root: str | Path) -> dict[str, int]:
     return counts
 
 
+def run_torchrun(argv: list[str]) -> int:
+    """torchrun (torch.distributed.run) that ends in the ranks' own words: a signal it passed on,
+    or a rank that failed, ends it with that code (a notice 128 + its number, a config error 2)
+    and without its traceback and failure table; the ranks said what happened (rank 0 a config
+    error, the stop line of a notice). A rank killed by a signal, which says nothing, gets a line."""
+    import signal
+
+    def early(*_):  # Ctrl-C while torch loads: no rank has started
+        print("torchrun: stopped by SIGINT before the ranks started; nothing saved", file=sys.stderr)
+        raise SystemExit(130)
+
+    signal.signal(signal.SIGINT, early)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the agent installs its own
+    try:
+        run(parse_args(argv))
+    except SignalException as e:
+        return 128 + e.sigval
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.exitcode >= 0:
+            return failure.exitcode
+        print(f"torchrun: rank {rank} ({failure.hostname}, pid {failure.pid}) was killed by "
+              f"{failure.signal_name()}", file=sys.stderr)
+        return 128 - failure.exitcode
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Entry point
 
@@ -414,6 +446,11 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--out", default=str(MANIFEST))
     c = sub.add_parser("check-loss", help="PASS/FAIL on a metrics.jsonl: finite and decreasing")
     c.add_argument("metrics")
+    sub.add_parser("torchrun", help="torchrun ARGS..., ending with the failed rank's code and no traceback "
+                   "(invoke train's and launch's native launcher)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["torchrun"]:  # every later argument is torchrun's
+        return run_torchrun(argv[1:])
     args = p.parse_args(argv)
     if args.cmd == "manifest":
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

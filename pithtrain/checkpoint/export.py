@@ -14,7 +14,8 @@ every rank knows every file name and the index before any read). Host memory: on
 tensor (read) and its converted copy, whatever the shard size. Under torchrun rank r writes
 shards r, r + world, ...
 The tokenizer files come from the checkpoint (it carries the shards' tokenizer.json); a run on the
-stdlib bytes has none and says so; a shards checkpoint without one is an error.
+stdlib bytes has none and says so; a shards checkpoint without one is an error. config.json and
+generation_config.json carry the BOS / EOS / pad ids (`special_token_ids`), so generate stops at EOS.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from pithtrain.checkpoint.dcp import (
 )
 from pithtrain.checkpoint.hf import SHARD_BYTES, state_for_export
 from pithtrain.config import ConfigError, config_from_dict
-from pithtrain.data import TOKENIZER_FILES
+from pithtrain.data import BOS, EOS, TOKENIZER_FILES, added_around, declared_tokens, load_tokenizer
 from pithtrain.models import FAMILIES, build_model
 
 
@@ -137,6 +138,23 @@ def copy_tokenizer(ckpt: Path, saved_recipe: dict, out: Path) -> str:
     return f"tokenizer from {ckpt} ({', '.join(copied)}{made})"
 
 
+def special_token_ids(ckpt: Path, saved_recipe: dict) -> dict:
+    """bos_token_id / eos_token_id / pad_token_id of the run's ids, for config.json and
+    generation_config.json (so that generate stops at the end of a text): the stdlib bytes' BOS 256
+    and EOS 257, or from the checkpoint's tokenizer: EOS the one its documents ended with
+    (trainer.json), BOS the one its post-processor puts first (prepare-data keeps it), else the
+    declared bos_token (tokenizer_config.json), pad the declared pad_token, else EOS. Those there is
+    none of are left out."""
+    if (tok_file := checkpoint_tokenizer(ckpt, saved_recipe)) is None:
+        return {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": EOS}
+    tok = load_tokenizer(str(tok_file))
+    before, ids = added_around(tok)[0], {f"{k}_id": tok.token_to_id(v) for k, v in declared_tokens(ckpt).items()}
+    eos = (json.loads((ckpt / TRAINER).read_text()).get("data") or {}).get("eos_id")  # what the documents ended with
+    ids = {"bos_token_id": before[0] if before else ids.get("bos_token_id"), "eos_token_id": eos,
+           "pad_token_id": ids.get("pad_token_id", eos)}
+    return {k: v for k, v in ids.items() if v is not None}
+
+
 @torch.no_grad()
 def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SHARD_BYTES) -> Path:
     """Write `ckpt` (verified) as a Hugging Face checkpoint into `out`; every rank calls it."""
@@ -175,7 +193,9 @@ def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SH
         dist.barrier()
     if rank == 0:
         dt = str(dtype).removeprefix("torch.")
-        (out / "config.json").write_text(json.dumps({**mcfg.to_hf(), "torch_dtype": dt, "dtype": dt}, indent=2))
+        special = special_token_ids(path, saved)
+        (out / "config.json").write_text(json.dumps({**mcfg.to_hf(), **special, "torch_dtype": dt, "dtype": dt}, indent=2))
+        (out / "generation_config.json").write_text(json.dumps(special, indent=2))
         if len(shards) > 1:
             meta_state = {key: v for n in state for key, v in fam.native_to_hf(mcfg, n, state[n])}
             weight_map = {key: names[i] for i, s in enumerate(shards) for n in s
@@ -207,9 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="step_N dir, checkpoints dir or run dir")
     p.add_argument("--out", required=True, help="output directory (Hugging Face layout)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the weights' dtype")
     p.add_argument("--shard-mb", type=int, default=SHARD_BYTES >> 20, help="output shard size (MB)")
-    args = p.parse_args(argv)
+    args = p.parse_args(argv)  # `invoke export-hf` takes every option (tests/test_appliance.py)
     if args.shard_mb < 1:
         p.error("--shard-mb must be >= 1")
     torchrun = int(os.environ.get("WORLD_SIZE", 1)) > 1
