@@ -204,7 +204,8 @@ class TokenBatches:
 
     def epochs(self, steps: int) -> float:
         """Passes over the training data that `steps` steps make (random: tokens drawn / tokens)."""
-        return steps * self.global_batch * (self.seq_len / self.n_train if self.sampler == "random" else 1 / len(self.starts))
+        per_row = self.seq_len / self.n_train if self.sampler == "random" else 1 / len(self.starts)
+        return steps * self.global_batch * per_row
 
     def _windows(self, tokens, starts, lens=None):
         """Rows of tokens[start : start + seq_len + 1]; a row of length n < seq_len + 1 (`lens`) is

@@ -46,6 +46,7 @@ from pithtrain.config import Config, ConfigError, load_config
 from pithtrain.data import build_batches, rows
 from pithtrain.distributed import pipeline
 from pithtrain.distributed.context_parallel import split_batch
+from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.distributed.reductions import all_sum, any_rank, balance_after_step, clip_coef, grad_norm, scale_grads_
 from pithtrain.kernels import fp8_linear
 from pithtrain.metrics import StartupTimer, StepLog, check_finite, flops_per_token, memory_gb, param_counts, peak_tflops
@@ -429,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="continue from this checkpoint (a step_N dir, or a run dir's newest valid one); "
                         "default: the newest valid checkpoint in log.run_dir, if any")
     g.add_argument("--no-resume", action="store_true", help="start fresh even if log.run_dir has checkpoints")
-    p.add_argument("--check", type=int, metavar="WORLD", help="only check the recipe for WORLD processes (invoke train)")
+    p.add_argument("--check", type=int, metavar="WORLD",
+                   help="only check the recipe for WORLD processes (invoke train)")
     args = p.parse_intermixed_args(argv)  # flags may sit between overrides
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe:  # only overrides were given
@@ -437,8 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(recipe, overrides)
-        if args.check:  # parallel: auto's layout (no memory plan off the GPU; rank -1: silent), then the world size
-            check_launch(cfg, torch.device("cpu"), args.check, rank=-1)
+        if args.check:  # parallel: auto's layout (no memory plan off the GPU), then the world size
+            cfg, _ = plan.resolve(cfg, args.check)
             ParallelDims.from_config(cfg, args.check, rank=0)
             return 0
         train(cfg, resume=False if args.no_resume else (args.resume or True))
@@ -447,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before train() took SIGINT over
         stopped_early()
     except (ConfigError, CheckpointError) as e:  # every rank meets the same one: rank 0 says it, and torchrun
-        time.sleep(5 if rank else 0)  # ends the others while they wait; one still here met its own (a file only it reads)
+        # ends the others while they wait; one still here met its own (a file only it reads)
+        time.sleep(5 if rank else 0)
         print(f"error: {f'rank {rank}: ' if rank else ''}{e}", file=sys.stderr)
         return 2
     except FloatingPointError as e:  # training diverged: the weights and checkpoints stay finite

@@ -559,7 +559,8 @@ def test_prepare_data_mixes_inputs_by_weight_and_ends_with_a_summary(tmp_path, t
     n_a = sum(len(tok.encode(t).ids) + 1 for t in want[:8])
     out = capsys.readouterr().out.splitlines()
     assert out == [f"prepare-data: 10 documents, {len(ids)} tokens in 1 shard(s) (uint16) -> {tmp_path / 'o'}; "
-                   f"vocabulary {tok.get_vocab_size()}, EOS '<|endoftext|>' (id {eos}), no BOS; tokenizer {tokenizer_dir} "
+                   f"vocabulary {tok.get_vocab_size()}, EOS '<|endoftext|>' (id {eos}), no BOS; "
+                   f"tokenizer {tokenizer_dir} "
                    f"(sha256 {json.loads((tmp_path / 'o/meta.json').read_text())['tokenizer_sha256'][:12]})",
                    f"  {a}: 8 documents (x2), {n_a} tokens ({100 * n_a / len(ids):.1f}%)",
                    f"  {b}: 2 documents (x0.5), {len(ids) - n_a} tokens ({100 - 100 * n_a / len(ids):.1f}%)"]

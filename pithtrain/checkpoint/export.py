@@ -194,7 +194,8 @@ def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SH
     if rank == 0:
         dt = str(dtype).removeprefix("torch.")
         special = special_token_ids(path, saved)
-        (out / "config.json").write_text(json.dumps({**mcfg.to_hf(), **special, "torch_dtype": dt, "dtype": dt}, indent=2))
+        hf_config = {**mcfg.to_hf(), **special, "torch_dtype": dt, "dtype": dt}
+        (out / "config.json").write_text(json.dumps(hf_config, indent=2))
         (out / "generation_config.json").write_text(json.dumps(special, indent=2))
         if len(shards) > 1:
             meta_state = {key: v for n in state for key, v in fam.native_to_hf(mcfg, n, state[n])}
