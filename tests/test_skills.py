@@ -299,18 +299,60 @@ def git_copy(dst: Path) -> Path:
     return commit_as_main(dst)
 
 
-def rules(repo: Path) -> list[str]:
+def rules(repo: Path, base: str = "main") -> list[str]:
     from pithtrain.models import FAMILIES
-    return check_variant.rule_problems(repo, FAMILIES, "main")
+    return check_variant.rule_problems(repo, FAMILIES, base)
 
 
 def test_add_moe_variant_rules_cli():
-    ok = script("add-moe-variant/check_variant.py", "--rules-only", "--set", "model.top_k=1")
-    assert verdict(ok) == "PASS" and "architecture rules: 0 problem(s)" in ok.stdout, ok.stdout
     bad = script("add-moe-variant/check_variant.py", "--rules-only", "--set", "model.no_such_field=1", "--base",
                  "no-such-revision")
     assert verdict(bad) == "FAIL" and "model.no_such_field is not a field of Qwen3MoeConfig" in bad.stdout
     assert "git cannot read pithtrain/ at 'no-such-revision'" in bad.stdout
+    assert "shared-code base: --base no-such-revision (its merge base with HEAD)" in bad.stdout
+
+
+def test_the_judge_says_which_base_it_used_and_fails_on_the_tree_itself(tmp_path):
+    """After committing a variant on main (no upstream), merge-base with main is the tree itself:
+    the base is then the commit before the one that added the --set field; with nothing to go by
+    (a field main always had) the rule FAILs saying so, instead of comparing the tree with itself.
+    A clone's upstream branch comes first; with the field uncommitted, HEAD is the base."""
+    repo = git_copy(tmp_path / "repo")
+    first = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+    def base(root, *sets):
+        rev, how = check_variant.choose_base(root, list(sets))
+        return how, rules(root, rev)
+
+    how, problems = base(repo, "model.top_k=1")
+    assert how.endswith("HEAD's merge base with main"), how
+    assert len(problems) == 1 and "is this tree itself: pithtrain/ has not changed since it" in problems[0]
+    family = repo / "pithtrain" / "models" / "qwen3_moe.py"
+    add_field(family, "probe_switch: bool = False")
+    git(repo, "commit", "-qam", "variant, committed on main")
+    how, problems = base(repo, "model.probe_switch=true")
+    assert how.startswith(f"{first[:10]}, the last commit before model.probe_switch was added (in "), how
+    assert problems == []
+    add_field(family, "probe_two: int = 0")  # uncommitted: HEAD is the base
+    how, problems = base(repo, "model.probe_two=1")
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert how.startswith(head[:10]) and problems == [], how
+    clone = tmp_path / "clone"
+    git(tmp_path, "clone", "-q", str(repo), str(clone))
+    add_field(clone / "pithtrain" / "models" / "qwen3_moe.py", "probe_three: int = 0")
+    git(clone, "commit", "-qam", "a variant on the clone's main")
+    how, problems = base(clone, "model.probe_three=1")
+    assert how.endswith("where HEAD left its upstream origin/main") and problems == [], how
+    assert "printed first as `shared-code base:`" in VARIANT_SKILL.read_text()  # the skill names the line
+
+
+def add_field(family: Path, line: str) -> None:
+    """`line` after the last field of the family's config dataclass (the first class with fields)."""
+    src = family.read_text()
+    config = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef)
+                  and any(isinstance(m, ast.AnnAssign) for m in n.body))
+    last = [n for n in config.body if isinstance(n, ast.AnnAssign)][-1]
+    family.write_text(splice(src, last.end_lineno + 1, last.end_lineno, f"    {line}\n"))
 
 
 def test_add_moe_variant_rules_keep_shared_code_shared(tmp_path):
@@ -319,7 +361,7 @@ def test_add_moe_variant_rules_keep_shared_code_shared(tmp_path):
     both places named) and a package over the budget; model code importing torch.distributed too."""
     repo = git_copy(tmp_path / "repo")
     models = repo / "pithtrain" / "models"
-    assert rules(repo) == []
+    assert ["is this tree itself" in p for p in rules(repo)] == [True]  # nothing changed yet
     (models / "sparse.py").write_text('"""A shared block two families import."""\n\n\ndef block_mask(n):\n'
                                       '    return [[j <= i for j in range(n)] for i in range(n)]\n')
     common = models / "common.py"

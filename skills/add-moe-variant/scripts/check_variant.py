@@ -16,10 +16,14 @@ Stages, in order (--fail-fast stops at the first that fails; --rules-only runs t
                          or names it as a config key: model.<field> (an override, a ConfigError message) or
                          <field>= (a keyword argument)
           shared-code    the change copies no code: no run of DUP_LINES code lines (blank, comment, docstring
-                         and import lines aside) appears more often in pithtrain/ than it did where HEAD
-                         branched from --base (git merge-base; default main), committed work included. A
-                         copied family file or a block pasted into two families FAILs, with both places
-                         named; a new shared file under models/ is welcome
+                         and import lines aside) appears more often in pithtrain/ than it did at the base,
+                         committed work included. A copied family file or a block pasted into two families
+                         FAILs, with both places named; a new shared file under models/ is welcome. The
+                         base (printed first): --base REV's merge base with HEAD; else the first of these
+                         whose pithtrain/ differs from the tree: where HEAD left its upstream branch, HEAD's
+                         merge base with main, the last commit before the one that added the --set field
+                         (HEAD while it is uncommitted). A base whose pithtrain/ equals the tree (e.g. after
+                         committing on main with nothing else to go by) FAILs: nothing would be compared
           budget         pithtrain/ stays under BUDGET code lines (tools/appliance.py count_lines, `invoke
                          stats`); family files keep the pointer to the shape-suffix legend
   effect  the variant must act: the family's default tiny model is built twice, without and with the
@@ -161,6 +165,37 @@ def repeated_runs(lines: dict[str, list[tuple[int, str]]]) -> collections.Counte
     return runs
 
 
+def choose_base(root: Path, sets: list[str], given: str | None = None) -> tuple[str, str]:
+    """(git revision, how it was chosen) the shared-code rule compares with. --base, as given (its
+    merge base with HEAD). Else the first of these whose pithtrain/ differs from the tree: where
+    HEAD left its upstream branch, HEAD's merge base with main, the last commit before the one that
+    added a --set model.X field under pithtrain/models/ (HEAD while the field is uncommitted).
+    None differs: the last, and copy_problems FAILs it as the tree itself."""
+    def git(*args: str) -> str | None:
+        r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    if given:
+        return given, f"--base {given} (its merge base with HEAD)"
+    upstream = git("rev-parse", "--abbrev-ref", "--symbolic-full-name", "@{upstream}")
+    candidates = [(upstream and git("merge-base", "HEAD", upstream), f"where HEAD left its upstream {upstream}"),
+                  (git("merge-base", "HEAD", "main"), "HEAD's merge base with main")]
+    for f in [s.split("=", 1)[0].removeprefix("model.") for s in sets if s.startswith("model.")]:
+        # the oldest commit whose diff adds or removes a line `<field>:` (a dataclass field)
+        commits = (git("log", "--format=%H", f"-G^[[:space:]]*{f}[[:space:]]*:", "--", "pithtrain/models") or "").split()
+        candidates.append((git("rev-parse", "--verify", "-q", f"{commits[-1]}^"),
+                           f"the last commit before model.{f} was added (in {commits[-1][:10]})") if commits else
+                          (git("rev-parse", "HEAD"), f"HEAD: model.{f} is in no commit yet"))
+    candidates = [(rev, how) for rev, how in candidates if rev] or [("HEAD", "HEAD")]
+    now = tree_sources(root)
+    rev, how = next(((rev, how) for rev, how in candidates if base_sources(root, rev) != now), candidates[-1])
+    return rev, f"{rev[:10]}, {how}"
+
+
+def tree_sources(root: Path) -> dict[str, str]:
+    return {str(f.relative_to(root)): f.read_text() for f in sorted((root / "pithtrain").rglob("*.py"))}
+
+
 def base_sources(root: Path, base: str) -> dict[str, str] | None:
     """pithtrain/**/*.py where HEAD branched from git revision `base` (their merge base; `base`
     itself when there is none), or None when git cannot read it."""
@@ -185,10 +220,15 @@ def base_sources(root: Path, base: str) -> dict[str, str] | None:
 def copy_problems(root: Path, base: str) -> list[str]:
     """Runs of code lines that occur more often now than at `base`: code the change copied."""
     then = base_sources(root, base)
+    base = base[:10] if re.fullmatch(r"[0-9a-f]{40}", base) else base  # as the messages name it
     if then is None:
         return [f"shared-code: git cannot read pithtrain/ at {base!r} in {root} (pass --base REV, the "
                 "commit your change starts from)"]
-    now = {str(f.relative_to(root)): f.read_text() for f in sorted((root / "pithtrain").rglob("*.py"))}
+    now = tree_sources(root)
+    if now == then:
+        return [f"shared-code: the base ({base}) is this tree itself: pithtrain/ has not changed since it, so "
+                "the rule would compare the tree with itself and find nothing. Pass --base REV, the commit "
+                "your change starts from"]
     lines = {path: code_lines(text) for path, text in now.items()}
     changed = [path for path in set(now) | set(then) if now.get(path) != then.get(path)]
     after = repeated_runs(lines)  # before: the same, with the changed files as they were
@@ -460,14 +500,17 @@ def main(argv=None) -> int:
     p.add_argument("--rules-only", action="store_true", help="static rules only (no model, no training, no tests)")
     p.add_argument("--no-validate", action="store_true", help="rules and effect only (seconds), not validate.py")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first stage that fails")
-    p.add_argument("--base", default="main", help="git revision the change branched from (shared-code rule: their merge base)")
+    p.add_argument("--base", help="git revision the change started from (shared-code rule: its merge base with HEAD; "
+                                  "default: the upstream branch, else the commit before the --set field was added)")
     args = p.parse_args(argv)
 
     from pithtrain.models import FAMILIES
 
     if args.family not in FAMILIES:
         sys.exit(f"error: unknown family {args.family!r} (families: {', '.join(FAMILIES)})")
-    problems = rule_problems(ROOT, FAMILIES, args.base) + override_problems(ROOT, args.family, args.set, FAMILIES)
+    base, how = choose_base(ROOT, args.set, args.base)
+    problems = rule_problems(ROOT, FAMILIES, base) + override_problems(ROOT, args.family, args.set, FAMILIES)
+    print(f"shared-code base: {how}")
     print(f"architecture rules: {len(problems)} problem(s)")
     for msg in problems:
         print(f"  problem: {msg}")
