@@ -543,45 +543,55 @@ def apply_worked_example(repo: Path) -> None:
     src = splice(src, node.lineno, node.end_lineno, ast.unparse(node) + "\n")
     family.write_text(src)
     cfg_py = repo / "pithtrain" / "config.py"
-    text = cfg_py.read_text()
-    node = next(n for n in ast.parse(text).body if isinstance(n, ast.Assign) and n.targets[0].id == "RECIPE_MODEL_FIELDS")
-    fields = ast.literal_eval(node.value) + (worked_example_field(),)
-    cfg_py.write_text(splice(text, node.lineno, node.end_lineno, f"RECIPE_MODEL_FIELDS = {fields!r}\n"))
+    node, fields = recipe_fields(cfg_py)
+    cfg_py.write_text(splice(cfg_py.read_text(), node.lineno, node.end_lineno,
+                             f"RECIPE_MODEL_FIELDS = {fields + (worked_example_field(),)!r}\n"))
     (repo / "tests" / "test_topk_mass.py").write_text(test)
 
 
+def recipe_fields(cfg_py: Path) -> tuple:
+    node = next(n for n in ast.parse(cfg_py.read_text()).body
+                if isinstance(n, ast.Assign) and n.targets[0].id == "RECIPE_MODEL_FIELDS")
+    return node, ast.literal_eval(node.value)
+
+
 def test_worked_example_applies_after_unrelated_edits_to_its_neighbours(tmp_path):
-    """The lines the example sits next to change (a comment on init_std, a field after it, a
-    reworded head_dim check, the balance line, a new recipe-owned field): it still applies, each
-    edit where the skill says, and RECIPE_MODEL_FIELDS keeps the new field."""
+    """The structure the example sits next to changes as an earlier variant would change it (a
+    comment on the config's last field and a field after it, a check at the end of `validate`, a
+    line at the end of `MoE.__init__`, a recipe-owned field): it still applies, each edit where the
+    skill says, whatever the config's fields are and in whatever order. No source line is matched."""
     repo = tmp_path / "repo"
     (repo / "pithtrain" / "models").mkdir(parents=True)
     (repo / "tests").mkdir()
     family, cfg_py = repo / "pithtrain" / "models" / "qwen3_moe.py", repo / "pithtrain" / "config.py"
     src = (ROOT / "pithtrain" / "models" / "qwen3_moe.py").read_text()
-    for old, new in (("    init_std: float = 0.02\n", "    init_std: float = 0.02  # hub: initializer_range\n"
-                                                      "    probe_window: int = 0\n"),
-                     ("must be even for RoPE", "must be even (RoPE rotates pairs)"),
-                     ("  # loss, selection bias, load (balance.py)", "")):
-        assert src.count(old) == 1, old
-        src = src.replace(old, new)
+    fields = [n.target.id for n in member(ast.parse(src), "Qwen3MoeConfig").body if isinstance(n, ast.AnnAssign)]
+    last = [n for n in member(ast.parse(src), "Qwen3MoeConfig").body if isinstance(n, ast.AnnAssign)][-1]
+    src = splice(src, last.end_lineno, last.end_lineno,
+                 src.splitlines()[last.end_lineno - 1] + "  # a comment an earlier variant left\n")
+    family.write_text(src)
+    add_field(family, "probe_window: int = 0")
+    src = family.read_text()
+    end = member(ast.parse(src), "Qwen3MoeConfig", "validate").body[-1].end_lineno
+    src = splice(src, end + 1, end, '        if self.probe_window < 0:\n            err("probe_window", "must be >= 0")\n')
+    end = member(ast.parse(src), "MoE", "__init__").body[-1].end_lineno
+    src = splice(src, end + 1, end, "        self.probe_window = cfg.probe_window\n")
     family.write_text(src)
     text = (ROOT / "pithtrain" / "config.py").read_text()
-    text, n = re.subn(r'^(RECIPE_MODEL_FIELDS = \(.*)\)$', r'\1, "probe_window")', text, flags=re.M)
-    assert n == 1
-    cfg_py.write_text(text)
+    node, recipe = recipe_fields(ROOT / "pithtrain" / "config.py")
+    cfg_py.write_text(splice(text, node.lineno, node.end_lineno, f"RECIPE_MODEL_FIELDS = {recipe + ('probe_window',)!r}\n"))
     apply_worked_example(repo)
     tree, field = ast.parse(family.read_text()), worked_example_field()
     config = member(tree, "Qwen3MoeConfig")
-    assert [n.target.id for n in config.body if isinstance(n, ast.AnnAssign)][-2:] == ["probe_window", field]
-    assert f"self.{field}" in ast.unparse(member(tree, "Qwen3MoeConfig", "validate").body[-1])
-    assert f"self.{field} = cfg.{field}" in ast.unparse(member(tree, "MoE", "__init__"))
+    assert [n.target.id for n in config.body if isinstance(n, ast.AnnAssign)] == fields + ["probe_window", field]
+    assert [f"self.{f}" in ast.unparse(member(tree, "Qwen3MoeConfig", "validate").body[i])
+            for i, f in ((-2, "probe_window"), (-1, field))] == [True, True]
+    init = [ast.unparse(n) for n in member(tree, "MoE", "__init__").body]
+    assert init.index("self.probe_window = cfg.probe_window") < init.index(f"self.{field} = cfg.{field}")
     assert "keep_top_mass" in ast.unparse(member(tree, "MoE", "route"))
     assert [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))].index("keep_top_mass") == \
            [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))].index("MoE") - 1
-    recipe = next(n for n in ast.parse(cfg_py.read_text()).body
-                  if isinstance(n, ast.Assign) and n.targets[0].id == "RECIPE_MODEL_FIELDS")
-    assert ast.literal_eval(recipe.value)[-2:] == ("probe_window", field)
+    assert recipe_fields(cfg_py)[1] == recipe + ("probe_window", field)
 
 
 def test_add_moe_variant_worked_example_as_written_passes_the_judge(tmp_path):
