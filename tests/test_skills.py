@@ -458,6 +458,22 @@ def test_effect_names_the_tensors_the_variant_initialises_itself():
     assert torch.equal(model.state_dict()["embed_tokens.weight"], state["embed_tokens.weight"])
 
 
+def test_effect_table_of_a_variant_with_new_tensors_that_does_not_route(monkeypatch):
+    """Attention biases (zero at init): the logits and the shared tensors' gradients equal the
+    base's, the new tensors' gradients do not. The table gives them a finite relative size (it
+    said inf for any variant with tensors of its own) and hides the routing columns: nothing routes
+    differently."""
+    monkeypatch.setattr(check_variant, "SEEDS", (0,))
+    monkeypatch.setattr(check_variant, "ROUTER_SCALES", (1.0, 8.0))
+    ok, lines = check_variant.effect("qwen3_moe", ["model.attention_bias=true"])
+    text = "\n".join(lines)
+    assert ok and "effect: PASS (acts at 2 of 2 conditions)" in text and "inf" not in text, text
+    assert next(ln for ln in lines if "condition" in ln).split() == ["condition", "logits", "grads", "new", "grads"]
+    rows = [ln.split()[-3:] for ln in lines if ln.startswith("  seed 0 router")]
+    assert len(rows) == 2 and all(float(a) == float(b) == 0 < float(c) < 10 for a, b, c in rows), text
+    assert "routing columns hidden" in text and "experts/token" not in text
+
+
 @pytest.mark.parametrize("ids, drops, message", [
     (lambda idx: torch.where(torch.arange(idx.shape[1]) == 1, DROPPED, idx), False,
      "build LocalDispatcher(drops=True)"),
@@ -467,8 +483,8 @@ def test_effect_names_the_tensors_the_variant_initialises_itself():
 def test_effect_checks_the_router_contract(monkeypatch, ids, drops, message):
     """A router returning DROPPED slots to a dispatcher without drops, or an id past its width: FAIL
     at the first condition, naming the contract. With LocalDispatcher(drops=True) the same router
-    passes: one expert computed per token, half the slots skipped, and the experts' witness
-    (rows_computed) agrees."""
+    passes, and the experts' witness (rows_computed) agrees: base and variant both drop (the patch
+    is the class's), so the variant (norm_topk_prob) routes as the base and the table says so."""
     from pithtrain.models import qwen3_moe
     from pithtrain.models.common import LocalDispatcher
     route, init = qwen3_moe.MoE.route, qwen3_moe.MoE.__init__
@@ -488,7 +504,8 @@ def test_effect_checks_the_router_contract(monkeypatch, ids, drops, message):
     ok, lines = check_variant.effect("qwen3_moe", ["model.norm_topk_prob=false"])
     text = "\n".join(lines)
     if message is None:
-        assert ok and re.search(r"seed 0 router x1 .* 1\.00 1 1 -> 1\.00 1 1 +50% -> +50%", text), text
+        assert ok and re.search(r"seed 0 router x1 +\d\.\d\de[-+]\d\d +\d\.\d\de[-+]\d\d$", text, re.M), text
+        assert "routing columns hidden: experts per token, skipped and weight-0 slots equal the base's" in text
     else:
         assert not ok and "effect: FAIL (a router output the dispatchers cannot take)" in text
         assert message in text, text
@@ -642,6 +659,33 @@ def test_worked_example_helper_does_not_assume_sorted_slots():
     for p in (p_TA, p_TA.flip(-1), p_TA[:, torch.randperm(3)], deepseek_TA):
         for mass in (0.3, 0.6, 0.9):
             assert torch.equal(ns["keep_top_mass"](p, mass), loop(p, mass))
+
+
+def test_the_flop_guidance_names_what_the_count_reads_and_counts_an_attention_variant():
+    """The skill's FLOP section names each config method flops_per_token reads and gives its
+    attention term; a variant computing two maps per head, declared as the section says (heads
+    doubled in attention_shapes), adds exactly that term once more per layer."""
+    import dataclasses
+    import inspect
+
+    from pithtrain import metrics
+    from pithtrain.models.qwen3_moe import Qwen3MoeConfig
+    text = VARIANT_SKILL.read_text()
+    section = text[text.index("## FLOPs of a variant"):]
+    section = section[:section.index("\n## ", 1)]
+    read = set(re.findall(r"model_cfg\.(\w+)\(i\)", inspect.getsource(metrics.matmul_params)
+                          + inspect.getsource(metrics.flops_per_token)))
+    assert read == {"layer_params", "attention_shapes"} and all(f"`{m}(i)`" in section for m in read)
+    assert "`3 * keys * (d_qk + d_v) * heads`" in section and "attention variant counts what runs" in section
+
+    class TwoMaps(Qwen3MoeConfig):
+        def attention_shapes(self, i):
+            window, d_qk, d_v, heads = super().attention_shapes(i)
+            return window, d_qk, d_v, 2 * heads
+
+    cfg, S = Qwen3MoeConfig(), 64
+    extra = metrics.flops_per_token(TwoMaps(**dataclasses.asdict(cfg)), S) - metrics.flops_per_token(cfg, S)
+    assert extra == cfg.num_layers * 3 * S * (2 * cfg.head_dim) * cfg.num_heads
 
 
 def test_readme_and_agents_md_give_the_three_variant_commands():

@@ -421,6 +421,45 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12)) if a.shape == b.shape else math.inf
 
 
+ROUTING = ("mean", "min", "max", "skipped", "zero")  # what a router decides; `load` follows any change of input
+
+
+def norm(tensors) -> float:
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
+
+
+def effect_table(rows: list) -> list[str]:
+    """The effect table: a row per condition, (name, None) for a broken router contract, else
+    (name, (logits, grads, new grads or None, base stats, variant stats)). The new-grads column
+    shows only for a variant with tensors of its own, the routing columns only for one that routes
+    differently somewhere."""
+    ok = [r for _, r in rows if r]
+    new = any(r[2] is not None for r in ok)
+    routes = any(r[3][k] != r[4][k] for r in ok for k in ROUTING)
+    out = [f"  {'condition':<18} {'logits':>9} {'grads':>9}" + (f" {'new grads':>9}" if new else "")
+           + ("   experts/token mean min max   skipped   at w=0   load" if routes else "")]
+    for name, r in rows:
+        if r is None:
+            out.append(f"  {name:<18} router contract broken")
+            continue
+        d_logits, d_grads, d_new, b, v = r
+        line = f"  {name:<18} {d_logits:9.2e} {d_grads:9.2e}" + (f" {d_new or 0.0:9.2e}" if new else "")
+        if routes:
+            line += (f"   {b['mean']:.2f} {b['min']} {b['max']} -> {v['mean']:.2f} {v['min']} {v['max']}   "
+                     f"{100 * b['skipped']:3.0f}% -> {100 * v['skipped']:3.0f}%   "
+                     f"{100 * b['zero']:3.0f}% -> {100 * v['zero']:3.0f}%   {b['load']:.2f} -> {v['load']:.2f}")
+        out.append(line)
+    out.append("  (logits, grads: largest difference relative to the base, over the tensors both models have"
+               + ("; new grads: the gradient norm of the variant's own tensors relative to the base's whole one"
+                  if new else "")
+               + ("; experts/token: slots an FFN expert computed; skipped: slots DROPPED or past the FFN experts; "
+                  "at w=0: computed slots of weight 0, compute spent for nothing; load: worst layer's max / mean "
+                  "load over the router's ids)" if routes else
+                  "; routing columns hidden: experts per token, skipped and weight-0 slots equal the base's at "
+                  "every condition)"))
+    return out
+
+
 def effect(family: str, sets: list[str]) -> tuple[bool, list[str]]:
     """(ok, lines to print): does the variant change logits, gradients or routing anywhere?"""
     from pithtrain.models import build_model
@@ -433,7 +472,7 @@ def effect(family: str, sets: list[str]) -> tuple[bool, list[str]]:
     except ValueError as e:  # ConfigError: a bad value or key, named
         return False, [f"effect: FAIL: {e}"]
     what = " ".join(model_sets)
-    lines, acted, broken = [], [], []
+    lines, rows, broken = [], [], []
     for seed in SEEDS:
         g = torch.Generator().manual_seed(seed)
         ids_BS = torch.randint(0, base_cfg.vocab_size, (BATCH, SEQ), generator=g)
@@ -448,8 +487,6 @@ def effect(family: str, sets: list[str]) -> tuple[bool, list[str]]:
             if fresh:
                 names = sorted({re.sub(r"\.\d+\.", ".*.", f) for f in fresh})
                 lines += [f"  fresh in the variant (its own seeded init, not the base's): {', '.join(names)}"]
-            lines += [f"  {'condition':<18} {'logits':>9} {'grads':>9}   experts/token mean min max   "
-                      "skipped   at w=0   load"]
         for scale in ROUTER_SCALES:
             name = f"seed {seed} router x{scale:g}"
             base = variant_model(base_cfg, state, seed)[0]
@@ -458,23 +495,16 @@ def effect(family: str, sets: list[str]) -> tuple[bool, list[str]]:
                                                               ids_BS, labels_BS)
             broken += [f"{name}: {p}" for p in v_bad]
             if b_bad or v_bad:
-                lines.append(f"  {name:<18} router contract broken")
+                rows.append((name, None))
                 continue
-            d_logits = rel_diff(v_logits, b_logits)
-            d_grads = max((rel_diff(v_grads[n], b_grads[n]) for n in b_grads if n in v_grads), default=0.0)
-            if set(v_grads) != set(b_grads):
-                d_grads = math.inf
-            if d_logits > RTOL or d_grads > RTOL or v_stats != b_stats:
-                acted.append(name)
-            lines.append(f"  {name:<18} {d_logits:9.2e} {d_grads:9.2e}   "
-                         f"{b_stats['mean']:.2f} {b_stats['min']} {b_stats['max']} -> "
-                         f"{v_stats['mean']:.2f} {v_stats['min']} {v_stats['max']}   "
-                         f"{100 * b_stats['skipped']:3.0f}% -> {100 * v_stats['skipped']:3.0f}%   "
-                         f"{100 * b_stats['zero']:3.0f}% -> {100 * v_stats['zero']:3.0f}%   "
-                         f"{b_stats['load']:.2f} -> {v_stats['load']:.2f}")
-    lines.append("  (logits, grads: largest difference relative to the base; experts/token: slots an FFN expert "
-                 "computed; skipped: slots DROPPED or past the FFN experts; at w=0: computed slots of weight 0, "
-                 "compute spent for nothing; load: worst layer's max / mean load over the router's ids)")
+            same = {n for n in b_grads if n in v_grads and v_grads[n].shape == b_grads[n].shape}
+            d_grads = max((rel_diff(v_grads[n], b_grads[n]) for n in same), default=0.0)
+            # the variant's own tensors (new, or reshaped): their gradient's norm relative to the base's whole one
+            d_new = (norm([g for n, g in v_grads.items() if n not in same]) / max(norm(b_grads.values()), 1e-12)
+                     if set(v_grads) - same else None)
+            rows.append((name, (rel_diff(v_logits, b_logits), d_grads, d_new, b_stats, v_stats)))
+    acted = [name for name, r in rows if r and (max(r[0], r[1], r[2] or 0.0) > RTOL or r[3] != r[4])]
+    lines += effect_table(rows)
     if broken:
         lines += [f"  problem: router contract: {p}" for p in sorted(set(broken))]
         return False, lines + ["effect: FAIL (a router output the dispatchers cannot take)"]
