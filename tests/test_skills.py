@@ -632,6 +632,45 @@ def test_add_moe_variant_worked_example_as_written_passes_the_judge(tmp_path):
     assert peaked and all(re.search(r"2\.00 2 2 -> 1\.\d\d 1 2 +0% -> +\d+%", ln) for ln in peaked), r.stdout
 
 
+def test_dry_run_of_the_playbook_on_a_variant_that_needs_an_even_head_count(tmp_path):
+    """The add-moe-variant playbook on a throwaway variant (written here, not shipped): a Qwen3
+    switch that needs an even num_kv_heads, added to a copy as step 3 says (the field, its check in
+    `validate`, RECIPE_MODEL_FIELDS, since config.json has no key for it). validate.py --set (a -k
+    subset: a layout test that takes it, one whose config has one kv head, a resume test) PASSes and
+    names the config that ran without it and why; export-hf of a checkpoint trained with it is
+    refused in one line."""
+    repo = commit_as_main(copy_repo(tmp_path / "repo"))
+    family = repo / "pithtrain" / "models" / "qwen3_moe.py"
+    add_field(family, "pair_heads: bool = False  # a throwaway variant: its kv heads work in pairs")
+    src = family.read_text()
+    end = member(ast.parse(src), "Qwen3MoeConfig", "validate").body[-1].end_lineno
+    family.write_text(splice(src, end + 1, end, "        if self.pair_heads and self.num_kv_heads % 2:\n"
+                             '            err("num_kv_heads", f"must be even for pair_heads, got {self.num_kv_heads}")\n'))
+    cfg_py = repo / "pithtrain" / "config.py"
+    node, fields = recipe_fields(cfg_py)
+    cfg_py.write_text(splice(cfg_py.read_text(), node.lineno, node.end_lineno,
+                             f"RECIPE_MODEL_FIELDS = {fields + ('pair_heads',)!r}\n"))
+    r = script("validate-correctness/validate.py", "--family", "qwen3_moe", "--set", "model.pair_heads=true", "-k",
+               "splits_into_phases or cannot_apply or async_save_snapshots", "--out", str(tmp_path / "v"),
+               cwd=repo, root=repo)
+    assert verdict(r) == "PASS", r.stdout[-4000:] + r.stderr[-3000:]
+    assert re.search(r"distributed +PASS .*with model.pair_heads=true: 1 tests took it, 3 ran with it off", r.stdout)
+    off = r.stdout[r.stdout.index("off (their config refuses it: model.num_kv_heads: must be even for pair_heads, "
+                                  "got 1):"):].splitlines()[1].strip()
+    assert off == "tests/test_pipeline_overlap.py::test_pp_overlap_where_it_cannot_apply_is_a_config_error"
+    assert "off (their config refuses it: DeepseekV2Config has no field model.pair_heads)" in r.stdout
+    assert re.search(r"resume +PASS .*1 tests took it, 0 ran with it off", r.stdout), r.stdout
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "pithtrain.train", "model.pair_heads=true", "train.steps=1",
+                          "train.seq_len=32", "train.micro_batch_size=2", "data.max_bytes=20000",
+                          f"log.run_dir={tmp_path / 'run'}"], cwd=repo, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "pithtrain.checkpoint.export", "--ckpt", str(tmp_path / "run"),
+                        "--out", str(tmp_path / "hf")], cwd=repo, env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and not (tmp_path / "hf").exists(), r.stderr
+    assert "model.pair_heads=True would be lost: Qwen3MoeForCausalLM's config.json has no key for it" in r.stderr
+
+
 def test_worked_example_helper_does_not_assume_sorted_slots():
     """The skill's helper, executed as written: keep_top_mass against a per-token loop, with the
     slots in topk's order, reversed, shuffled, and as DeepSeek-V2's route returns them
