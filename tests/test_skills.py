@@ -669,6 +669,8 @@ def test_dry_run_of_the_playbook_on_a_variant_that_needs_an_even_head_count(tmp_
                         "--out", str(tmp_path / "hf")], cwd=repo, env=env, capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and not (tmp_path / "hf").exists(), r.stderr
     assert "model.pair_heads=True would be lost: Qwen3MoeForCausalLM's config.json has no key for it" in r.stderr
+    step3 = VARIANT_SKILL.read_text().split("\n3. ")[1].split("\n4. ")[0]  # how the skill says to classify it
+    assert all(w in step3 for w in ("`hub_fields`", "`RECIPE_MODEL_FIELDS`", "export-hf", "`TRAINING_ONLY`"))
 
 
 def test_worked_example_helper_does_not_assume_sorted_slots():

@@ -109,6 +109,8 @@ def test_plain():
     assert verdict == "FAIL" and "0 tests took it, 1 ran with it off" in detail, detail
     assert "off (their config refuses it: Qwen3MoeConfig has no field model.n_shared_experts)" in detail
     assert "FAIL: model.n_shared_experts=2 reached none of these tests: every config refused it" in detail
+    skill = " ".join((ROOT / "skills" / "validate-correctness" / "SKILL.md").read_text().split())
+    assert "(`took:`)" in skill and "(`off (their config refuses it: ...)`)" in skill  # the skill quotes the report
 
 
 def test_a_failing_check_prints_every_failing_tests_name_and_assertion(tmp_path, capsys):
