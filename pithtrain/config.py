@@ -31,21 +31,32 @@ from pithtrain import ConfigError  # defined with the package: data.py raises it
 RECIPES_DIR = Path(__file__).parent / "recipes"
 DEFAULT_RECIPE = RECIPES_DIR / "default.yaml"
 
-# Model fields a recipe owns even with train.init_from (training-only options); the hub's config.json owns the rest.
-# balance, bias_update_rate, z_loss_coeff: models/balance.py.
-RECIPE_MODEL_FIELDS = ("aux_loss_coeff", "balance", "bias_update_rate", "z_loss_coeff")
-# The rest, named: every field of every family config is in exactly one of the two lists
-# (tests/test_config.py), so a new field (a variant's switch) must be classified when it is added.
-# A field config.json cannot carry (a variant's switch, usually) belongs in RECIPE_MODEL_FIELDS.
-HUB_MODEL_FIELDS = (
-    "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-    "moe_intermediate_size", "num_experts", "top_k", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
-    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace",
-    "n_shared_experts", "topk_method", "n_group", "topk_group", "routed_scaling_factor", "sliding_window",
-    "layer_types", "swiglu_alpha", "swiglu_limit", "rope_theta", "rope_scaling", "yarn_factor",
-    "yarn_original_max_position", "yarn_beta_fast", "yarn_beta_slow", "yarn_truncate", "rms_norm_eps",
-    "max_position_embeddings", "tie_word_embeddings", "attention_bias", "init_std",
-)
+# Model fields a recipe owns even with train.init_from; the hub's config.json owns the family's `hub_fields` (what
+# its to_hf writes) but these. Every field of a family config is in one of the two (tests/test_config.py), so a new
+# field (a variant's switch) is classified when it is added: one config.json cannot carry belongs here.
+# balance, bias_update_rate, z_loss_coeff: models/balance.py; swiglu_alpha: GPT-OSS's hub fixes it.
+RECIPE_MODEL_FIELDS = ("aux_loss_coeff", "balance", "bias_update_rate", "z_loss_coeff", "swiglu_alpha")
+
+
+def refuse_hub_losses(model, what: str):
+    """A ConfigError naming each field of a model config that a Hugging Face config.json would drop:
+    not in the family's `hub_fields` (what its to_hf writes), not at its default, and shaping the
+    forward (the balancing fields and dcp.TRAINING_ONLY do not; a trained balance=bias bias is
+    save_hf's own check). Export and save_hf call it: transformers would load the model without it."""
+    from pithtrain.checkpoint.dcp import TRAINING_ONLY
+    from pithtrain.models.balance import BalanceConfig
+    free = {f.name for f in dataclasses.fields(BalanceConfig)} | set(TRAINING_ONLY)
+    if lost := [f"model.{k}={v!r}" for k, v in _changed(model) if k not in type(model).hub_fields and k not in free]:
+        raise ConfigError(f"{what}: {', '.join(lost)} would be lost: {type(model).hf_architecture}'s config.json "
+                          f"has no key for it ({type(model).__name__}.hub_fields), so transformers would build the "
+                          "model without it. Keep the native checkpoint, or train with it at its default")
+
+
+def _changed(model) -> list[tuple[str, Any]]:
+    """(field, value) of each field of a dataclass that is not at its default."""
+    def default(f):
+        return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+    return [(f.name, getattr(model, f.name)) for f in dataclasses.fields(model) if getattr(model, f.name) != default(f)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,6 +413,12 @@ def config_from_dict(raw: dict, source: str = "<dict>", cross_checks: bool = Tru
                 setattr(hub, k, getattr(built["model"], k))
             elif k in model_raw:  # the recipe's family has the option, the checkpoint's has not
                 fail(f"model.{k}", f"{type(hub).__name__} (train.init_from's family) has no such field")
+        for k, v in _changed(built["model"]):  # neither config.json nor the recipe would give the model this
+            if k not in RECIPE_MODEL_FIELDS and k not in type(hub).hub_fields:
+                fail(f"model.{k}", f"{v!r} would be lost: " + (
+                    "train.init_from's config.json has no key for it; keep it in RECIPE_MODEL_FIELDS "
+                    "(pithtrain/config.py)" if k in hub_fields else f"{type(hub).__name__} (train.init_from's "
+                    "family) has no such field"))
         built["model"] = hub
     cfg = Config(**built, source=source, notes=notes)
     if cross_checks:

@@ -33,7 +33,7 @@ RUN = TINY + ["train.steps=20", "checkpoint.every=5", "checkpoint.keep_last=3", 
 
 
 def cfg_for(run_dir, *extra):
-    return load_config(None, RUN + variant.overrides() + [f"log.run_dir={run_dir}", *extra])
+    return load_config(None, RUN + variant.overrides([*RUN, *extra]) + [f"log.run_dir={run_dir}", *extra])
 
 
 def losses(run_dir) -> dict[int, float]:
@@ -228,7 +228,7 @@ SUB_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def train_cmd(run, *extra):
-    overrides = TINY + variant.overrides() + [f"log.run_dir={run}", "log.every=1", *extra]
+    overrides = TINY + variant.overrides([*TINY, *extra]) + [f"log.run_dir={run}", "log.every=1", *extra]
     return [sys.executable, "-m", "pithtrain.train", *overrides]
 
 
@@ -408,7 +408,7 @@ def test_damaged_shard_is_named(ref, tmp_path, capsys, how, word):
         verify(ck / "step_20")
     assert str(shard) in str(e.value)
     # asked for by name: an error naming the file, through the command line too
-    assert main(RUN + variant.overrides() + [f"log.run_dir={tmp_path / 'other'}", f"--resume={ck / 'step_20'}"]) == 2
+    assert main(RUN + variant.overrides(RUN) + [f"log.run_dir={tmp_path / 'other'}", f"--resume={ck / 'step_20'}"]) == 2
     assert str(shard) in capsys.readouterr().err
     # automatic resume: skips it out loud, falls back to step_15, sets the damaged one aside
     hist, _ = train(cfg_for(run))
@@ -445,7 +445,7 @@ def test_no_valid_checkpoint_is_an_error_not_a_fresh_start(ref, tmp_path, capsys
     run = copy_run(ref, tmp_path)
     for d in ("step_10", "step_15", "step_20"):
         damage(run / "checkpoints" / d / "trainer.json", "corrupt")
-    assert main(RUN + variant.overrides() + [f"log.run_dir={run}"]) == 2
+    assert main(RUN + variant.overrides(RUN) + [f"log.run_dir={run}"]) == 2
     err = capsys.readouterr().err
     assert "none is valid" in err and all(f"skipping {d}" in err for d in ("step_10", "step_20"))
     assert "none is valid (start fresh with --no-resume" in err.splitlines()[0]  # the way out, first
@@ -475,7 +475,7 @@ def test_resume_refusals_name_the_way_out_first_on_one_line(ref, tmp_path, monke
 
 def test_no_resume_starts_fresh(ref, tmp_path, capsys):
     run = copy_run(ref, tmp_path)
-    assert main(RUN + variant.overrides() + [f"log.run_dir={run}", "train.steps=2", "--no-resume"]) == 0
+    assert main(RUN + variant.overrides(RUN) + [f"log.run_dir={run}", "train.steps=2", "--no-resume"]) == 0
     out = capsys.readouterr().out
     assert "--no-resume: starting fresh" in out and "step      1 |" in out
     ck = run / "checkpoints"
@@ -545,9 +545,9 @@ def _reshard_worker(rank: int, world: int, port: int, tmp: str, ref_ckpt: str):
     out = {}
     for phase, run, extra, resume in (("saved", "run4", RESHARD, False),
                                       ("loaded", "run4b", ["train.steps=20"], ref_ckpt)):
-        hist, model = train(load_config(None, RUN + variant.overrides() + layout + extra
-                                        + [f"log.run_dir={tmp}/{run}"]),
-                     resume=resume)
+        base = RUN + layout + extra
+        hist, model = train(load_config(None, base + variant.overrides(base) + [f"log.run_dir={tmp}/{run}"]),
+                            resume=resume)
         params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                   for n, p in model.named_parameters()}
         with torch.no_grad():

@@ -52,8 +52,8 @@ def _hash_worker(rank: int, world: int, port: int, tmp: str):
 
     dcp_mod._sha256 = spy
     run = f"{tmp}/run"
-    cfg = load_config(None, TINY + variant.overrides() + LAYOUT + ["train.steps=5", "checkpoint.every=1",
-                                                                   "checkpoint.keep_last=5",
+    cfg = load_config(None, TINY + variant.overrides(TINY + LAYOUT) + LAYOUT + ["train.steps=5", "checkpoint.every=1",
+                                                                                "checkpoint.keep_last=5",
                                              f"log.run_dir={run}"])
     train(cfg, resume=False)
     saved = {"hashed": list(hashed), "seconds": seconds[0]}
@@ -68,8 +68,8 @@ def _hash_worker(rank: int, world: int, port: int, tmp: str):
     dist.barrier()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        train(load_config(None, TINY + variant.overrides() + LAYOUT + ["train.steps=5", f"log.run_dir={run}"]),
-              resume=True)
+        train(load_config(None, TINY + variant.overrides(TINY + LAYOUT) + LAYOUT
+                          + ["train.steps=5", f"log.run_dir={run}"]), resume=True)
     said = out.getvalue()
     Path(tmp, f"hash.{rank}.json").write_text(json.dumps({"save": saved, "resume": hashed, "said": said}))
     dist.destroy_process_group()

@@ -108,30 +108,43 @@ def test_typo_fails_before_training_starts(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------------------------
 # train.init_from: which model fields the recipe keeps (RECIPE_MODEL_FIELDS) and which the hub owns
+# (each family's hub_fields: what its to_hf writes)
 
 
 def unclassified(config_cls) -> list[str]:
     from pithtrain import config
     return [f.name for f in dataclasses.fields(config_cls)
-            if f.name not in config.RECIPE_MODEL_FIELDS and f.name not in config.HUB_MODEL_FIELDS]
+            if f.name not in config.RECIPE_MODEL_FIELDS and f.name not in config_cls.hub_fields]
+
+
+def read_by_to_hf(config_cls) -> list[str]:
+    """The fields a default config's to_hf reads (through helper methods too), in order."""
+    names, seen = {f.name for f in dataclasses.fields(config_cls)}, []
+
+    class Recorder(config_cls):
+        def __getattribute__(self, name):
+            if name in names and name not in seen:
+                seen.append(name)
+            return object.__getattribute__(self, name)
+
+    Recorder().to_hf()
+    return seen
 
 
 @pytest.mark.quick
 def test_every_family_model_field_is_recipe_or_hub_owned():
-    """A field added to a family config (a variant's switch) must be declared in pithtrain/config.py:
-    RECIPE_MODEL_FIELDS (kept across train.init_from) or HUB_MODEL_FIELDS (config.json's)."""
-    from pithtrain import config
+    """A field added to a family config (a variant's switch) must be classified: in the family's
+    hub_fields (its to_hf writes it) or in pithtrain/config.py's RECIPE_MODEL_FIELDS (kept across
+    train.init_from). hub_fields is exactly what to_hf reads: export's refusal relies on it."""
     from pithtrain.models import FAMILIES
     for name, fam in FAMILIES.items():
         assert unclassified(fam.config) == [], (
-            f"{name}: classify these fields in pithtrain/config.py (RECIPE_MODEL_FIELDS if config.json "
-            "cannot carry them, else HUB_MODEL_FIELDS)")
-    assert not set(config.RECIPE_MODEL_FIELDS) & set(config.HUB_MODEL_FIELDS)
-    every = {f.name for fam in FAMILIES.values() for f in dataclasses.fields(fam.config)}
-    assert sorted(set(config.HUB_MODEL_FIELDS) - every) == []  # no stale names
+            f"{name}: classify these fields: {fam.config.__name__}.hub_fields if its to_hf writes them, else "
+            "RECIPE_MODEL_FIELDS in pithtrain/config.py")
+        assert sorted(fam.config.hub_fields) == sorted(read_by_to_hf(fam.config)), name
     # the check above fails for a field nobody classified
     planted = dataclasses.make_dataclass("Planted", [("no_list_names_this", float, 1.0)], bases=(Qwen3MoeConfig,))
-    assert unclassified(planted) == ["no_list_names_this"]
+    assert unclassified(planted) == ["no_list_names_this"] and "no_list_names_this" not in read_by_to_hf(planted)
 
 
 @pytest.fixture
@@ -169,6 +182,23 @@ def test_init_from_refuses_a_recipe_field_the_checkpoints_family_lacks(hub_dir, 
                                           "has no such field"):
         load_config(write(tmp_path, "model:\n  family: deepseek_v2\n  topk_method: greedy\n"),
                     [f"train.init_from={hub_dir}"])
+
+
+def test_init_from_refuses_a_recipe_value_it_would_lose_in_one_line(hub_dir, tmp_path, monkeypatch):
+    """A recipe's non-default field that neither config.json (the hub family's hub_fields) nor the
+    recipe (RECIPE_MODEL_FIELDS) gives the model: refused, named, instead of silently dropped."""
+    from pithtrain import config
+    with pytest.raises(ConfigError, match=r"model.n_shared_experts: 1 would be lost: Qwen3MoeConfig "
+                                          r"\(train.init_from's family\) has no such field"):
+        load_config(write(tmp_path, "model:\n  family: deepseek_v2\n  n_shared_experts: 1\n"),
+                    [f"train.init_from={hub_dir}"])
+    monkeypatch.setattr(config, "RECIPE_MODEL_FIELDS", ("aux_loss_coeff", "balance", "bias_update_rate"))
+    with pytest.raises(ConfigError) as e:  # z_loss_coeff unclassified: a variant's field left out of the list
+        load_config(None, [f"train.init_from={hub_dir}", "train.seq_len=16", "model.z_loss_coeff=0.1"])
+    assert str(e.value).endswith("model.z_loss_coeff: 0.1 would be lost: train.init_from's config.json has no key "
+                                 "for it; keep it in RECIPE_MODEL_FIELDS (pithtrain/config.py)"), e.value
+    assert "\n" not in str(e.value)
+    assert load_config(None, [f"train.init_from={hub_dir}", "train.seq_len=16"]).model.z_loss_coeff == 0.0  # default
 
 
 # ---------------------------------------------------------------------------------------------

@@ -174,7 +174,7 @@ def test_flex_document_mask_matches_the_eager_reference_on_gpu(family):
                     start += n
     assert runs["auto"][0] == pytest.approx(runs["torch"][0], rel=1e-4)
     for n, g in runs["auto"][1].items():
-        torch.testing.assert_close(g, runs["torch"][1][n], rtol=1e-3, atol=1e-5, msg=n)
+        torch.testing.assert_close(g, runs["torch"][1][n], rtol=1e-3, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
 
 # flash-attn-4's head dims: the families' shapes at widths its kernels take (64)

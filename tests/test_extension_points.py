@@ -3,6 +3,7 @@ existed still resumes (the field reads as its default, said in one line); `paral
 document masking loads (auto then keeps the layouts document masking supports); context parallel
 replaces only models.common.attention and refuses a variant's own, naming the module."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -101,3 +102,27 @@ def test_context_parallel_refuses_a_variant_attention_naming_the_module(monkeypa
     with pytest.raises(ConfigError, match=r"parallel.cp=2: layers.1.self_attn.attention is "
                                           r".*block_sparse, not models.common.attention"):
         check_run(cfg, torch.device("cpu"), 2)
+
+
+def test_export_refuses_a_model_field_hugging_faces_config_cannot_carry(tmp_path, monkeypatch, capsys):
+    """GPT-OSS's swiglu_alpha: transformers fixes it at 1.702, so to_hf does not write it (it is not
+    in GptOssConfig.hub_fields, the fields to_hf writes). Exported at another value, the model would
+    load in transformers at 1.702, silently. save_hf and export-hf refuse it in one line naming the
+    field, before writing anything; at its default, and with training-only fields changed, they write."""
+    from pithtrain.checkpoint import export
+    from pithtrain.checkpoint.hf import save_hf
+    from pithtrain.models.gpt_oss import GptOssConfig
+    needle = ("model.swiglu_alpha=1.5 would be lost: GptOssForCausalLM's config.json has no key for it "
+              "(GptOssConfig.hub_fields), so transformers would build the model without it")
+    with pytest.raises(ConfigError, match=re.escape(f"save_hf {tmp_path / 'hf'}: {needle}")):
+        save_hf(build_model(GptOssConfig(num_layers=1, swiglu_alpha=1.5)), tmp_path / "hf")
+    ckpt = tmp_path / "step_1"  # export-hf reads the model from the checkpoint's recipe
+    ckpt.mkdir()
+    (ckpt / RECIPE).write_text(yaml.safe_dump({"model": {"family": "gpt_oss", "num_layers": 1, "swiglu_alpha": 1.5}}))
+    monkeypatch.setattr(export, "resolve", lambda c, check=None: ckpt)
+    assert export.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {ckpt / RECIPE}: {needle}") and err.count("\n") == 1, err
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "out").exists()
+    save_hf(build_model(GptOssConfig(num_layers=1, balance="sequence", z_loss_coeff=0.1)), tmp_path / "plain")
+    assert (tmp_path / "plain" / "config.json").is_file()

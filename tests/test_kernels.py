@@ -158,7 +158,7 @@ def test_activation_checkpoint_recomputes_and_keeps_loss_and_grads(mode):
     torch.testing.assert_close(loss, ref_loss)
     assert grads.keys() == ref_grads.keys()
     for n in grads:
-        torch.testing.assert_close(grads[n], ref_grads[n], msg=n)
+        torch.testing.assert_close(grads[n], ref_grads[n], msg=lambda m: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -200,7 +200,7 @@ def test_every_family_compiles_without_graph_breaks(family):
         torch.testing.assert_close(b.stats, ref)  # the load counted once per micro-batch, as eager
     torch.testing.assert_close(loss, ref_loss)
     for n in grads:
-        torch.testing.assert_close(grads[n], ref_grads[n], msg=n)
+        torch.testing.assert_close(grads[n], ref_grads[n], msg=lambda m: f"{n}: {m}")
     torch._dynamo.reset()
 
 

@@ -80,7 +80,7 @@ def batch_pos(V):
 def check_grads(got, ref, rtol=1e-5, atol=1e-7):
     assert got.keys() == ref.keys()
     for n in ref:
-        torch.testing.assert_close(got[n], ref[n], rtol=rtol, atol=atol, msg=n)
+        torch.testing.assert_close(got[n], ref[n], rtol=rtol, atol=atol, msg=lambda m: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("family", sorted(TINY))

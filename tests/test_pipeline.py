@@ -152,7 +152,7 @@ def check_train(tmp_path, world, parallel):
     assert params.keys() == ref_params.keys()
     worst = 0.0
     for n in params:
-        torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=2e-5, msg=n)
+        torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=2e-5, msg=lambda m: f"{n}: {m}")
         worst = max(worst, (params[n] - ref_params[n]).abs().max().item())
     print(f"train.py {name}: losses {[h['loss'] for h in got[0]['hist']]} vs "
           f"{[h['loss'] for h in ref]}, max |param - ref| after 3 AdamW steps {worst:.1e}")
@@ -242,7 +242,7 @@ def check(out_dir, name, world, M):
     worst = 0.0
     for n in ref:
         assert got[n] is not None, (name, n)
-        torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=f"{name}: {n}")
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {n}: {m}")
         worst = max(worst, (got[n] - ref[n]).abs().max().item())
     print(f"{name} on {world} ranks: loss {sum(losses):.8g} vs {ref_loss:.8g}, "
           f"max |grad - ref| {worst:.1e}")

@@ -118,7 +118,8 @@ def test_dualpipev_overlap_matches_one_process_for_every_family(tmp_path):
         assert params.keys() == ref_params.keys()
         worst = 0.0
         for n in params:
-            torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=2e-5, msg=f"{family} {layout}: {n}")
+            torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=2e-5,
+                                       msg=lambda m: f"{family} {layout}: {n}: {m}")
             worst = max(worst, (params[n] - ref_params[n]).abs().max().item())
         run_dir = tmp_path / f"{family}-{layout}" / "pipeline_timeline"
         pairs = [steady_state_pairs(json.loads((run_dir / f"rank{r}.json").read_text())) for r in range(4)]
@@ -184,7 +185,7 @@ def test_fsdp_reduce_scatter_is_deferred_to_w(tmp_path):
     assert res["after_b"] == 0  # B: no gradient reached any (sharded) parameter
     assert res["grads"].keys() == {n for n, _ in ref.named_parameters()}  # W: every one reduced
     for n, p in ref.named_parameters():
-        torch.testing.assert_close(res["grads"][n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
+        torch.testing.assert_close(res["grads"][n], p.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
 
 
 def test_pp_overlap_where_it_cannot_apply_is_a_config_error(tmp_path):

@@ -300,18 +300,60 @@ def git_copy(dst: Path) -> Path:
     return commit_as_main(dst)
 
 
-def rules(repo: Path) -> list[str]:
+def rules(repo: Path, base: str = "main") -> list[str]:
     from pithtrain.models import FAMILIES
-    return check_variant.rule_problems(repo, FAMILIES, "main")
+    return check_variant.rule_problems(repo, FAMILIES, base)
 
 
 def test_add_moe_variant_rules_cli():
-    ok = script("add-moe-variant/check_variant.py", "--rules-only", "--set", "model.top_k=1")
-    assert verdict(ok) == "PASS" and "architecture rules: 0 problem(s)" in ok.stdout, ok.stdout
     bad = script("add-moe-variant/check_variant.py", "--rules-only", "--set", "model.no_such_field=1", "--base",
                  "no-such-revision")
     assert verdict(bad) == "FAIL" and "model.no_such_field is not a field of Qwen3MoeConfig" in bad.stdout
     assert "git cannot read pithtrain/ at 'no-such-revision'" in bad.stdout
+    assert "shared-code base: --base no-such-revision (its merge base with HEAD)" in bad.stdout
+
+
+def test_the_judge_says_which_base_it_used_and_fails_on_the_tree_itself(tmp_path):
+    """After committing a variant on main (no upstream), merge-base with main is the tree itself:
+    the base is then the commit before the one that added the --set field; with nothing to go by
+    (a field main always had) the rule FAILs saying so, instead of comparing the tree with itself.
+    A clone's upstream branch comes first; with the field uncommitted, HEAD is the base."""
+    repo = git_copy(tmp_path / "repo")
+    first = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+    def base(root, *sets):
+        rev, how = check_variant.choose_base(root, list(sets))
+        return how, rules(root, rev)
+
+    how, problems = base(repo, "model.top_k=1")
+    assert how.endswith("HEAD's merge base with main"), how
+    assert len(problems) == 1 and "is this tree itself: pithtrain/ has not changed since it" in problems[0]
+    family = repo / "pithtrain" / "models" / "qwen3_moe.py"
+    add_field(family, "probe_switch: bool = False")
+    git(repo, "commit", "-qam", "variant, committed on main")
+    how, problems = base(repo, "model.probe_switch=true")
+    assert how.startswith(f"{first[:10]}, the last commit before model.probe_switch was added (in "), how
+    assert problems == []
+    add_field(family, "probe_two: int = 0")  # uncommitted: HEAD is the base
+    how, problems = base(repo, "model.probe_two=1")
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert how.startswith(head[:10]) and problems == [], how
+    clone = tmp_path / "clone"
+    git(tmp_path, "clone", "-q", str(repo), str(clone))
+    add_field(clone / "pithtrain" / "models" / "qwen3_moe.py", "probe_three: int = 0")
+    git(clone, "commit", "-qam", "a variant on the clone's main")
+    how, problems = base(clone, "model.probe_three=1")
+    assert how.endswith("where HEAD left its upstream origin/main") and problems == [], how
+    assert "printed first as `shared-code base:`" in VARIANT_SKILL.read_text()  # the skill names the line
+
+
+def add_field(family: Path, line: str) -> None:
+    """`line` after the last field of the family's config dataclass (the first class with fields)."""
+    src = family.read_text()
+    config = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef)
+                  and any(isinstance(m, ast.AnnAssign) for m in n.body))
+    last = [n for n in config.body if isinstance(n, ast.AnnAssign)][-1]
+    family.write_text(splice(src, last.end_lineno + 1, last.end_lineno, f"    {line}\n"))
 
 
 def test_add_moe_variant_rules_keep_shared_code_shared(tmp_path, monkeypatch):
@@ -320,7 +362,7 @@ def test_add_moe_variant_rules_keep_shared_code_shared(tmp_path, monkeypatch):
     both places named) and a package over the budget; model code importing torch.distributed too."""
     repo = git_copy(tmp_path / "repo")
     models = repo / "pithtrain" / "models"
-    assert rules(repo) == []
+    assert ["is this tree itself" in p for p in rules(repo)] == [True]  # nothing changed yet
     (models / "sparse.py").write_text('"""A shared block two families import."""\n\n\ndef block_mask(n):\n'
                                       '    return [[j <= i for j in range(n)] for i in range(n)]\n')
     common = models / "common.py"
@@ -420,6 +462,22 @@ def test_effect_names_the_tensors_the_variant_initialises_itself():
     assert torch.equal(model.state_dict()["embed_tokens.weight"], state["embed_tokens.weight"])
 
 
+def test_effect_table_of_a_variant_with_new_tensors_that_does_not_route(monkeypatch):
+    """Attention biases (zero at init): the logits and the shared tensors' gradients equal the
+    base's, the new tensors' gradients do not. The table gives them a finite relative size (it
+    said inf for any variant with tensors of its own) and hides the routing columns: nothing routes
+    differently."""
+    monkeypatch.setattr(check_variant, "SEEDS", (0,))
+    monkeypatch.setattr(check_variant, "ROUTER_SCALES", (1.0, 8.0))
+    ok, lines = check_variant.effect("qwen3_moe", ["model.attention_bias=true"])
+    text = "\n".join(lines)
+    assert ok and "effect: PASS (acts at 2 of 2 conditions)" in text and "inf" not in text, text
+    assert next(ln for ln in lines if "condition" in ln).split() == ["condition", "logits", "grads", "new", "grads"]
+    rows = [ln.split()[-3:] for ln in lines if ln.startswith("  seed 0 router")]
+    assert len(rows) == 2 and all(float(a) == float(b) == 0 < float(c) < 10 for a, b, c in rows), text
+    assert "routing columns hidden" in text and "experts/token" not in text
+
+
 @pytest.mark.parametrize("ids, drops, message", [
     (lambda idx: torch.where(torch.arange(idx.shape[1]) == 1, DROPPED, idx), False,
      "build LocalDispatcher(drops=True)"),
@@ -429,8 +487,8 @@ def test_effect_names_the_tensors_the_variant_initialises_itself():
 def test_effect_checks_the_router_contract(monkeypatch, ids, drops, message):
     """A router returning DROPPED slots to a dispatcher without drops, or an id past its width: FAIL
     at the first condition, naming the contract. With LocalDispatcher(drops=True) the same router
-    passes: one expert computed per token, half the slots skipped, and the experts' witness
-    (rows_computed) agrees."""
+    passes, and the experts' witness (rows_computed) agrees: base and variant both drop (the patch
+    is the class's), so the variant (norm_topk_prob) routes as the base and the table says so."""
     from pithtrain.models import qwen3_moe
     from pithtrain.models.common import LocalDispatcher
     route, init = qwen3_moe.MoE.route, qwen3_moe.MoE.__init__
@@ -450,7 +508,8 @@ def test_effect_checks_the_router_contract(monkeypatch, ids, drops, message):
     ok, lines = check_variant.effect("qwen3_moe", ["model.norm_topk_prob=false"])
     text = "\n".join(lines)
     if message is None:
-        assert ok and re.search(r"seed 0 router x1 .* 1\.00 1 1 -> 1\.00 1 1 +50% -> +50%", text), text
+        assert ok and re.search(r"seed 0 router x1 +\d\.\d\de[-+]\d\d +\d\.\d\de[-+]\d\d$", text, re.M), text
+        assert "routing columns hidden: experts per token, skipped and weight-0 slots equal the base's" in text
     else:
         assert not ok and "effect: FAIL (a router output the dispatchers cannot take)" in text
         assert message in text, text
@@ -506,46 +565,57 @@ def apply_worked_example(repo: Path) -> None:
     src = splice(src, node.lineno, node.end_lineno, ast.unparse(node) + "\n")
     family.write_text(src)
     cfg_py = repo / "pithtrain" / "config.py"
-    text = cfg_py.read_text()
-    node = next(n for n in ast.parse(text).body
-                if isinstance(n, ast.Assign) and n.targets[0].id == "RECIPE_MODEL_FIELDS")
-    fields = ast.literal_eval(node.value) + (worked_example_field(),)
-    cfg_py.write_text(splice(text, node.lineno, node.end_lineno, f"RECIPE_MODEL_FIELDS = {fields!r}\n"))
+    node, fields = recipe_fields(cfg_py)
+    cfg_py.write_text(splice(cfg_py.read_text(), node.lineno, node.end_lineno,
+                             f"RECIPE_MODEL_FIELDS = {fields + (worked_example_field(),)!r}\n"))
     (repo / "tests" / "test_topk_mass.py").write_text(test)
 
 
+def recipe_fields(cfg_py: Path) -> tuple:
+    node = next(n for n in ast.parse(cfg_py.read_text()).body
+                if isinstance(n, ast.Assign) and n.targets[0].id == "RECIPE_MODEL_FIELDS")
+    return node, ast.literal_eval(node.value)
+
+
 def test_worked_example_applies_after_unrelated_edits_to_its_neighbours(tmp_path):
-    """The lines the example sits next to change (a comment on init_std, a field after it, a
-    reworded head_dim check, the balance line, a new recipe-owned field): it still applies, each
-    edit where the skill says, and RECIPE_MODEL_FIELDS keeps the new field."""
+    """The structure the example sits next to changes as an earlier variant would change it (a
+    comment on the config's last field and a field after it, a check at the end of `validate`, a
+    line at the end of `MoE.__init__`, a recipe-owned field): it still applies, each edit where the
+    skill says, whatever the config's fields are and in whatever order. No source line is matched."""
     repo = tmp_path / "repo"
     (repo / "pithtrain" / "models").mkdir(parents=True)
     (repo / "tests").mkdir()
     family, cfg_py = repo / "pithtrain" / "models" / "qwen3_moe.py", repo / "pithtrain" / "config.py"
     src = (ROOT / "pithtrain" / "models" / "qwen3_moe.py").read_text()
-    for old, new in (("    init_std: float = 0.02\n", "    init_std: float = 0.02  # hub: initializer_range\n"
-                                                      "    probe_window: int = 0\n"),
-                     ("must be even for RoPE", "must be even (RoPE rotates pairs)"),
-                     ("  # loss, selection bias, load (balance.py)", "")):
-        assert src.count(old) == 1, old
-        src = src.replace(old, new)
+    fields = [n.target.id for n in member(ast.parse(src), "Qwen3MoeConfig").body if isinstance(n, ast.AnnAssign)]
+    last = [n for n in member(ast.parse(src), "Qwen3MoeConfig").body if isinstance(n, ast.AnnAssign)][-1]
+    src = splice(src, last.end_lineno, last.end_lineno,
+                 src.splitlines()[last.end_lineno - 1] + "  # a comment an earlier variant left\n")
+    family.write_text(src)
+    add_field(family, "probe_window: int = 0")
+    src = family.read_text()
+    end = member(ast.parse(src), "Qwen3MoeConfig", "validate").body[-1].end_lineno
+    src = splice(src, end + 1, end,
+                 '        if self.probe_window < 0:\n            err("probe_window", "must be >= 0")\n')
+    end = member(ast.parse(src), "MoE", "__init__").body[-1].end_lineno
+    src = splice(src, end + 1, end, "        self.probe_window = cfg.probe_window\n")
     family.write_text(src)
     text = (ROOT / "pithtrain" / "config.py").read_text()
-    text, n = re.subn(r'^(RECIPE_MODEL_FIELDS = \(.*)\)$', r'\1, "probe_window")', text, flags=re.M)
-    assert n == 1
-    cfg_py.write_text(text)
+    node, recipe = recipe_fields(ROOT / "pithtrain" / "config.py")
+    cfg_py.write_text(splice(text, node.lineno, node.end_lineno,
+                             f"RECIPE_MODEL_FIELDS = {recipe + ('probe_window',)!r}\n"))
     apply_worked_example(repo)
     tree, field = ast.parse(family.read_text()), worked_example_field()
     config = member(tree, "Qwen3MoeConfig")
-    assert [n.target.id for n in config.body if isinstance(n, ast.AnnAssign)][-2:] == ["probe_window", field]
-    assert f"self.{field}" in ast.unparse(member(tree, "Qwen3MoeConfig", "validate").body[-1])
-    assert f"self.{field} = cfg.{field}" in ast.unparse(member(tree, "MoE", "__init__"))
+    assert [n.target.id for n in config.body if isinstance(n, ast.AnnAssign)] == fields + ["probe_window", field]
+    assert [f"self.{f}" in ast.unparse(member(tree, "Qwen3MoeConfig", "validate").body[i])
+            for i, f in ((-2, "probe_window"), (-1, field))] == [True, True]
+    init = [ast.unparse(n) for n in member(tree, "MoE", "__init__").body]
+    assert init.index("self.probe_window = cfg.probe_window") < init.index(f"self.{field} = cfg.{field}")
     assert "keep_top_mass" in ast.unparse(member(tree, "MoE", "route"))
     assert [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))].index("keep_top_mass") == \
            [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))].index("MoE") - 1
-    recipe = next(n for n in ast.parse(cfg_py.read_text()).body
-                  if isinstance(n, ast.Assign) and n.targets[0].id == "RECIPE_MODEL_FIELDS")
-    assert ast.literal_eval(recipe.value)[-2:] == ("probe_window", field)
+    assert recipe_fields(cfg_py)[1] == recipe + ("probe_window", field)
 
 
 def test_add_moe_variant_worked_example_as_written_passes_the_judge(tmp_path):
@@ -567,6 +637,48 @@ def test_add_moe_variant_worked_example_as_written_passes_the_judge(tmp_path):
     assert re.search(r"effect: PASS \(acts at [1-6] of 6 conditions\)", r.stdout)
     peaked = [ln for ln in r.stdout.splitlines() if "router x64" in ln]
     assert peaked and all(re.search(r"2\.00 2 2 -> 1\.\d\d 1 2 +0% -> +\d+%", ln) for ln in peaked), r.stdout
+
+
+def test_dry_run_of_the_playbook_on_a_variant_that_needs_an_even_head_count(tmp_path):
+    """The add-moe-variant playbook on a throwaway variant (written here, not shipped): a Qwen3
+    switch that needs an even num_kv_heads, added to a copy as step 3 says (the field, its check in
+    `validate`, RECIPE_MODEL_FIELDS, since config.json has no key for it). validate.py --set (a -k
+    subset: a layout test that takes it, one whose config has one kv head, a resume test) PASSes and
+    names the config that ran without it and why; export-hf of a checkpoint trained with it is
+    refused in one line."""
+    repo = commit_as_main(copy_repo(tmp_path / "repo"))
+    family = repo / "pithtrain" / "models" / "qwen3_moe.py"
+    add_field(family, "pair_heads: bool = False  # a throwaway variant: its kv heads work in pairs")
+    src = family.read_text()
+    end = member(ast.parse(src), "Qwen3MoeConfig", "validate").body[-1].end_lineno
+    family.write_text(splice(src, end + 1, end, "        if self.pair_heads and self.num_kv_heads % 2:\n"
+                             '            err("num_kv_heads", '
+                             'f"must be even for pair_heads, got {self.num_kv_heads}")\n'))
+    cfg_py = repo / "pithtrain" / "config.py"
+    node, fields = recipe_fields(cfg_py)
+    cfg_py.write_text(splice(cfg_py.read_text(), node.lineno, node.end_lineno,
+                             f"RECIPE_MODEL_FIELDS = {fields + ('pair_heads',)!r}\n"))
+    r = script("validate-correctness/validate.py", "--family", "qwen3_moe", "--set", "model.pair_heads=true", "-k",
+               "splits_into_phases or cannot_apply or async_save_snapshots", "--out", str(tmp_path / "v"),
+               cwd=repo, root=repo)
+    assert verdict(r) == "PASS", r.stdout[-4000:] + r.stderr[-3000:]
+    assert re.search(r"distributed +PASS .*with model.pair_heads=true: 1 tests took it, 3 ran with it off", r.stdout)
+    off = r.stdout[r.stdout.index("off (their config refuses it: model.num_kv_heads: must be even for pair_heads, "
+                                  "got 1):"):].splitlines()[1].strip()
+    assert off == "tests/test_pipeline_overlap.py::test_pp_overlap_where_it_cannot_apply_is_a_config_error"
+    assert "off (their config refuses it: DeepseekV2Config has no field model.pair_heads)" in r.stdout
+    assert re.search(r"resume +PASS .*1 tests took it, 0 ran with it off", r.stdout), r.stdout
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "pithtrain.train", "model.pair_heads=true", "train.steps=1",
+                          "train.seq_len=32", "train.micro_batch_size=2", "data.max_bytes=20000",
+                          f"log.run_dir={tmp_path / 'run'}"], cwd=repo, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "pithtrain.checkpoint.export", "--ckpt", str(tmp_path / "run"),
+                        "--out", str(tmp_path / "hf")], cwd=repo, env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and not (tmp_path / "hf").exists(), r.stderr
+    assert "model.pair_heads=True would be lost: Qwen3MoeForCausalLM's config.json has no key for it" in r.stderr
+    step3 = VARIANT_SKILL.read_text().split("\n3. ")[1].split("\n4. ")[0]  # how the skill says to classify it
+    assert all(w in step3 for w in ("`hub_fields`", "`RECIPE_MODEL_FIELDS`", "export-hf", "`TRAINING_ONLY`"))
 
 
 def test_worked_example_helper_does_not_assume_sorted_slots():
@@ -597,6 +709,33 @@ def test_worked_example_helper_does_not_assume_sorted_slots():
     for p in (p_TA, p_TA.flip(-1), p_TA[:, torch.randperm(3)], deepseek_TA):
         for mass in (0.3, 0.6, 0.9):
             assert torch.equal(ns["keep_top_mass"](p, mass), loop(p, mass))
+
+
+def test_the_flop_guidance_names_what_the_count_reads_and_counts_an_attention_variant():
+    """The skill's FLOP section names each config method flops_per_token reads and gives its
+    attention term; a variant computing two maps per head, declared as the section says (heads
+    doubled in attention_shapes), adds exactly that term once more per layer."""
+    import dataclasses
+    import inspect
+
+    from pithtrain import metrics
+    from pithtrain.models.qwen3_moe import Qwen3MoeConfig
+    text = VARIANT_SKILL.read_text()
+    section = text[text.index("## FLOPs of a variant"):]
+    section = section[:section.index("\n## ", 1)]
+    read = set(re.findall(r"model_cfg\.(\w+)\(i\)", inspect.getsource(metrics.matmul_params)
+                          + inspect.getsource(metrics.flops_per_token)))
+    assert read == {"layer_params", "attention_shapes"} and all(f"`{m}(i)`" in section for m in read)
+    assert "`3 * keys * (d_qk + d_v) * heads`" in section and "attention variant counts what runs" in section
+
+    class TwoMaps(Qwen3MoeConfig):
+        def attention_shapes(self, i):
+            window, d_qk, d_v, heads = super().attention_shapes(i)
+            return window, d_qk, d_v, 2 * heads
+
+    cfg, S = Qwen3MoeConfig(), 64
+    extra = metrics.flops_per_token(TwoMaps(**dataclasses.asdict(cfg)), S) - metrics.flops_per_token(cfg, S)
+    assert extra == cfg.num_layers * 3 * S * (2 * cfg.head_dim) * cfg.num_heads
 
 
 def test_readme_and_agents_md_give_the_three_variant_commands():

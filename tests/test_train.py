@@ -218,7 +218,7 @@ def test_bf16_step_weights_are_fsdps_numbers_without_fsdp(tiny_overrides, in_pla
             d = before[n] - p.detach()             # bf16; here both parts add into float32: ~2^-9 apart
             assert (d - want[n]).norm() < 4e-3 * want[n].norm(), ((d - want[n]).norm() / want[n].norm())
             continue
-        torch.testing.assert_close(before[n] - p.detach(), want[n], rtol=0, atol=1e-6, msg=n)
+        torch.testing.assert_close(before[n] - p.detach(), want[n], rtol=0, atol=1e-6, msg=lambda m: f"{n}: {m}")
     if in_place:  # written in place in each of the 3 micro-batches (the first: a new float32 gradient)
         assert model.embed_tokens.weight.wgrad_adds == (6 if tied else 3)
         assert tied == (model.lm_head.weight is model.embed_tokens.weight)

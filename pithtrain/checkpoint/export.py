@@ -46,7 +46,7 @@ from pithtrain.checkpoint.dcp import (
     verify,
 )
 from pithtrain.checkpoint.hf import SHARD_BYTES, state_for_export
-from pithtrain.config import ConfigError, config_from_dict
+from pithtrain.config import ConfigError, config_from_dict, refuse_hub_losses
 from pithtrain.data import BOS, EOS, TOKENIZER_FILES, added_around, declared_tokens, load_tokenizer
 from pithtrain.models import FAMILIES, build_model
 
@@ -161,6 +161,7 @@ def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SH
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     path = resolve(ckpt, check=lambda c: _verify_shared(c, rank, world))
     cfg, saved = checkpoint_recipe(path)
+    refuse_hub_losses(cfg.model, f"{path / RECIPE}")  # a model field config.json cannot carry
     checkpoint_tokenizer(path, saved)  # before any file is written
     model = build_model(cfg.model, init=False)  # meta: names, shapes, tied head
     fam, mcfg = FAMILIES[model.cfg.family], model.cfg

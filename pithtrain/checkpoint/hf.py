@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from pithtrain.config import refuse_hub_losses
 from pithtrain.models import FAMILIES, build_model, read_config, to_empty
 from pithtrain.models.balance import Balance
 from pithtrain.models.common import Rotary
@@ -253,6 +254,7 @@ def save_hf(model: torch.nn.Module, path: str | Path, dtype: torch.dtype | None 
     files of an earlier export into the same folder are removed first: transformers would load a
     stale model.safetensors next to a new sharded index. Other files (a tokenizer) stay."""
     path = Path(path)
+    refuse_hub_losses(model.cfg, f"save_hf {path}")  # a field config.json cannot carry, before any file changes
     path.mkdir(parents=True, exist_ok=True)
     for old in [*path.glob("model*.safetensors"), path / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)

@@ -177,6 +177,15 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
             init_std=hf.get("initializer_range", 0.02),
             aux_loss_coeff=hf.get("aux_loss_alpha", 0.001))
 
+    # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it). Any other field
+    # that shapes the forward is lost in config.json: export refuses it unless at its default (config.hub_losses).
+    hub_fields: ClassVar[tuple] = (
+        "vocab_size", "hidden_size", "num_layers", "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+        "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "intermediate_size", "moe_intermediate_size",
+        "num_experts", "n_shared_experts", "top_k", "topk_method", "n_group", "topk_group", "routed_scaling_factor",
+        "rope_theta", "rope_scaling", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+        "attention_bias", "init_std", "aux_loss_coeff")
+
     def to_hf(self) -> dict:
         rope = {"rope_type": "default"} if self.rope_scaling is None else dict(self.rope_scaling)
         return {

@@ -160,6 +160,14 @@ class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rat
             # carry an inert router_aux_loss_coef of 0.9 with it off, so take the hub-scale 0.001 then
             aux_loss_coeff=hf.get("router_aux_loss_coef", 0.001) if hf.get("output_router_logits") else 0.001)
 
+    # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it). Any other field
+    # that shapes the forward is lost in config.json: export refuses it unless at its default (config.hub_losses).
+    hub_fields: ClassVar[tuple] = (  # not swiglu_alpha: transformers fixes it at 1.702
+        "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+        "num_experts", "top_k", "sliding_window", "layer_types", "attention_bias", "swiglu_limit", "rope_theta",
+        "yarn_factor", "yarn_original_max_position", "yarn_beta_fast", "yarn_beta_slow", "yarn_truncate",
+        "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "init_std", "aux_loss_coeff")
+
     def to_hf(self) -> dict:
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.yarn_factor is not None:

@@ -112,6 +112,14 @@ class Qwen3MoeConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_r
             init_std=hf.get("initializer_range", 0.02),
             aux_loss_coeff=hf.get("router_aux_loss_coef", 0.001))
 
+    # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it). Any other field
+    # that shapes the forward is lost in config.json: export refuses it unless at its default (config.hub_losses).
+    hub_fields: ClassVar[tuple] = (
+        "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+        "moe_intermediate_size", "num_experts", "top_k", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+        "rope_theta", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "attention_bias", "init_std",
+        "aux_loss_coeff")
+
     def to_hf(self) -> dict:
         return {
             "architectures": [self.hf_architecture], "model_type": "qwen3_moe",

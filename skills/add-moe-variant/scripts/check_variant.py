@@ -16,10 +16,14 @@ Stages, in order (--fail-fast stops at the first that fails; --rules-only runs t
                          or names it as a config key: model.<field> (an override, a ConfigError message) or
                          <field>= (a keyword argument)
           shared-code    the change copies no code: no run of DUP_LINES code lines (blank, comment, docstring
-                         and import lines aside) appears more often in pithtrain/ than it did where HEAD
-                         branched from --base (git merge-base; default main), committed work included. A
-                         copied family file or a block pasted into two families FAILs, with both places
-                         named; a new shared file under models/ is welcome
+                         and import lines aside) appears more often in pithtrain/ than it did at the base,
+                         committed work included. A copied family file or a block pasted into two families
+                         FAILs, with both places named; a new shared file under models/ is welcome. The
+                         base (printed first): --base REV's merge base with HEAD; else the first of these
+                         whose pithtrain/ differs from the tree: where HEAD left its upstream branch, HEAD's
+                         merge base with main, the last commit before the one that added the --set field
+                         (HEAD while it is uncommitted). A base whose pithtrain/ equals the tree (e.g. after
+                         committing on main with nothing else to go by) FAILs: nothing would be compared
           budget         pithtrain/ stays under BUDGET code lines (tools/appliance.py count_lines, `invoke
                          stats`); family files keep the pointer to the shape-suffix legend
   effect  the variant must act: the family's default tiny model is built twice, without and with the
@@ -161,6 +165,37 @@ def repeated_runs(lines: dict[str, list[tuple[int, str]]]) -> collections.Counte
     return runs
 
 
+def choose_base(root: Path, sets: list[str], given: str | None = None) -> tuple[str, str]:
+    """(git revision, how it was chosen) the shared-code rule compares with. --base, as given (its
+    merge base with HEAD). Else the first of these whose pithtrain/ differs from the tree: where
+    HEAD left its upstream branch, HEAD's merge base with main, the last commit before the one that
+    added a --set model.X field under pithtrain/models/ (HEAD while the field is uncommitted).
+    None differs: the last, and copy_problems FAILs it as the tree itself."""
+    def git(*args: str) -> str | None:
+        r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    if given:
+        return given, f"--base {given} (its merge base with HEAD)"
+    upstream = git("rev-parse", "--abbrev-ref", "--symbolic-full-name", "@{upstream}")
+    candidates = [(upstream and git("merge-base", "HEAD", upstream), f"where HEAD left its upstream {upstream}"),
+                  (git("merge-base", "HEAD", "main"), "HEAD's merge base with main")]
+    for f in [s.split("=", 1)[0].removeprefix("model.") for s in sets if s.startswith("model.")]:
+        # the oldest commit whose diff adds or removes a line `<field>:` (a dataclass field)
+        commits = (git("log", "--format=%H", f"-G^[[:space:]]*{f}[[:space:]]*:", "--", "pithtrain/models") or "").split()
+        candidates.append((git("rev-parse", "--verify", "-q", f"{commits[-1]}^"),
+                           f"the last commit before model.{f} was added (in {commits[-1][:10]})") if commits else
+                          (git("rev-parse", "HEAD"), f"HEAD: model.{f} is in no commit yet"))
+    candidates = [(rev, how) for rev, how in candidates if rev] or [("HEAD", "HEAD")]
+    now = tree_sources(root)
+    rev, how = next(((rev, how) for rev, how in candidates if base_sources(root, rev) != now), candidates[-1])
+    return rev, f"{rev[:10]}, {how}"
+
+
+def tree_sources(root: Path) -> dict[str, str]:
+    return {str(f.relative_to(root)): f.read_text() for f in sorted((root / "pithtrain").rglob("*.py"))}
+
+
 def base_sources(root: Path, base: str) -> dict[str, str] | None:
     """pithtrain/**/*.py where HEAD branched from git revision `base` (their merge base; `base`
     itself when there is none), or None when git cannot read it."""
@@ -185,10 +220,15 @@ def base_sources(root: Path, base: str) -> dict[str, str] | None:
 def copy_problems(root: Path, base: str) -> list[str]:
     """Runs of code lines that occur more often now than at `base`: code the change copied."""
     then = base_sources(root, base)
+    base = base[:10] if re.fullmatch(r"[0-9a-f]{40}", base) else base  # as the messages name it
     if then is None:
         return [f"shared-code: git cannot read pithtrain/ at {base!r} in {root} (pass --base REV, the "
                 "commit your change starts from)"]
-    now = {str(f.relative_to(root)): f.read_text() for f in sorted((root / "pithtrain").rglob("*.py"))}
+    now = tree_sources(root)
+    if now == then:
+        return [f"shared-code: the base ({base}) is this tree itself: pithtrain/ has not changed since it, so "
+                "the rule would compare the tree with itself and find nothing. Pass --base REV, the commit "
+                "your change starts from"]
     lines = {path: code_lines(text) for path, text in now.items()}
     changed = [path for path in set(now) | set(then) if now.get(path) != then.get(path)]
     after = repeated_runs(lines)  # before: the same, with the changed files as they were
@@ -381,6 +421,45 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12)) if a.shape == b.shape else math.inf
 
 
+ROUTING = ("mean", "min", "max", "skipped", "zero")  # what a router decides; `load` follows any change of input
+
+
+def norm(tensors) -> float:
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
+
+
+def effect_table(rows: list) -> list[str]:
+    """The effect table: a row per condition, (name, None) for a broken router contract, else
+    (name, (logits, grads, new grads or None, base stats, variant stats)). The new-grads column
+    shows only for a variant with tensors of its own, the routing columns only for one that routes
+    differently somewhere."""
+    ok = [r for _, r in rows if r]
+    new = any(r[2] is not None for r in ok)
+    routes = any(r[3][k] != r[4][k] for r in ok for k in ROUTING)
+    out = [f"  {'condition':<18} {'logits':>9} {'grads':>9}" + (f" {'new grads':>9}" if new else "")
+           + ("   experts/token mean min max   skipped   at w=0   load" if routes else "")]
+    for name, r in rows:
+        if r is None:
+            out.append(f"  {name:<18} router contract broken")
+            continue
+        d_logits, d_grads, d_new, b, v = r
+        line = f"  {name:<18} {d_logits:9.2e} {d_grads:9.2e}" + (f" {d_new or 0.0:9.2e}" if new else "")
+        if routes:
+            line += (f"   {b['mean']:.2f} {b['min']} {b['max']} -> {v['mean']:.2f} {v['min']} {v['max']}   "
+                     f"{100 * b['skipped']:3.0f}% -> {100 * v['skipped']:3.0f}%   "
+                     f"{100 * b['zero']:3.0f}% -> {100 * v['zero']:3.0f}%   {b['load']:.2f} -> {v['load']:.2f}")
+        out.append(line)
+    out.append("  (logits, grads: largest difference relative to the base, over the tensors both models have"
+               + ("; new grads: the gradient norm of the variant's own tensors relative to the base's whole one"
+                  if new else "")
+               + ("; experts/token: slots an FFN expert computed; skipped: slots DROPPED or past the FFN experts; "
+                  "at w=0: computed slots of weight 0, compute spent for nothing; load: worst layer's max / mean "
+                  "load over the router's ids)" if routes else
+                  "; routing columns hidden: experts per token, skipped and weight-0 slots equal the base's at "
+                  "every condition)"))
+    return out
+
+
 def effect(family: str, sets: list[str]) -> tuple[bool, list[str]]:
     """(ok, lines to print): does the variant change logits, gradients or routing anywhere?"""
     from pithtrain.models import build_model
@@ -393,7 +472,7 @@ def effect(family: str, sets: list[str]) -> tuple[bool, list[str]]:
     except ValueError as e:  # ConfigError: a bad value or key, named
         return False, [f"effect: FAIL: {e}"]
     what = " ".join(model_sets)
-    lines, acted, broken = [], [], []
+    lines, rows, broken = [], [], []
     for seed in SEEDS:
         g = torch.Generator().manual_seed(seed)
         ids_BS = torch.randint(0, base_cfg.vocab_size, (BATCH, SEQ), generator=g)
@@ -408,8 +487,6 @@ def effect(family: str, sets: list[str]) -> tuple[bool, list[str]]:
             if fresh:
                 names = sorted({re.sub(r"\.\d+\.", ".*.", f) for f in fresh})
                 lines += [f"  fresh in the variant (its own seeded init, not the base's): {', '.join(names)}"]
-            lines += [f"  {'condition':<18} {'logits':>9} {'grads':>9}   experts/token mean min max   "
-                      "skipped   at w=0   load"]
         for scale in ROUTER_SCALES:
             name = f"seed {seed} router x{scale:g}"
             base = variant_model(base_cfg, state, seed)[0]
@@ -418,23 +495,16 @@ def effect(family: str, sets: list[str]) -> tuple[bool, list[str]]:
                                                               ids_BS, labels_BS)
             broken += [f"{name}: {p}" for p in v_bad]
             if b_bad or v_bad:
-                lines.append(f"  {name:<18} router contract broken")
+                rows.append((name, None))
                 continue
-            d_logits = rel_diff(v_logits, b_logits)
-            d_grads = max((rel_diff(v_grads[n], b_grads[n]) for n in b_grads if n in v_grads), default=0.0)
-            if set(v_grads) != set(b_grads):
-                d_grads = math.inf
-            if d_logits > RTOL or d_grads > RTOL or v_stats != b_stats:
-                acted.append(name)
-            lines.append(f"  {name:<18} {d_logits:9.2e} {d_grads:9.2e}   "
-                         f"{b_stats['mean']:.2f} {b_stats['min']} {b_stats['max']} -> "
-                         f"{v_stats['mean']:.2f} {v_stats['min']} {v_stats['max']}   "
-                         f"{100 * b_stats['skipped']:3.0f}% -> {100 * v_stats['skipped']:3.0f}%   "
-                         f"{100 * b_stats['zero']:3.0f}% -> {100 * v_stats['zero']:3.0f}%   "
-                         f"{b_stats['load']:.2f} -> {v_stats['load']:.2f}")
-    lines.append("  (logits, grads: largest difference relative to the base; experts/token: slots an FFN expert "
-                 "computed; skipped: slots DROPPED or past the FFN experts; at w=0: computed slots of weight 0, "
-                 "compute spent for nothing; load: worst layer's max / mean load over the router's ids)")
+            same = {n for n in b_grads if n in v_grads and v_grads[n].shape == b_grads[n].shape}
+            d_grads = max((rel_diff(v_grads[n], b_grads[n]) for n in same), default=0.0)
+            # the variant's own tensors (new, or reshaped): their gradient's norm relative to the base's whole one
+            d_new = (norm([g for n, g in v_grads.items() if n not in same]) / max(norm(b_grads.values()), 1e-12)
+                     if set(v_grads) - same else None)
+            rows.append((name, (rel_diff(v_logits, b_logits), d_grads, d_new, b_stats, v_stats)))
+    acted = [name for name, r in rows if r and (max(r[0], r[1], r[2] or 0.0) > RTOL or r[3] != r[4])]
+    lines += effect_table(rows)
     if broken:
         lines += [f"  problem: router contract: {p}" for p in sorted(set(broken))]
         return False, lines + ["effect: FAIL (a router output the dispatchers cannot take)"]
@@ -460,14 +530,17 @@ def main(argv=None) -> int:
     p.add_argument("--rules-only", action="store_true", help="static rules only (no model, no training, no tests)")
     p.add_argument("--no-validate", action="store_true", help="rules and effect only (seconds), not validate.py")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first stage that fails")
-    p.add_argument("--base", default="main", help="git revision the change branched from (shared-code rule: their merge base)")
+    p.add_argument("--base", help="git revision the change started from (shared-code rule: its merge base with HEAD; "
+                                  "default: the upstream branch, else the commit before the --set field was added)")
     args = p.parse_args(argv)
 
     from pithtrain.models import FAMILIES
 
     if args.family not in FAMILIES:
         sys.exit(f"error: unknown family {args.family!r} (families: {', '.join(FAMILIES)})")
-    problems = rule_problems(ROOT, FAMILIES, args.base) + override_problems(ROOT, args.family, args.set, FAMILIES)
+    base, how = choose_base(ROOT, args.set, args.base)
+    problems = rule_problems(ROOT, FAMILIES, base) + override_problems(ROOT, args.family, args.set, FAMILIES)
+    print(f"shared-code base: {how}")
     print(f"architecture rules: {len(problems)} problem(s)")
     for msg in problems:
         print(f"  problem: {msg}")

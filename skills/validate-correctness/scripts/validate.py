@@ -6,6 +6,7 @@
     python skills/validate-correctness/scripts/validate.py --changed-since main   # families the diff touches
     python skills/validate-correctness/scripts/validate.py --quick --fail-fast    # stop at the first FAIL
     python skills/validate-correctness/scripts/validate.py --family qwen3_moe --set model.top_k=1  # a switch on
+    python skills/validate-correctness/scripts/validate.py --set model.top_k=1 -k pp2   # rerun matching tests
 
 Checks, in order; each is PASS, FAIL or SKIP (with the reason); the verdict is FAIL if any check fails:
   parity <family>  tests/test_<family>.py against transformers (--quick: only *match_transformers tests)
@@ -19,9 +20,15 @@ Checks, in order; each is PASS, FAIL or SKIP (with the reason); the verdict is F
                    with --quick)
 
 --set model.X=V turns a variant's switch on in the training run and, through PITHTRAIN_TEST_SET
-(tests/variant.py), in the distributed and resume tests of every family whose config has the field;
-each check's line names the tests that ran with it (a check none of whose tests took it FAILs).
+(tests/variant.py), in the distributed and resume tests whose config admits it: the config with
+the switch on must pass the family's own checks (the field exists there, `validate` accepts it;
+e.g. a switch that needs an even num_kv_heads is refused by a config with one), and a test whose
+config refuses it runs with the switch off. Each check's line names the tests that took it and
+those that ran with it off, with the config's reason; a check none of whose tests took it FAILs.
 Parity and moe run without it: transformers and the bare experts have no such switch.
+-k EXPR keeps, in every pytest check, only the tests matching it (a check with none SKIPs): rerun
+a failing test with the switch on. A failing check prints each failing test's name and its
+assertion lines (pytest's E lines, from its JUnit report) to stderr.
 Everything it writes (the training run, pytest's tmp_path, TMPDIR) goes under --out (default
 <root>/runs/validate/<time>), printed at the start.
 
@@ -62,15 +69,19 @@ MARGIN = 1.0  # nats the loss must fall between the first and last three steps
 # Checks: each returns (verdict, detail) with verdict in PASS / FAIL / SKIP
 
 
-def pytest(files: list[Path], out: Path, k: str | None = None, sets: list[str] = ()) -> tuple[str, str]:
-    """pytest on `files`, writing under `out`; with `sets` (model.X=V), the tests that took them are named."""
+def pytest(files: list[Path], out: Path, k: str | None = None, sets: list[str] = (),
+           subset: bool = False) -> tuple[str, str]:
+    """pytest on `files`, writing under `out`; with `sets` (model.X=V), the tests that took them and
+    those whose config refused them are named. `subset`: `k` is the user's -k, and a check none
+    of whose tests match it is a SKIP."""
     if not files:
         return "FAIL", "no such test files in this tree"
     (out / "tmp").mkdir(parents=True, exist_ok=True)
-    log = out / "set-applied.txt"
+    log, report = out / "set-applied.txt", out / "junit.xml"
     log.unlink(missing_ok=True)
+    report.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--basetemp={out / 'pytest'}",
-           *map(str, files)]
+           f"--junitxml={report}", *map(str, files)]
     if k:
         cmd += ["-k", k]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -80,17 +91,63 @@ def pytest(files: list[Path], out: Path, k: str | None = None, sets: list[str] =
     counts = [ln for ln in lines if re.search(r"\d+ (passed|failed|error|skipped|deselected)", ln)]
     summary = (counts or lines or ["(no output)"])[-1].strip("= ")
     names = ", ".join(f.name for f in files)
-    took = sorted(set(log.read_text().splitlines())) if log.is_file() else []
+    took, off = switch_log(log)
     if sets:
-        summary += f"; with {' '.join(sets)}: {len(took)} tests" + "".join(f"\n{'':39}{t}" for t in took)
+        summary += switch_report(sets, took, off)
+    if r.returncode == 5:
+        return ("SKIP", f"{names}: no test matches -k {k}") if subset else \
+               ("FAIL", f"{names}: no test selected ({k or 'all'})")
     if r.returncode == 0 and sets and not took:
-        return "FAIL", f"{names}: {summary} (no test's family has every field named)"
+        why = "every config refused it (above)" if off else "none builds its config through tests/variant.py"
+        return "FAIL", f"{names}: {summary}\n{INDENT}FAIL: {' '.join(sets)} reached none of these tests: {why}"
     if r.returncode == 0:
         return "PASS", f"{names}: {summary}"
-    if r.returncode == 5:
-        return "FAIL", f"{names}: no test selected ({k or 'all'})"
-    print("\n".join(lines[-40:]), r.stderr[-2000:], sep="\n", file=sys.stderr)
+    print(failures(report) or "\n".join(lines[-40:] + [r.stderr[-2000:]]), file=sys.stderr)
     return "FAIL", f"{names}: {summary}"
+
+
+INDENT = " " * 39  # the table's detail column
+
+
+def switch_log(log: Path) -> tuple[list[str], dict[str, str]]:
+    """tests/variant.py's log: the tests that took the switch, and test -> why for those whose
+    config refused it (ran with it off)."""
+    took, off = set(), {}
+    for line in (log.read_text().splitlines() if log.is_file() else []):
+        outcome, test, *why = line.split("\t")
+        if outcome == "took":
+            took.add(test)
+        else:
+            off.setdefault(test, why[0] if why else "?")
+    return sorted(took), off
+
+
+def switch_report(sets: list[str], took: list[str], off: dict[str, str]) -> str:
+    """The tests that ran with the switch, then those that ran with it off, grouped by the reason."""
+    text = f"; with {' '.join(sets)}: {len(took)} tests took it, {len(off)} ran with it off"
+    text += "".join(f"\n{INDENT}took: {t}" for t in took)
+    for why in sorted(set(off.values())):
+        text += f"\n{INDENT}off (their config refuses it: {why}):"
+        text += "".join(f"\n{INDENT}  {t}" for t, w in sorted(off.items()) if w == why)
+    return text
+
+
+def failures(report: Path, most: int = 30) -> str:
+    """Each failing test's name and its assertion lines (pytest's `E` lines, the last `most`, and
+    where it failed), from pytest's JUnit XML; "" when there is none to read."""
+    import xml.etree.ElementTree as ET
+    try:
+        cases = ET.parse(report).getroot().iter("testcase")
+    except (OSError, ET.ParseError):
+        return ""
+    out = []
+    for case in cases:
+        for bad in [c for c in case if c.tag in ("failure", "error")]:
+            text = (bad.text or bad.get("message") or "").splitlines()
+            said = [ln for ln in text if ln.startswith("E ")][-most:] or [bad.get("message", "")]
+            where = [ln for ln in text if re.match(r"\S+\.py:\d+: \w", ln)][-1:]
+            out += [f"FAILED {case.get('classname')}::{case.get('name')} ({bad.tag})", *said, *where, ""]
+    return "\n".join(out)
 
 
 def training(family: str, overrides: list[str], out: Path) -> tuple[str, str]:
@@ -145,6 +202,8 @@ def main(argv=None) -> int:
                    help="a variant's switch, e.g. model.top_k=1 (repeatable): the training run takes every "
                         "override, the distributed and resume tests the model.* ones")
     p.add_argument("--out", type=Path, help="write everything here (default: <root>/runs/validate/<time>)")
+    p.add_argument("-k", metavar="EXPR", help="only the tests matching this pytest -k expression, in every pytest "
+                                              "check (none matching: SKIP); to rerun a failing test with --set")
     args = p.parse_args(argv)
     out = (args.out or ROOT / "runs" / "validate" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     sets = [s for s in args.set if s.startswith("model.")]
@@ -160,19 +219,21 @@ def main(argv=None) -> int:
         if f not in FAMILIES:
             sys.exit(f"error: unknown family {f!r} (families: {', '.join(known)})")
 
-    plan = [(f"parity {f}", lambda f=f: pytest(glob_tests([f"test_{f}.py"]), out / f"parity-{f}",
-                                               "match_transformers" if args.quick else None))
+    quick_k = (f"match_transformers and ({args.k})" if args.k else "match_transformers") if args.quick else args.k
+    plan = [(f"parity {f}", lambda f=f: pytest(glob_tests([f"test_{f}.py"]), out / f"parity-{f}", quick_k,
+                                               subset=bool(args.k)))
             for f in families]
-    plan += [("moe", lambda: pytest(glob_tests(["test_moe.py"]), out / "moe")),
+    plan += [("moe", lambda: pytest(glob_tests(["test_moe.py"]), out / "moe", args.k, subset=bool(args.k))),
              (f"training {families[0]}", lambda: training(families[0], args.set, out / "training"))]
     if args.quick:
         plan += [(name, lambda: ("SKIP", "not run with --quick")) for name in ("distributed", "resume")]
     else:
-        plan += [("distributed", lambda: pytest(glob_tests(DISTRIBUTED_TESTS), out / "distributed", sets=sets)),
-                 ("resume", lambda: pytest(glob_tests(RESUME_TESTS), out / "resume", sets=sets))]
+        plan += [(name, lambda globs=globs, name=name: pytest(glob_tests(globs), out / name, args.k, sets,
+                                                              subset=bool(args.k)))
+                 for name, globs in (("distributed", DISTRIBUTED_TESTS), ("resume", RESUME_TESTS))]
 
     print(f"validate-correctness: {ROOT} | families {', '.join(families)}{' | --quick' if args.quick else ''}"
-          f" | writing under {out}", flush=True)
+          f"{f' | -k {args.k} (a subset of the tests)' if args.k else ''} | writing under {out}", flush=True)
     if args.set:
         print(f"  --set {' '.join(args.set)}: in training {families[0]}"
               + ("" if args.quick or not sets else f"; {' '.join(sets)} in distributed and resume (tests named)")
