@@ -45,8 +45,8 @@ from pithtrain.checkpoint.dcp import (
     resolve,
     verify,
 )
-from pithtrain.checkpoint.hf import SHARD_BYTES, state_for_export
-from pithtrain.config import ConfigError, config_from_dict, refuse_hub_losses
+from pithtrain.checkpoint.hf import SHARD_BYTES, refuse_hub_losses, state_for_export
+from pithtrain.config import ConfigError, config_from_dict
 from pithtrain.data import BOS, EOS, TOKENIZER_FILES, added_around, declared_tokens, load_tokenizer
 from pithtrain.models import FAMILIES, build_model
 

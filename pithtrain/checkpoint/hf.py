@@ -16,6 +16,7 @@ checkpoint, streamed from disk, checkpoint/export.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -28,9 +29,10 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from pithtrain.config import refuse_hub_losses
+from pithtrain.checkpoint.dcp import TRAINING_ONLY
+from pithtrain.config import ConfigError, changed_fields
 from pithtrain.models import FAMILIES, build_model, read_config, to_empty
-from pithtrain.models.balance import Balance
+from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import Rotary
 
 SHARD_BYTES = 4 << 30  # export shard size
@@ -248,6 +250,19 @@ def state_for_export(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
+def refuse_hub_losses(model, what: str):
+    """A ConfigError naming each field of a model config that a Hugging Face config.json would drop:
+    not in the family's `hub_fields` (what its to_hf writes), not at its default, and shaping the
+    forward (the balancing fields and dcp.TRAINING_ONLY do not; a trained balance=bias bias is
+    save_hf's own check). Export and save_hf call it: transformers would load the model without it."""
+    free = {f.name for f in dataclasses.fields(BalanceConfig)} | set(TRAINING_ONLY)
+    lost = [f"model.{k}={v!r}" for k, v in changed_fields(model) if k not in type(model).hub_fields and k not in free]
+    if lost:
+        raise ConfigError(f"{what}: {', '.join(lost)} would be lost: {type(model).hf_architecture}'s config.json "
+                          f"has no key for it ({type(model).__name__}.hub_fields), so transformers would build the "
+                          "model without it. Keep the native checkpoint, or train with it at its default")
+
+
 def save_hf(model: torch.nn.Module, path: str | Path, dtype: torch.dtype | None = None,
             shard_bytes: int = SHARD_BYTES):
     """Write config.json and safetensors shards (+ index when sharded) in the hub layout. Weight
