@@ -49,24 +49,11 @@ GPU_OVERRIDES = {
 RECIPE_MODEL_FIELDS = ("aux_loss_coeff", "balance", "bias_update_rate", "z_loss_coeff", "swiglu_alpha")
 
 
-def refuse_hub_losses(model, what: str):
-    """A ConfigError naming each field of a model config that a Hugging Face config.json would drop:
-    not in the family's `hub_fields` (what its to_hf writes), not at its default, and shaping the
-    forward (the balancing fields and dcp.TRAINING_ONLY do not; a trained balance=bias bias is
-    save_hf's own check). Export and save_hf call it: transformers would load the model without it."""
-    from pithtrain.checkpoint.dcp import TRAINING_ONLY
-    from pithtrain.models.balance import BalanceConfig
-    free = {f.name for f in dataclasses.fields(BalanceConfig)} | set(TRAINING_ONLY)
-    if lost := [f"model.{k}={v!r}" for k, v in _changed(model) if k not in type(model).hub_fields and k not in free]:
-        raise ConfigError(f"{what}: {', '.join(lost)} would be lost: {type(model).hf_architecture}'s config.json "
-                          f"has no key for it ({type(model).__name__}.hub_fields), so transformers would build the "
-                          "model without it. Keep the native checkpoint, or train with it at its default")
-
-
-def _changed(model) -> list[tuple[str, Any]]:
+def changed_fields(model) -> list[tuple[str, Any]]:
     """(field, value) of each field of a dataclass that is not at its default."""
     return [(f.name, getattr(model, f.name)) for f in dataclasses.fields(model)
-            if getattr(model, f.name) != (f.default if f.default_factory is dataclasses.MISSING else f.default_factory())]
+            if getattr(model, f.name) != (f.default if f.default_factory is dataclasses.MISSING
+                                          else f.default_factory())]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,7 +407,7 @@ def config_from_dict(raw: dict, source: str = "<dict>", cross_checks: bool = Tru
                 setattr(hub, k, getattr(built["model"], k))
             elif k in model_raw:  # the recipe's family has the option, the checkpoint's has not
                 fail(f"model.{k}", f"{type(hub).__name__} (train.init_from's family) has no such field")
-        for k, v in _changed(built["model"]):  # neither config.json nor the recipe would give the model this
+        for k, v in changed_fields(built["model"]):  # neither config.json nor the recipe would give the model this
             if k not in RECIPE_MODEL_FIELDS and k not in type(hub).hub_fields:
                 fail(f"model.{k}", f"{v!r} would be lost: " + (
                     f"train.init_from's config.json has no key for it; keep it in RECIPE_MODEL_FIELDS "

@@ -36,8 +36,8 @@ import yaml
 
 from pithtrain.checkpoint.dcp import (RECIPE, TRAINER, CheckpointError, SafeReader, _check_index, _quiet, resolve,
                                       verify)
-from pithtrain.checkpoint.hf import SHARD_BYTES, state_for_export
-from pithtrain.config import ConfigError, config_from_dict, refuse_hub_losses
+from pithtrain.checkpoint.hf import SHARD_BYTES, refuse_hub_losses, state_for_export
+from pithtrain.config import ConfigError, config_from_dict
 from pithtrain.data import TOKENIZER_FILES
 from pithtrain.models import FAMILIES, build_model
 

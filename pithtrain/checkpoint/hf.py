@@ -16,6 +16,7 @@ checkpoint, streamed from disk, checkpoint/export.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -28,9 +29,11 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from pithtrain.config import refuse_hub_losses
+from pithtrain import ConfigError
+from pithtrain.checkpoint.dcp import TRAINING_ONLY
+from pithtrain.config import changed_fields
 from pithtrain.models import FAMILIES, build_model, read_config, to_empty
-from pithtrain.models.balance import Balance
+from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import Rotary
 
 SHARD_BYTES = 4 << 30  # export shard size
@@ -245,6 +248,18 @@ def state_for_export(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             seen.add(id(p))
             out[name] = p.detach()
     return out
+
+
+def refuse_hub_losses(model, what: str):
+    """A ConfigError naming each field of a model config that a Hugging Face config.json would drop:
+    not in the family's `hub_fields` (what its to_hf writes), not at its default, and shaping the
+    forward (the balancing fields and dcp.TRAINING_ONLY do not; a trained balance=bias bias is
+    save_hf's own check). Export and save_hf call it: transformers would load the model without it."""
+    kept = {f.name for f in dataclasses.fields(BalanceConfig)} | set(TRAINING_ONLY) | set(type(model).hub_fields)
+    if lost := [f"model.{k}={v!r}" for k, v in changed_fields(model) if k not in kept]:
+        raise ConfigError(f"{what}: {', '.join(lost)} would be lost: {type(model).hf_architecture}'s config.json "
+                          f"has no key for it ({type(model).__name__}.hub_fields), so transformers would build the "
+                          "model without it. Keep the native checkpoint, or train with it at its default")
 
 
 @torch.no_grad()
