@@ -249,20 +249,19 @@ def state_for_export(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-@torch.no_grad()
 def refuse_hub_losses(model, what: str):
     """A ConfigError naming each field of a model config that a Hugging Face config.json would drop:
     not in the family's `hub_fields` (what its to_hf writes), not at its default, and shaping the
     forward (the balancing fields and dcp.TRAINING_ONLY do not; a trained balance=bias bias is
     save_hf's own check). Export and save_hf call it: transformers would load the model without it."""
-    free = {f.name for f in dataclasses.fields(BalanceConfig)} | set(TRAINING_ONLY)
-    lost = [f"model.{k}={v!r}" for k, v in changed_fields(model) if k not in type(model).hub_fields and k not in free]
-    if lost:
+    kept = {f.name for f in dataclasses.fields(BalanceConfig)} | set(TRAINING_ONLY) | set(type(model).hub_fields)
+    if lost := [f"model.{k}={v!r}" for k, v in changed_fields(model) if k not in kept]:
         raise ConfigError(f"{what}: {', '.join(lost)} would be lost: {type(model).hf_architecture}'s config.json "
                           f"has no key for it ({type(model).__name__}.hub_fields), so transformers would build the "
                           "model without it. Keep the native checkpoint, or train with it at its default")
 
 
+@torch.no_grad()
 def save_hf(model: torch.nn.Module, path: str | Path, dtype: torch.dtype | None = None,
             shard_bytes: int = SHARD_BYTES):
     """Write config.json and safetensors shards (+ index when sharded) in the hub layout. Weight

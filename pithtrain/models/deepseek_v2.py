@@ -178,7 +178,7 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
             aux_loss_coeff=hf.get("aux_loss_alpha", 0.001))
 
     # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it). Any other field
-    # that shapes the forward is lost in config.json: export refuses it unless at its default (config.hub_losses).
+    # that shapes the forward is lost in config.json: export refuses it unless at its default (checkpoint/hf.py).
     hub_fields: ClassVar[tuple] = (
         "vocab_size", "hidden_size", "num_layers", "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
         "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "intermediate_size", "moe_intermediate_size",

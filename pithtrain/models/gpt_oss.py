@@ -161,7 +161,7 @@ class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rat
             aux_loss_coeff=hf.get("router_aux_loss_coef", 0.001) if hf.get("output_router_logits") else 0.001)
 
     # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it). Any other field
-    # that shapes the forward is lost in config.json: export refuses it unless at its default (config.hub_losses).
+    # that shapes the forward is lost in config.json: export refuses it unless at its default (checkpoint/hf.py).
     hub_fields: ClassVar[tuple] = (  # not swiglu_alpha: transformers fixes it at 1.702
         "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
         "num_experts", "top_k", "sliding_window", "layer_types", "attention_bias", "swiglu_limit", "rope_theta",

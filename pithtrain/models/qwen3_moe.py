@@ -113,7 +113,7 @@ class Qwen3MoeConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_r
             aux_loss_coeff=hf.get("router_aux_loss_coef", 0.001))
 
     # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it). Any other field
-    # that shapes the forward is lost in config.json: export refuses it unless at its default (config.hub_losses).
+    # that shapes the forward is lost in config.json: export refuses it unless at its default (checkpoint/hf.py).
     hub_fields: ClassVar[tuple] = (
         "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
         "moe_intermediate_size", "num_experts", "top_k", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
