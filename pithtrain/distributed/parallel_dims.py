@@ -249,7 +249,8 @@ class ParallelDims:
                 self._default_timeouts = (c10d.default_pg_timeout, c10d.default_pg_nccl_timeout)
                 timeout = c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
             dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout,
-                                    device_id=device if device.type == "cuda" else None,
+                                    device_id=(torch.device("cuda", torch.cuda.current_device() if device.index is None
+                                                            else device.index) if device.type == "cuda" else None),
                                     store=dist.HashStore() if self.world_size == 1 else None)
             self.owns_group = True
         return self.build_meshes(device.type)
