@@ -314,6 +314,23 @@ def test_init_from_keeps_the_recipes_balance_and_imports_a_zero_bias_export_refu
         save_hf(model, tmp_path / "out2")
 
 
+def test_export_refuses_a_checkpoint_with_a_trained_routing_bias(tmp_path, capsys):
+    """The streaming export reads hub tensors only: without this check a trained balance=bias
+    bias was left out silently (save_hf refuses it, above)."""
+    from pithtrain.checkpoint import export
+    from pithtrain.train import train
+    base = ["model.balance=bias", "model.bias_update_rate=0.01", "model.hidden_size=32", "model.num_layers=1",
+            "model.num_heads=4", "model.head_dim=8", "model.moe_intermediate_size=16", "train.seq_len=32",
+            "train.micro_batch_size=2", "train.steps=2", "train.warmup_steps=1", "data.max_bytes=20000",
+            "train.device=cpu", f"log.run_dir={tmp_path / 'run'}"]
+    train(load_config(None, base))
+    capsys.readouterr()
+    assert export.main(["--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "layers.0.mlp.balance.bias_E: the trained routing bias (model.balance=bias)" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "hf" / "config.json").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # Checkpoint and resume
 

@@ -168,6 +168,7 @@ def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SH
     out = Path(out)
     state = state_for_export(model)
     check_index(path, [f"model.{n}" for n in state])
+    refuse_trained_bias(path, model)
     shards = plan_shards(model, dtype, shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
@@ -207,6 +208,21 @@ def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SH
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         print(f"export: {copy_tokenizer(path, saved, out)}", flush=True)
     return out
+
+
+def refuse_trained_bias(path: Path, model: torch.nn.Module):
+    """model.balance=bias: a trained routing bias (balance.bias_E, not zero) has no place in the hub
+    format, and transformers would route without it; save_hf refuses it too."""
+    biases = {f"model.{n}": torch.empty(b.shape) for n, b in model.named_buffers() if n.endswith("balance.bias_E")}
+    if not biases:
+        return
+    check_index(path, list(biases))
+    with no_dist_warnings():
+        dcp.load(biases, storage_reader=SafeReader(path), no_dist=True)
+    if trained := [n.removeprefix("model.") for n, b in biases.items() if b.any()]:
+        raise ConfigError(f"{path}: {trained[0]}: the trained routing bias (model.balance=bias) has no place in "
+                          f"{model.cfg.hf_architecture}'s hub format; transformers would route without it. Keep "
+                          "the native checkpoint (invoke sample), or train with another model.balance")
 
 
 def _verify_shared(ckpt: Path, rank: int, world: int):
