@@ -63,6 +63,16 @@ def test_a_changed_training_only_model_field_resumes_and_is_said(tmp_path):
     assert "model.aux_loss_coeff: 0.001 -> 0.01" in said[0] and "model.z_loss_coeff: 0.0 -> 0.01" in said[0]
 
 
+def test_a_checkpoint_from_before_data_sampler_is_said_to_change_its_data_order(tmp_path):
+    """Saved before data.sampler existed, a run drew random windows; resumed under the epochs
+    sampler its order changes: said as that ('random' -> 'epochs'), not as a key that was None."""
+    older = load_config(None, []).to_dict()
+    del older["data"]["sampler"]
+    said = compare(load_config(None, []), older, tmp_path)
+    assert len(said) == 1 and "data.sampler: 'random' -> 'epochs'" in said[0], said
+    assert compare(load_config(None, ["data.sampler=random"]), older, tmp_path) == []
+
+
 @pytest.mark.parametrize("feature", ["data.document_mask=true", "train.eval_every=5"])
 def test_parallel_auto_loads_with_features_that_exclude_cp_or_pp(feature):
     """Both once crashed at load ('>' between None and int: the checks read the sizes auto had not

@@ -104,6 +104,11 @@ TRAINING_ONLY = ("aux_loss_coeff", "bias_update_rate", "z_loss_coeff", "init_std
 FRESH = "start fresh with --no-resume (it sets the checkpoints aside) or choose another log.run_dir"
 
 
+# Recipe fields added since checkpoints were first saved, with the behaviour a checkpoint saved
+# before them had: a resumed run that differs says so ("recipe differs ...: data.sampler: 'random' -> 'epochs'").
+BEFORE_FIELD = {"data.sampler": "random"}
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the directory or file and why."""
 
@@ -866,6 +871,9 @@ class Checkpointer:
             saved_model.update(added)
             self.say(f"{ckpt} was saved before these model fields existed; read as their defaults: "
                      + ", ".join(f"{k}={v!r}" for k, v in added.items()))
+        for key, then in BEFORE_FIELD.items():  # what a checkpoint saved before the field existed ran with
+            s, k = key.split(".")
+            saved.setdefault(s, {}).setdefault(k, then)
         diffs = [(f"{s}.{k}", (saved.get(s) or {}).get(k), v) for s in now for k, v in now[s].items()
                  if (saved.get(s) or {}).get(k) != v]
         model = [d for d in diffs if d[0].startswith("model.") and d[0][6:] not in TRAINING_ONLY]
