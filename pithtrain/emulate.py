@@ -1,36 +1,40 @@
 """One rank of an N-GPU layout, measured on the one GPU at hand: what a user runs before renting eight.
 
-    python -m pithtrain.emulate qwen3-30b-a3b --gpus 8 --gpu h100 --steps 4 --set parallel.fsdp=8 ...
-    invoke emulate --model qwen3-30b-a3b --gpus 8 --gpu h100
+    python -m pithtrain.emulate qwen3-30b-a3b --gpus 8 --gpu h100 --steps 4 --set parallel.fsdp=8 --set parallel.ep=8
+    invoke emulate --model deepseek-v2-lite --gpus 8 --gpu h100      # parallel: auto's pick for 8 x H100
 
-Rank 0's exact program of the layout an N-GPU launch on `--gpu` would run (plan.resolve with that
-GPU's name and memory: `parallel: auto` included; its recipe overrides where this machine has a
-GPU), at full depth: train.train() itself, in this one process, under a process group of N ranks
-whose collectives are stand-ins (StandIn below) that act as if every rank were this one. Memory is
-capped at the target GPU's (torch.cuda.set_per_process_memory_fraction); checkpoints, evaluation
-and the export are off, the run directory a temporary one. It prints the measured step (median of
-the steps after the first, which compiles: the step log's tokens/s), the measured peak memory
-(torch.cuda.max_memory_allocated), the memory plan's peak for rank 0 and perf.predict for the same
-layout on the GPU at hand, with ratios: the emulated step is the prediction's compute and optimizer
-parts; the communication parts (FSDP exposed, all-to-all) are the model's alone, since stand-ins
-copy locally what the real collectives send. On CPU (tiny recipes, how CI tests it) there is no cap
-and no GPU's overrides. A pipeline (pp > 1) is refused: the stand-ins cannot play another stage.
+Rank 0's exact program of the layout a launch of N processes on `--gpu` would run (plan.resolve
+with that GPU's name and memory, `parallel: auto` included; where this machine has a GPU, the
+target's recipe overrides), at full depth: train.train() itself, in this one process, under a
+process group of N ranks whose collectives are stand-ins (StandIn, below) that act as if every
+rank were this one. Memory is capped at the target GPU's (torch.cuda.set_per_process_memory_fraction),
+and a layout whose memory plan does not fit it is refused as a launch refuses it. Checkpoints,
+evaluation and the export are off, the run directory is a temporary one, and the initial weights
+are drawn on the device (minutes less than a launch's CPU draws at full depth: other values, the
+same shapes). Printed side by side: the measured step (the median of the steps after the first,
+which compiles; from the step log), the measured peak memory (torch.cuda.max_memory_allocated),
+the memory plan's peak for rank 0, and perf.predict of the layout on the GPU at hand, with ratios.
+The emulated step is the prediction's compute and optimizer parts; its communication parts (the
+exposed FSDP gathers, the all-to-all) are the model's alone, since a stand-in copies locally what
+a collective sends (those copies are measured). A pipeline (pp > 1) is refused: one rank cannot
+play another stage. On CPU (tiny recipes: how CI tests it) there is no cap and no GPU override.
 
-The stand-ins (all as if each of the group's ranks held this rank's data):
-    all-gather       into one tensor (FSDP's, context parallel's): slot j the local shard with its
-                     elements' signs flipped by a fixed pseudo-random pattern of slot j (its own
-                     slot as is): the right shapes and magnitudes, values that differ (a router
-                     gathered from shards has no ties, its experts' logits are uncorrelated), and
-                     no value moved across the parameters of FSDP's flat buffer (a roll would put
-                     a norm's ones into a weight); into a list (all_gather_object's): copies,
-                     every rank's object this one's
-    reduce-scatter   this rank's chunk, times the group size for SUM (PREMUL_SUM: and its factor)
-    all-reduce       SUM: times the group size; MAX, MIN, AVG: unchanged
-    all-to-all       output slot j: the input chunk this rank sends itself (the mirror: under
-                     balanced routing the balanced expert traffic), repeated or cut where the
-                     sizes differ (the backward's reverse exchange)
+The stand-ins, as if each rank of the group held this rank's data:
+    all-gather      into one tensor (FSDP's, context parallel's): slot j is the local shard with
+                    its elements' signs flipped by slot j's fixed pseudo-random pattern (its own
+                    slot as is): the right shapes and magnitudes, values that differ (a router
+                    gathered from shards has no ties, its experts' logits are uncorrelated), and
+                    no value moved across the parameters of FSDP's flat buffer (a roll would put
+                    a norm's ones into a weight); into a list (all_gather_object's): copies
+    reduce-scatter  this rank's chunk, times the group size for SUM (PREMUL_SUM: and its factor)
+    all-reduce      SUM: times the group size; MAX, MIN, AVG: unchanged
+    all-to-all      output slot j: the input chunk this rank sends itself (the mirror: under
+                    balanced routing, the balanced expert traffic), repeated or cut where the
+                    sizes differ (the backward's reverse exchange)
     barrier, broadcast: nothing to wait for or learn
-The checkpointer's gloo groups (checkpoint/dcp.py) are stand-ins too (`standin_world`).
+Every group made under it is one (`standin_world`), the checkpointer's gloo groups too. Every rank
+sees this rank's batch: the gradient norm is that of one rank's batch (larger than a launch's,
+whose ranks' batches average their noise); the loss falls as a launch's does.
 """
 
 from __future__ import annotations
@@ -269,7 +273,7 @@ def emulate(recipe, world: int, gpu: str, steps: int = 4, overrides=()) -> dict:
             torch.cuda.reset_peak_memory_stats(device)
         try:
             with standin_world(world):
-                history, _ = train(cfg, resume=False)
+                history, _ = train(cfg, resume=False, draws="device")
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         finally:
             if device.type == "cuda":
