@@ -1,6 +1,6 @@
 """One rank of an N-GPU layout, measured on the one GPU at hand: what a user runs before renting eight.
 
-    python -m pithtrain.emulate qwen3-30b-a3b --gpus 8 --gpu h100 --steps 4 --set parallel.fsdp=8 --set parallel.ep=8
+    python -m pithtrain.emulate qwen3-30b-a3b --gpus 8 --gpu h100 --set parallel.fsdp=8 --set parallel.ep=8
     invoke emulate --model deepseek-v2-lite --gpus 8 --gpu h100      # parallel: auto's pick for 8 x H100
 
 Rank 0's exact program of the layout a launch of N processes on `--gpu` would run (plan.resolve
@@ -11,8 +11,8 @@ rank were this one. Memory is capped at the target GPU's (torch.cuda.set_per_pro
 and a layout whose memory plan does not fit it is refused as a launch refuses it. Checkpoints,
 evaluation and the export are off, the run directory is a temporary one, and the initial weights
 are drawn on the device (minutes less than a launch's CPU draws at full depth: other values, the
-same shapes). Printed side by side: the measured step (the median of the steps after the first,
-which compiles; from the step log), the measured peak memory (torch.cuda.max_memory_allocated),
+same shapes). Printed side by side: the measured step (the median of the steps after --warmup,
+which compile; from the step log), the measured peak memory (torch.cuda.max_memory_allocated),
 the memory plan's peak for rank 0, and perf.predict of the layout on the GPU at hand, with ratios.
 The emulated step is the prediction's compute and optimizer parts; its communication parts (the
 exposed FSDP gathers, the all-to-all) are the model's alone, since a stand-in copies locally what
@@ -233,31 +233,32 @@ def standin_world(world_size: int, rank: int = 0):
 # The emulated rank
 
 
-# What the emulated run leaves out, whatever the recipe says: it measures steps, nothing else.
-OFF = ("train.eval_every=0", "checkpoint.every=0", "checkpoint.every_minutes=0", "checkpoint.final=false",
-       "checkpoint.export_hf=false", "checkpoint.weights_only=false", "log.every=1", "log.tensorboard=false",
-       "log.wandb=null")
-
-
 def prepare(recipe, world: int, gpu: str, steps: int, overrides=(), gpu_overrides: bool = True,
             run_dir: str = "") -> tuple:
-    """(the resolved Config, the memory plan of its rank 0): `recipe` with `gpu`'s overrides (where
-    `gpu_overrides`), the caller's, OFF, `steps` and `run_dir`, in the layout a launch of `world`
-    processes on `gpu` resolves (plan.resolve: its name, its memory), `parallel.auto` then off (the
+    """(the Config to run, the memory plan of its rank 0): `recipe` with `gpu`'s overrides (where
+    `gpu_overrides`) and the caller's, resolved as a launch of `world` processes on `gpu` resolves
+    it (plan.resolve: its name, its memory; the recipe as written, evaluation included), then
+    `steps` steps into `run_dir` with what the emulated run leaves out turned off: evaluation,
+    checkpoints, the export, TensorBoard and W&B (a step logged each step), `parallel.auto` (the
     sizes are chosen: train() keeps them). ConfigError where the layout is invalid or has pp > 1."""
-    cfg = load_config(recipe, [*(GPUS[gpu].overrides if gpu_overrides else ()), *overrides, *OFF,
-                               f"train.steps={steps}", *([f"log.run_dir={run_dir}"] if run_dir else [])])
+    cfg = load_config(recipe, [*(GPUS[gpu].overrides if gpu_overrides else ()), *overrides])
     cfg, planned = plan.resolve(cfg, world, gpu, GPUS[gpu].memory_gib)
     if cfg.parallel.pp > 1:
         raise ConfigError(f"{cfg.source}: parallel.pp={cfg.parallel.pp}: one emulated rank cannot play another "
                           "pipeline stage; emulate a layout without one (--set parallel.pp=1)")
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, auto=False)), planned
+    r = dataclasses.replace
+    return r(cfg, train=r(cfg.train, steps=steps, eval_every=0), parallel=r(cfg.parallel, auto=False),
+             checkpoint=r(cfg.checkpoint, every=0, every_minutes=0.0, final=False, export_hf=False,
+                          weights_only=False),
+             log=r(cfg.log, every=1, tensorboard=False, wandb=None, run_dir=run_dir or cfg.log.run_dir)), planned
 
 
-def emulate(recipe, world: int, gpu: str, steps: int = 4, overrides=()) -> dict:
+def emulate(recipe, world: int, gpu: str, steps: int = 5, overrides=(), warmup: int = 2) -> dict:
     """Rank 0 of `recipe` on `world` x `gpu` run here (the module docstring): the measurements, the
-    plan and the model's prediction as one dict (`table` prints it). ConfigError: a layout that
-    cannot be emulated, or on CUDA one whose plan does not fit `gpu` (as a launch refuses it)."""
+    plan and the model's prediction as one dict (`table` prints it); the step is the median of the
+    steps after the first `warmup` (< steps: compilation, and the recompilation a second shape
+    makes). ConfigError: a layout that cannot be emulated, or on CUDA one whose plan does not fit
+    `gpu` (as a launch refuses it)."""
     from pithtrain.train import pick_device, train
 
     cuda = torch.cuda.is_available()
@@ -289,7 +290,7 @@ def emulate(recipe, world: int, gpu: str, steps: int = 4, overrides=()) -> dict:
     return {"recipe": cfg.source, "world_size": world, "gpu": gpu, "device": str(device), "gpu_here": here,
             "layout": {k: lay[k] for k in ("pp", "dp", "fsdp", "cp", "ep")},
             "cap_gib": GPUS[gpu].memory_gib if device.type == "cuda" else None,
-            "step_s": secs, "step_s_median": statistics.median(secs[1:] or secs), "peak_bytes": peak,
+            "step_s": secs, "warmup": warmup, "step_s_median": statistics.median(secs[warmup:]), "peak_bytes": peak,
             "plan_peak_bytes": planned["ranks"][0]["peak"], "losses": [r["loss"] for r in history],
             "prediction_here": perf.predict(cfg, lay, here) if known and here else None,
             "prediction_target": perf.predict(cfg, lay, gpu) if known else None}
@@ -310,7 +311,7 @@ def table(r: dict) -> str:
         ratio = f"{got / want:.2f}" if got is not None and want else "-"
         lines.append(f"{name:<38}{show[0]:>10}{show[1]:>10}{ratio:>8}   {note}")
 
-    row(f"step (s), median of steps {min(2, n)}-{n}", r["step_s_median"],
+    row(f"step (s), median of steps {r['warmup'] + 1}-{n}", r["step_s_median"],
         parts["compute"] + parts["optimizer"] if pred else None, ".3f",
         f"model: compute {parts['compute']:.3f} + optimizer {parts['optimizer']:.3f} on {pred['gpu']}" if pred
         else "model: none on this device")
@@ -339,15 +340,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, default=8, help="the world size to emulate (default 8: one node)")
     p.add_argument("--gpu", choices=sorted(GPUS), default=None,
                    help="the target GPU (its memory caps the run; default: the GPU at hand, else h100)")
-    p.add_argument("--steps", type=int, default=4, help="steps to run (the first compiles)")
+    p.add_argument("--steps", type=int, default=5, help="steps to run (default 5)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="steps left out of the median (default 2: the first compiles, the second may recompile)")
     p.add_argument("--set", action="append", default=[], help="section.key=value (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     if args.gpus < 2:
         p.error("--gpus: emulate a world of 2 or more (one GPU is `invoke train` itself)")
+    if not 0 <= args.warmup < args.steps:
+        p.error(f"--warmup {args.warmup}: must be at least 0 and below --steps ({args.steps})")
     gpu = args.gpu or (gpu_key(torch.cuda.get_device_name()) if torch.cuda.is_available() else None) or "h100"
     try:
-        result = emulate(args.recipe, args.gpus, gpu, args.steps, tuple(args.set))
+        result = emulate(args.recipe, args.gpus, gpu, args.steps, tuple(args.set), args.warmup)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

