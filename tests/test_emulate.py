@@ -175,12 +175,23 @@ def test_cli_refuses_a_pipeline_in_one_line(tmp_path):
 
 
 @pytest.mark.gpu
-def test_emulated_rank_on_a_gpu_under_the_target_memory_cap():
+def test_emulated_rank_on_a_gpu_under_the_target_memory_cap(monkeypatch):
+    from pithtrain import train as train_module
+    cap = emulate.GPUS["h100"].memory_gib * 2 ** 30
+    real, capped = train_module.train, []
+
+    def train(cfg, **kwargs):  # inside the emulation: more than the target's memory is refused
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(int(cap) + 2 ** 30, dtype=torch.uint8, device="cuda")
+        capped.append(True)
+        return real(cfg, **kwargs)
+
+    monkeypatch.setattr(train_module, "train", train)
     r = emulate.emulate(None, 4, "h100", STEPS, TINY, warmup=1)
-    assert r["cap_gib"] == emulate.GPUS["h100"].memory_gib and r["device"].startswith("cuda")
-    assert 0 < r["peak_bytes"] < r["cap_gib"] * 2 ** 30
-    assert r["prediction_target"] is not None and all(map(torch.isfinite, torch.tensor(r["losses"])))
+    assert capped and r["cap_gib"] == emulate.GPUS["h100"].memory_gib and r["device"].startswith("cuda")
+    assert 0 < r["peak_bytes"] < cap and len(r["step_s"]) == STEPS
+    assert r["prediction_here"] is not None and r["prediction_target"] is not None  # the H200 has costs
+    assert all(map(torch.isfinite, torch.tensor(r["losses"])))
     assert "memory capped at 79.6 GiB" in emulate.table(r)
-    big = torch.empty(int(0.95 * torch.cuda.get_device_properties(0).total_memory), dtype=torch.uint8,
-                      device="cuda")  # the cap is lifted afterwards
-    del big
+    torch.cuda.empty_cache()  # and lifted afterwards
+    assert torch.empty(int(cap) + 2 ** 30, dtype=torch.uint8, device="cuda").numel() > cap
