@@ -266,6 +266,7 @@ def emulate(recipe, world: int, gpu: str, steps: int = 5, overrides=(), warmup: 
     try:
         cfg, planned = prepare(recipe, world, gpu, steps, overrides, cuda, run_dir)
         device = pick_device(cfg)
+        print(f"{plan.launch_line(cfg, planned)}; emulating its rank 0 on {device}", flush=True)
         if device.type == "cuda":
             if not planned["fits"]:
                 raise ConfigError(planned["refusal"])
