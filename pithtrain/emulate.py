@@ -93,10 +93,10 @@ def _repeated(out: torch.Tensor, x: torch.Tensor):
 
 class StandIn(dist.ProcessGroup):
     """A process group of `size` ranks whose collectives act as if every rank were this one (the
-    module docstring). Each is done when it returns (a completed Work), on the caller's stream.
-    Both spellings of the tensor collectives: torch 2.12+ calls all_gather_single,
-    reduce_scatter_single, all_to_all_single; 2.11 (the Hopper image) _allgather_base,
-    _reduce_scatter_base, alltoall_base."""
+    module docstring): those train() calls, each done when it returns (a completed Work), its copies
+    on the caller's stream. Both spellings of the tensor collectives: torch 2.12+ calls
+    all_gather_single, reduce_scatter_single, all_to_all_single; 2.11 (the Hopper image)
+    _allgather_base, _reduce_scatter_base, alltoall_base. Another collective: the base class's error."""
 
     def __init__(self, rank: int, size: int):
         super().__init__(rank, size)
@@ -143,26 +143,10 @@ class StandIn(dist.ProcessGroup):
             _signed(o, input, self._on[key][j])
         return _done(output)
 
-    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        for o, x in zip(outputs, inputs):
-            self.all_gather_single(o, x)
-        return _done(outputs)
-
     def reduce_scatter_single(self, output, input, opts=None):
         output.copy_(input.chunk(self._size)[self._rank].view_as(output))
         self._reduce(output, opts.reduceOp)
         return _done(output)
-
-    def reduce_scatter(self, outputs, inputs, opts=None):
-        for o, ins in zip(outputs, inputs):
-            o.copy_(ins[self._rank])
-            self._reduce(o, opts.reduceOp)
-        return _done(outputs)
-
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        for o, x in zip(outputs, inputs):
-            self.reduce_scatter_single(o, x, opts)
-        return _done(outputs)
 
     def allreduce(self, tensors, opts=None):
         for t in tensors:
@@ -176,28 +160,17 @@ class StandIn(dist.ProcessGroup):
             _repeated(o, ins[self._rank])
         return _done(output)
 
-    def alltoall(self, outputs, inputs, opts=None):
-        for o in outputs:
-            _repeated(o, inputs[self._rank])
-        return _done(outputs)
-
     def barrier(self, opts=None):
         return _done()
 
     def broadcast(self, tensors, opts=None):
         return _done(tensors)
 
-    allreduce_coalesced = allreduce
-    _allgather_base, allgather_into_tensor_coalesced = all_gather_single, all_gather_single_coalesced
-    _reduce_scatter_base, reduce_scatter_tensor_coalesced = reduce_scatter_single, reduce_scatter_single_coalesced
-    alltoall_base = all_to_all_single
+    _allgather_base, _reduce_scatter_base, alltoall_base = all_gather_single, reduce_scatter_single, all_to_all_single
 
 
-def _create(store, rank, size, timeout):
-    return StandIn(rank, size)
-
-
-dist.Backend.register_backend("standin", _create, devices=["cpu", "cuda"])
+dist.Backend.register_backend("standin", lambda store, rank, size, timeout: StandIn(rank, size),
+                              devices=["cpu", "cuda"])
 
 
 @contextlib.contextmanager
