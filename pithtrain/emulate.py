@@ -7,8 +7,9 @@ Rank 0's exact program of the layout a launch of N processes on `--gpu` would ru
 with that GPU's name and memory, `parallel: auto` included; where this machine has a GPU, the
 target's recipe overrides), at full depth: train.train() itself, in this one process, under a
 process group of N ranks whose collectives are stand-ins (StandIn, below) that act as if every
-rank were this one. Memory is capped at the target GPU's (torch.cuda.set_per_process_memory_fraction),
-and a layout whose memory plan does not fit it is refused as a launch refuses it. Checkpoints,
+rank were this one. Memory is capped at the target GPU's, less this device's CUDA context (which
+the target holds too: torch.cuda.set_per_process_memory_fraction), and a layout whose memory plan
+does not fit is refused as a launch refuses it. Checkpoints,
 evaluation and the export are off, the run directory is a temporary one, and the initial weights
 are drawn on the device (minutes less than a launch's CPU draws at full depth: other values, the
 same shapes). Printed side by side: the measured step (the median of the steps after --warmup,
@@ -240,11 +241,13 @@ def emulate(recipe, world: int, gpu: str, steps: int = 5, overrides=(), warmup: 
         cfg, planned = prepare(recipe, world, gpu, steps, overrides, cuda, run_dir)
         device = pick_device(cfg)
         print(f"{plan.launch_line(cfg, planned)}; emulating its rank 0 on {device}", flush=True)
+        cap = None
         if device.type == "cuda":
             if not planned["fits"]:
                 raise ConfigError(planned["refusal"])
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, GPUS[gpu].memory_gib * plan.GIB / total), device)
+            free, total = torch.cuda.mem_get_info(device)  # the CUDA context lies outside the allocator,
+            cap = GPUS[gpu].memory_gib * plan.GIB - (total - free - torch.cuda.memory_reserved(device))  # as there
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
             torch.cuda.reset_peak_memory_stats(device)
         try:
             with standin_world(world):
@@ -263,7 +266,7 @@ def emulate(recipe, world: int, gpu: str, steps: int = 5, overrides=(), warmup: 
     known = cfg.model.family in perf.load_costs()["families"]
     return {"recipe": cfg.source, "world_size": world, "gpu": gpu, "device": str(device), "gpu_here": here,
             "layout": {k: lay[k] for k in ("pp", "dp", "fsdp", "cp", "ep")},
-            "cap_gib": GPUS[gpu].memory_gib if device.type == "cuda" else None,
+            "cap_gib": cap and cap / plan.GIB,
             "step_s": secs, "warmup": warmup, "step_s_median": statistics.median(secs[warmup:]), "peak_bytes": peak,
             "plan_peak_bytes": planned["ranks"][0]["peak"], "losses": [r["loss"] for r in history],
             "prediction_here": perf.predict(cfg, lay, here) if known and here else None,

@@ -188,10 +188,11 @@ def test_emulated_rank_on_a_gpu_under_the_target_memory_cap(monkeypatch):
 
     monkeypatch.setattr(train_module, "train", train)
     r = emulate.emulate(None, 4, "h100", STEPS, TINY, warmup=1)
-    assert capped and r["cap_gib"] == emulate.GPUS["h100"].memory_gib and r["device"].startswith("cuda")
-    assert 0 < r["peak_bytes"] < cap and len(r["step_s"]) == STEPS
+    assert capped and r["device"].startswith("cuda")
+    assert cap - 2 * 2 ** 30 < r["cap_gib"] * 2 ** 30 < cap  # less the CUDA context, which an H100 holds too
+    assert 0 < r["peak_bytes"] < r["cap_gib"] * 2 ** 30 and len(r["step_s"]) == STEPS
     assert r["prediction_here"] is not None and r["prediction_target"] is not None  # the H200 has costs
     assert all(map(torch.isfinite, torch.tensor(r["losses"])))
-    assert "memory capped at 79.6 GiB" in emulate.table(r)
+    assert f"memory capped at {r['cap_gib']:.1f} GiB" in emulate.table(r)
     torch.cuda.empty_cache()  # and lifted afterwards
     assert torch.empty(int(cap) + 2 ** 30, dtype=torch.uint8, device="cuda").numel() > cap
