@@ -404,6 +404,25 @@ def plan(c, recipe="", model="", set=None, gpu="", gpus=1, nodes=1, json=False):
         sys.exit(result.exited)
 
 
+@task(help={"recipe": H_RECIPE, "model": H_MODEL, "set": H_SET,
+            "gpu": "h100 | h200 | b200 | b300: the target GPU, whose memory caps the run (default: the GPU here)",
+            "gpus": "the world size to emulate (default 8: one node)", "steps": "steps to run (default 5)",
+            "warmup": "steps left out of the measured median (default 2: compilation)",
+            "json": "print one JSON object"},
+      iterable=["set"])
+def emulate(c, recipe="", model="", set=None, gpu="", gpus=8, steps=5, warmup=2, json=False):
+    """Rank 0 of an N-GPU layout run on this one GPU (pithtrain/emulate.py): the other ranks'
+    collectives stood in for, memory capped at the target GPU's; the measured step and peak memory
+    beside the memory plan and the performance model. Runs natively, as `invoke plan` does."""
+    recipe_ = _recipe(recipe, model)
+    args = ["-m", "pithtrain.emulate", *([recipe_] if recipe_ else []), f"--gpus={gpus}", f"--steps={steps}",
+            f"--warmup={warmup}", *([f"--gpu={gpu}"] if gpu else []), *(f"--set={s}" for s in set or []),
+            *(["--json"] if json else [])]
+    result = _py(c, shlex.join(args), warn=True)
+    if result.exited:
+        sys.exit(result.exited)
+
+
 # ---------------------------------------------------------------------------------------------
 # Images and environment
 

@@ -253,11 +253,12 @@ class Training:
         return signum, bool(due)
 
 
-def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.Module]:
+def train(cfg: Config, resume: bool | str = True, draws: str = "cpu") -> tuple[list[dict], torch.nn.Module]:
     """Run optimizer steps up to `cfg.train.steps`; returns the per-step records (loss, lr, grad
     norm, val_loss when evaluated) and the trained model (this rank's part of it).
     resume: True continues from the newest valid checkpoint in log.run_dir, False starts fresh,
-    a path continues from that checkpoint (pithtrain/checkpoint/dcp.py).
+    a path continues from that checkpoint (pithtrain/checkpoint/dcp.py). draws: where a fresh
+    model's random draws are made (build.build_run; the emulator's "device": minutes less at full depth).
     Whatever fails, what start-up made is released on the way out: the run lock, the process
     groups it made, a save in flight (one process). Raises reliability.Ended after a notice (the
     step just finished saved) or when a collective timed out (each rank's diagnosis written):
@@ -266,7 +267,7 @@ def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.
     with contextlib.ExitStack() as stack:
         stack.callback(notice.close)
         try:
-            t = start(cfg, resume, notice, stack)
+            t = start(cfg, resume, notice, stack, draws)
             return finish(t, loop(t))
         except RuntimeError as e:
             if not (dist.is_initialized() and collective_failure(e)):
@@ -277,7 +278,7 @@ def train(cfg: Config, resume: bool | str = True) -> tuple[list[dict], torch.nn.
             raise Ended(HANG_EXIT, line) from None
 
 
-def start(cfg: Config, resume, notice: Notice, stack: contextlib.ExitStack) -> Training:
+def start(cfg: Config, resume, notice: Notice, stack: contextlib.ExitStack, draws: str = "cpu") -> Training:
     """Start-up, each thing made registered on `stack` to be released: the layout (parallel: auto;
     on CUDA the memory plan against this GPU), every check (build.check_run), the process groups,
     the run lock (rank 0), the build (build.build_run), the checkpoint to resume, the data."""
@@ -298,7 +299,7 @@ def start(cfg: Config, resume, notice: Notice, stack: contextlib.ExitStack) -> T
         stack.callback(claim(cfg, total).close)  # ends rank 0, and torchrun ends the other ranks with it)
     torch.manual_seed(cfg.train.seed)
     with StartupTimer("building the model", say):
-        run = build_run(cfg, device, dims)
+        run = build_run(cfg, device, dims, draws=draws)
         if say:
             print(kernels.describe(run.use), flush=True)
     t = cfg.train
