@@ -340,7 +340,7 @@ import torch
 from pithtrain.checkpoint import dcp
 from pithtrain.config import load_config
 from pithtrain.models import build_model
-from pithtrain.train import build_optimizer, lr_lambda
+from pithtrain.build import build_optimizer, lr_lambda
 rename = os.rename
 
 def die_between(src, dst):  # a second save of a step: the old one set aside, then killed
