@@ -178,7 +178,7 @@ def pithtrain_step(cfg, variant: dict, device, doc_len: int = 0):
     torch.manual_seed(0)
     run = build_run(cfg, device, ParallelDims.from_config(cfg, 1, 0), state="bf16" if variant["bf16"] else "float32",
                     off=tuple(variant["off"]), draws="device")
-    print("bench:   " + kernels.describe(run.use), flush=True)
+    print("bench:   " + kernels.describe(run.use, run.model), flush=True)
     return run.model, step_of(run, random_documents(cfg, device, doc_len) if doc_len else None)
 
 

@@ -300,7 +300,7 @@ def start(cfg: Config, resume, notice: Notice, stack: contextlib.ExitStack) -> T
     with StartupTimer("building the model", say):
         run = build_run(cfg, device, dims)
         if say:
-            print(kernels.describe(run.use), flush=True)
+            print(kernels.describe(run.use, run.model), flush=True)
     t = cfg.train
     with StartupTimer("loading the checkpoint and data", say):
         ckpt = Checkpointer(cfg, run.model, run.optimizer, run.scheduler, device)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from run_path import one_gpu_kernels
 
+from pithtrain.kernels import fa4
 from pithtrain.models import common
 
 pytestmark = [pytest.mark.gpu,
@@ -147,10 +148,7 @@ def test_cudnn_sdpa_path_matches_eager():
 
 THREE = [[100, 601, 323], [1024]]  # row 0: the first shorter than the window, the last no tile multiple
 MANY = [[1 + i % 5 for i in range(340)] + [4], [1024]]  # 341 documents: FA4's binary batch search (> 256)
-SHAPES = [(32, 4, 128, 128, None, False),  # Qwen3-30B-A3B: GQA
-          (16, 16, 192, 128, None, False),  # DeepSeek-V2-Lite: MLA, d_qk != d_v
-          (64, 8, 64, 64, None, True),  # GPT-OSS-20B full-attention layers: sinks
-          (64, 8, 64, 64, 128, True)]  # GPT-OSS-20B sliding layers: window 128 and sinks
+SHAPES = list(fa4.TESTED)  # the shapes the kernel choice lets flash-attn-4 run (fa4.covers)
 
 
 @pytest.mark.parametrize("H, K, d, e, window, sinks, lengths",
@@ -161,8 +159,6 @@ def test_flash_attn_4_matches_eager(H, K, d, e, window, sinks, lengths, monkeypa
     and every gradient (the sinks' included) against the float64 eager reference; with documents
     (`lengths`, per row) on the package's varlen interface, a few and many (past its 256-sequence
     switch of scheduler), against the reference's document mask, and the package's ops did run."""
-    from pithtrain.kernels import fa4
-
     if not fa4.HAVE_FA4:
         pytest.skip("flash-attn-4 is not installed")
     B, S = 2, 1024
