@@ -198,6 +198,24 @@ def test_flash_attn_4_matches_eager(H, K, d, e, window, sinks, lengths, monkeypa
         assert a is not None and rel(a, b.grad) < 2e-2
 
 
+def test_the_kernel_choice_on_this_gpu_runs_flash_attn_4_where_its_tests_cover():
+    """The real device facts (nothing faked): every layer of each published family is bound to
+    flash-attn-4, and a head width no test covers (96) keeps cuDNN SDPA (kernels/fa4.py covers)."""
+    from pithtrain.config import load_config
+    from pithtrain.models import build_model
+
+    if not fa4.HAVE_FA4:
+        pytest.skip("flash-attn-4 is not installed")
+    use = one_gpu_kernels("auto", "cuda")
+    for name in ("qwen3-30b-a3b", "deepseek-v2-lite", "gpt-oss-20b"):
+        m = load_config(name).model
+        kinds = common.attention_kernels(common.use_kernels(build_model(m, init=False), use))
+        assert kinds == {i: "flash-attn-4" for i in range(m.num_layers)}, name
+    m = load_config("qwen3-30b-a3b", ["model.head_dim=96"]).model
+    kinds = common.attention_kernels(common.use_kernels(build_model(m, init=False), use))
+    assert set(kinds.values()) == {"cuDNN SDPA/FlexAttention"}
+
+
 def small_model(family):
     import dataclasses
 
