@@ -52,7 +52,7 @@ from pithtrain.kernels import fp8_linear
 from pithtrain.metrics import StartupTimer, StepLog, check_finite, flops_per_token, memory_gb, param_counts, peak_tflops
 from pithtrain.models import build_model
 from pithtrain.models.balance import reset_step_stats
-from pithtrain.models.common import set_aux_loss_scale
+from pithtrain.models.common import attention_kernels, set_aux_loss_scale
 from pithtrain.reliability import HANG_EXIT, Ended, Notice, collective_failure, diagnose, flight_recorder
 from pithtrain.rundir import claim
 
@@ -300,7 +300,7 @@ def start(cfg: Config, resume, notice: Notice, stack: contextlib.ExitStack) -> T
     with StartupTimer("building the model", say):
         run = build_run(cfg, device, dims)
         if say:
-            print(kernels.describe(run.use, run.model), flush=True)
+            print(kernels.describe(run.use, attention_kernels(run.model, run.use)), flush=True)
             if cfg.train.compile and not compiles(cfg.train, device):
                 print(f"pithtrain: train.compile=true: off on {device.type}, the layers run eagerly "
                       "(torch.compile acts on CUDA only)", flush=True)

@@ -15,7 +15,7 @@ from pithtrain.kernels import fp8_linear
 from pithtrain.kernels.linear_ce import linear_cross_entropy_sum
 from pithtrain.models import FAMILIES
 from pithtrain.models.balance import Balance
-from pithtrain.models.common import LocalDispatcher, _ce_chunk, dispatch_plan, use_kernels
+from pithtrain.models.common import LocalDispatcher, _ce_chunk, attention_kernels, dispatch_plan, use_kernels
 from pithtrain.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 
@@ -74,14 +74,14 @@ def test_flash_attn_4_runs_only_the_layers_its_tested_shapes_cover(monkeypatch):
     assert use["fa4"] and use["flex"]
     plain = use_kernels(Qwen3MoeForCausalLM(Qwen3MoeConfig(**dims)), use)
     assert plain.rotary.fa4 and plain.rotary.fa4_all
-    assert kernels.describe(use, plain).endswith("; attention: layers 0-3 flash-attn-4")
+    assert kernels.describe(use, attention_kernels(plain, use)).endswith("; attention: layers 0-3 flash-attn-4")
     model = Qwen3MoeForCausalLM(Variant(**dims))
     model.layers[3].self_attn.attention = own_attention
     use_kernels(model, use)
     calls = [layer.self_attn.attention for layer in model.layers]
     assert [c.keywords["fa4"] for c in calls[:3]] == [True, False, True] and calls[3] is own_attention
     assert model.rotary.fa4 and not model.rotary.fa4_all
-    line = kernels.describe(use, model)
+    line = kernels.describe(use, attention_kernels(model, use))
     assert line.endswith("; attention: layers 0, 2 flash-attn-4; layer 1 cuDNN SDPA/FlexAttention (d_qk 32, d_v 64: "
                          "not a shape flash-attn-4 is tested at, kernels/fa4.py); layer 3 "
                          f"{own_attention.__qualname__}"), line
@@ -122,7 +122,7 @@ def test_configure_on_cpu_picks_references_and_says_so():
     use = one_gpu_kernels("auto", "cpu")
     assert set(use) == set(kernels.NAMES)
     assert use["linear_ce"] and not use["swiglu"] and not use["permute"] and not use["flex"]
-    line = kernels.describe(use, tiny_qwen())
+    line = kernels.describe(use, attention_kernels(tiny_qwen(), use))
     assert line.startswith("kernels: fused linear_ce; PyTorch reference for swiglu")
     assert line.endswith("; attention: layers 0-1 SDPA/eager")
     assert not any(one_gpu_kernels("torch", "cpu").values())

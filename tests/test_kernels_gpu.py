@@ -209,10 +209,10 @@ def test_the_kernel_choice_on_this_gpu_runs_flash_attn_4_where_its_tests_cover()
     use = one_gpu_kernels("auto", "cuda")
     for name in ("qwen3-30b-a3b", "deepseek-v2-lite", "gpt-oss-20b"):
         m = load_config(name).model
-        kinds = common.attention_kernels(common.use_kernels(build_model(m, init=False), use))
+        kinds = common.attention_kernels(common.use_kernels(build_model(m, init=False), use), use)
         assert kinds == {i: "flash-attn-4" for i in range(m.num_layers)}, name
     m = load_config("qwen3-30b-a3b", ["model.head_dim=96"]).model
-    kinds = common.attention_kernels(common.use_kernels(build_model(m, init=False), use))
+    kinds = common.attention_kernels(common.use_kernels(build_model(m, init=False), use), use)
     assert set(kinds.values()) == {"cuDNN SDPA/FlexAttention"}
 
 

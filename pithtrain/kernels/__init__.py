@@ -27,8 +27,8 @@ The policy is here, the choice lives in the model. `configure(mode, device, fp8=
 experts_alone=, cp=)` returns which operators a run uses (name -> on) from the recipe's
 `train.kernels` ("auto": every fused operator whose requirements are met; "torch": none), what is
 installed, and the run's facts (its precision and layout: build.build_run passes them, none has a
-default); `describe(use, model)` is the line the trainer and the bench print at start-up, each
-layer's attention kernel included.
+default); `describe(use, common.attention_kernels(model, use))` is the line the trainer and the
+bench print at start-up, each layer's attention kernel included.
 `models.common.use_kernels(model, use, copies)` then resolves the choice into the model's own
 swappable attributes (the idiom `parallelize` uses for the dispatcher), so two models in one
 process each run their own kernels and nothing global is read:
@@ -123,21 +123,14 @@ def _deepgemm() -> bool:
     return load() is not None
 
 
-def describe(use: dict, model) -> str:
-    """The start-up line: the fused operators, the references, and each layer's attention kernel as
-    `model` holds it (common.attention_kernels), with the shape of a layer flash-attn-4 was allowed
-    but does not run (its tested shapes do not cover it: kernels/fa4.py)."""
-    from pithtrain.kernels.fa4 import covers
-    from pithtrain.models.common import attention_kernels
-
+def describe(use: dict, attention: dict[int, str]) -> str:
+    """The start-up line: the fused operators, the references, and each layer's attention kernel
+    (`attention`: layer -> kernel, as models.common.attention_kernels reads them from the model)."""
     why = "" if HAVE_TRITON else " (triton not installed)"
     on = [k for k, v in use.items() if v]
     off = [k for k, v in use.items() if not v]
     groups: dict[str, list[int]] = {}
-    for i, name in attention_kernels(model).items():
-        shape = model.cfg.attention_shapes(i)
-        if use["fa4"] and "flash-attn-4" not in name and not covers(shape):
-            name += f" (d_qk {shape[1]}, d_v {shape[2]}: not a shape flash-attn-4 is tested at, kernels/fa4.py)"
+    for i, name in attention.items():
         groups.setdefault(name, []).append(i)
     attn = "; ".join(f"{'layer' if len(ix) == 1 else 'layers'} {_spans(ix)} {name}" for name, ix in groups.items())
     return (f"kernels: fused {', '.join(on) or 'none'}; PyTorch reference for "

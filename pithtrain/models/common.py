@@ -699,10 +699,12 @@ def use_kernels(model: nn.Module, use: dict, copies=None) -> nn.Module:
     return model
 
 
-def attention_kernels(model: nn.Module) -> dict[int, str]:
+def attention_kernels(model: nn.Module, use: dict) -> dict[int, str]:
     """Each decoder layer's attention kernel, read from the calls use_kernels (or context parallel)
     bound into it: the witness kernels.describe prints at start-up. A variant's own call is named
-    by its qualified name."""
+    by its qualified name; a layer the run allowed flash-attn-4 (`use`) that does not run it says
+    its shape is not one flash-attn-4 is tested at."""
+    from pithtrain.kernels.fa4 import covers
     out = {}
     for i, layer in indexed_layers(model):
         names = set()
@@ -718,6 +720,9 @@ def attention_kernels(model: nn.Module) -> dict[int, str]:
                 flex = "FlexAttention" if kw.get("flex") else "eager"
                 names.add(f"{'cuDNN ' if kw.get('sdpa_first') else ''}SDPA/{flex}")
         out[i] = "+".join(sorted(names)) or "none"
+        shape = model.cfg.attention_shapes(i)
+        if use["fa4"] and "flash-attn-4" not in names and not covers(shape):
+            out[i] += f" (d_qk {shape[1]}, d_v {shape[2]}: not a shape flash-attn-4 is tested at, kernels/fa4.py)"
     return out
 
 
