@@ -49,6 +49,7 @@ from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.kernels import fp8_linear, wgrad
 from pithtrain.metrics import flops_per_token, param_counts, peak_tflops
 from pithtrain.models import build_model
+from pithtrain.models.common import attention_kernels
 from pithtrain.plan import plan
 from pithtrain.train import train_step
 
@@ -178,7 +179,7 @@ def pithtrain_step(cfg, variant: dict, device, doc_len: int = 0):
     torch.manual_seed(0)
     run = build_run(cfg, device, ParallelDims.from_config(cfg, 1, 0), state="bf16" if variant["bf16"] else "float32",
                     off=tuple(variant["off"]), draws="device")
-    print("bench:   " + kernels.describe(run.use), flush=True)
+    print("bench:   " + kernels.describe(run.use, attention_kernels(run.model, run.use)), flush=True)
     return run.model, step_of(run, random_documents(cfg, device, doc_len) if doc_len else None)
 
 

@@ -39,14 +39,15 @@ from pithtrain.precision import Precision
 # The checks
 
 
-def check_run(cfg: Config, device: torch.device, world_size: int, rank: int = 0, plan: dict | None = None
+def check_run(cfg: Config, device: torch.device | None, world_size: int, rank: int = 0, plan: dict | None = None
               ) -> ParallelDims:
     """Every check of a run that needs its resolved layout (plan.resolve) or its device, in one
     place, before any process group or model exists; each a ConfigError of one line naming the key
     and the way out. The recipe's sections were checked when it was loaded (each section's
     `validate`; config._cross_checks: the sections against each other and the data files). Here:
     the layout against the world size and the model (ParallelDims.validate), the features a layout
-    cannot run, what the device cannot run, and on CUDA the memory plan (`plan`, plan.resolve's)."""
+    cannot run, what the device cannot run, and on CUDA the memory plan (`plan`, plan.resolve's).
+    `device` None: the launcher's check before torchrun (train.py --check), the layout's checks only."""
     dims = ParallelDims.from_config(cfg, world_size, rank)
 
     def fail(key, msg):
@@ -64,7 +65,7 @@ def check_run(cfg: Config, device: torch.device, world_size: int, rank: int = 0,
                 fail(f"parallel.cp={dims.cp}", f"{name}.attention is {getattr(call, '__qualname__', call)}, "
                      "not models.common.attention, the one call context parallel replaces; give it a "
                      "context-parallel form in distributed/context_parallel.py or set parallel.cp=1")
-    if cfg.train.fp8:
+    if cfg.train.fp8 and device is not None:
         if device.type != "cuda":
             fail("train.fp8", "FP8 training needs a Hopper or Blackwell GPU; this run is on CPU (set train.fp8=false)")
         cap = torch.cuda.get_device_capability(device)

@@ -62,6 +62,12 @@ def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
             target.forward = functools.partial(_checkpointed, target.forward)
 
 
+def compiles(train_cfg, device: torch.device) -> bool:
+    """Whether `train.compile` acts: on CUDA only, where parallelize applies apply_compile; on
+    another device the trainer says once that it is off (train.start)."""
+    return train_cfg.compile and device.type == "cuda"
+
+
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     """torch.compile(fullgraph=True) on the non-MoE parts of every layer (module identity and
     parameter names unchanged). Dynamo's recompile limits are left as they are: its modules are

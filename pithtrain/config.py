@@ -406,6 +406,11 @@ def config_from_dict(raw: dict, source: str = "<dict>", cross_checks: bool = Tru
                     "(pithtrain/config.py)" if k in hub_fields else f"{type(hub).__name__} (train.init_from's "
                     "family) has no such field"))
         built["model"] = hub
+    t = built["train"]
+    if t.warmup_steps > t.steps:  # a short trial of a recipe is legitimate: said, not refused
+        notes.append(f"WARNING: train.warmup_steps {t.warmup_steps} > train.steps {t.steps}: the run ends in its "
+                     f"warm-up, the last step at {t.steps / t.warmup_steps:.0%} of train.lr, and the LR schedule's "
+                     "decay never starts (set train.warmup_steps below train.steps for the whole schedule)")
     cfg = Config(**built, source=source, notes=notes)
     if cross_checks:
         _cross_checks(cfg, fail)

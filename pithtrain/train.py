@@ -42,17 +42,17 @@ import torch.distributed as dist
 from pithtrain import kernels, plan
 from pithtrain.build import Run, build_run, check_run
 from pithtrain.checkpoint.dcp import Checkpointer, CheckpointError, checkpoints_dir, disk_estimate, step_dirs
+from pithtrain.compile import compiles
 from pithtrain.config import Config, ConfigError, load_config
 from pithtrain.data import build_batches, rows
 from pithtrain.distributed import pipeline
 from pithtrain.distributed.context_parallel import split_batch
-from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.distributed.reductions import all_sum, any_rank, balance_after_step, clip_coef, grad_norm, scale_grads_
 from pithtrain.kernels import fp8_linear
 from pithtrain.metrics import StartupTimer, StepLog, check_finite, flops_per_token, memory_gb, param_counts, peak_tflops
 from pithtrain.models import build_model
 from pithtrain.models.balance import reset_step_stats
-from pithtrain.models.common import set_aux_loss_scale
+from pithtrain.models.common import attention_kernels, set_aux_loss_scale
 from pithtrain.reliability import HANG_EXIT, Ended, Notice, collective_failure, diagnose, flight_recorder
 from pithtrain.rundir import claim
 
@@ -301,7 +301,10 @@ def start(cfg: Config, resume, notice: Notice, stack: contextlib.ExitStack, draw
     with StartupTimer("building the model", say):
         run = build_run(cfg, device, dims, draws=draws)
         if say:
-            print(kernels.describe(run.use), flush=True)
+            print(kernels.describe(run.use, attention_kernels(run.model, run.use)), flush=True)
+            if cfg.train.compile and not compiles(cfg.train, device):
+                print(f"pithtrain: train.compile=true: off on {device.type}, the layers run eagerly "
+                      "(torch.compile acts on CUDA only)", flush=True)
     t = cfg.train
     with StartupTimer("loading the checkpoint and data", say):
         ckpt = Checkpointer(cfg, run.model, run.optimizer, run.scheduler, device)
@@ -330,7 +333,8 @@ def loop(tr: Training) -> int:
     tokens_since, collapsed, skips = 0, collapse_watch(cfg.model), [0, 0]  # consecutive, total
     peak = peak_tflops(run.device, cfg.log.peak_tflops)
     tr.log.tick()
-    first = StartupTimer("first step" + (" (compiling the layers: can take minutes)" if t.compile else ""),
+    first = StartupTimer("first step" + (" (compiling the layers: can take minutes)"
+                                         if compiles(t, run.device) else ""),
                          dims.rank == 0, announce=True)
     stopped = tr.boundary()[0]  # a notice during start-up: nothing more is trained
     for step in range(tr.begin, t.steps) if not stopped else ():
@@ -440,9 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(recipe, overrides)
-        if args.check:  # parallel: auto's layout (no memory plan off the GPU), then the world size
+        if args.check:  # parallel: auto's layout (no memory plan off the GPU), then its checks without a device
             cfg, _ = plan.resolve(cfg, args.check)
-            ParallelDims.from_config(cfg, args.check, rank=0)
+            check_run(cfg, None, args.check)
             return 0
         train(cfg, resume=False if args.no_resume else (args.resume or True))
     except Ended as e:  # a notice (128 + its signal's number) or a collective timed out: the line is out

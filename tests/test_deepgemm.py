@@ -11,7 +11,10 @@ import torch.nn.functional as F
 from run_path import one_gpu_kernels
 
 from pithtrain import kernels
+from pithtrain.config import load_config
 from pithtrain.kernels import deepgemm, fp8_linear
+from pithtrain.models import build_model
+from pithtrain.models.common import attention_kernels
 
 
 def test_load_returns_none_with_a_reason_when_not_installed(monkeypatch):
@@ -120,7 +123,8 @@ def test_configure_picks_deepgemm_for_fp8_on_hopper_and_keeps_in_place_gradients
     cap[0] = (9, 0)
     monkeypatch.setattr(kernels, "_deepgemm", lambda: False)  # not installed
     assert not one_gpu_kernels("auto", "cuda", fp8=True)["deepgemm"]
-    assert "deepgemm" in kernels.describe(on) and "fused" in kernels.describe(on)
+    line = kernels.describe(on, attention_kernels(build_model(load_config(None).model, init=False), on))
+    assert "deepgemm" in line and "fused" in line
 
 
 def test_use_kernels_gives_each_experts_module_its_own_deepgemm_mm(monkeypatch):

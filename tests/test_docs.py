@@ -39,6 +39,53 @@ def test_agents_md_maps_every_module_and_document():
     assert [f for f in files if f"`{f}`" not in text] == []
 
 
+def resolves(name: str) -> bool:
+    """`name` is a module's attribute path: its longest prefix that is a module (a file of the
+    repository, or torch's), imported, then getattr. A repository module that needs a package
+    missing here (Triton on CPU) is read instead: each name defined in its body (a class, then its
+    method)."""
+    import ast
+    import importlib
+
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        mod, path = ".".join(parts[:cut]), ROOT.joinpath(*parts[:cut])
+        file = path.with_suffix(".py") if path.with_suffix(".py").is_file() else path / "__init__.py"
+        if parts[0] != "torch" and not file.is_file():
+            continue
+        try:
+            obj = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if parts[0] == "torch" and name.startswith(e.name):  # not a module: a shorter prefix is
+                continue
+            body = ast.parse(file.read_text()).body
+            for attr in parts[cut:]:
+                node = next((n for n in body if getattr(n, "name", None) == attr), None)
+                if node is None:
+                    return False
+                body = getattr(node, "body", [])
+            return True
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+@pytest.mark.quick  # cheap, and a doc edit's inner loop
+def test_the_run_path_names_only_functions_that_exist(monkeypatch):
+    """docs/run-path.md: every `module.function` (or `module.Class.method`) it names imports and
+    resolves, so the path of a run cannot drift from the code unnoticed."""
+    monkeypatch.syspath_prepend(str(ROOT))  # tasks.py and tools/ live at the root
+    text = (ROOT / "docs" / "run-path.md").read_text()
+    names = re.findall(r"`((?:pithtrain|tasks|tools|torch)\.[\w.]+)`", text)
+    assert len(names) > 50 and "pithtrain.kernels.fa4.fa4_fwd" in names
+    assert not resolves("pithtrain.models.common.GroupedExperts.no_such_method")
+    assert [n for n in names if not resolves(n)] == []
+
+
 @pytest.mark.quick  # cheap, and a doc edit's inner loop
 def test_readme_is_a_front_page_that_points_at_every_doc():
     """At most 250 lines (the manual is docs/, one file per concern), and every docs file is named."""

@@ -48,8 +48,8 @@ def test_document_ids_and_positions():
 def test_document_starts_and_what_the_rotary_prepares():
     """flash-attn-4's varlen starts (common.document_starts) over the rows taken one after another,
     a row's first token starting a document even when its id continues the row before; the
-    rotary makes them when flash-attn-4 is the attention, and FlexAttention's block masks only when
-    flash-attn-4 will not take the batch (no half-precision autocast)."""
+    rotary makes them when flash-attn-4 is some layer's attention, and FlexAttention's block masks
+    unless it is every layer's and takes the batch (half-precision autocast)."""
     from pithtrain.models.common import Rotary, document_starts
 
     docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 3], [0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0, 0, 1],
@@ -71,10 +71,14 @@ def test_document_starts_and_what_the_rotary_prepares():
     pos = torch.arange(9).expand(4, 9)
     rotary.flex = Masks()
     assert rotary(pos, docs).docs == (docs, {None: "block mask"}, None)
-    rotary.fa4 = True
+    rotary.fa4 = rotary.fa4_all = True  # every layer's attention is flash-attn-4
     with torch.autocast("cpu", dtype=torch.bfloat16):
         d = rotary(pos, docs).docs
     assert d.block_masks is None and d.cu_seqlens.tolist() == cu.tolist()
+    rotary.fa4_all = False  # some layer's is not (its shape untested: common.use_kernels): it needs the masks
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        d = rotary(pos, docs).docs
+    assert d.block_masks == {None: "block mask"} and d.cu_seqlens.tolist() == cu.tolist()
     d = rotary(pos, docs).docs  # float32: the attention will take FlexAttention, so both are made
     assert d.block_masks == {None: "block mask"} and d.cu_seqlens.tolist() == cu.tolist()
     assert rotary(pos).docs is None

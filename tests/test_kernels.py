@@ -15,7 +15,7 @@ from pithtrain.kernels import fp8_linear
 from pithtrain.kernels.linear_ce import linear_cross_entropy_sum
 from pithtrain.models import FAMILIES
 from pithtrain.models.balance import Balance
-from pithtrain.models.common import LocalDispatcher, _ce_chunk, dispatch_plan, use_kernels
+from pithtrain.models.common import LocalDispatcher, _ce_chunk, attention_kernels, dispatch_plan, use_kernels
 from pithtrain.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 
@@ -37,6 +37,80 @@ def test_configure_turns_the_attention_kernels_off_under_context_parallel(monkey
     assert use["flex"] and use["cudnn_sdpa"] and not use["fa4"]
 
 
+def fake_hopper_with_fa4(monkeypatch):
+    """The device facts of a Hopper GPU with flash-attn-4 and cuDNN installed, on CPU."""
+    from pithtrain.kernels import fa4
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(fa4, "HAVE_FA4", True)
+
+
+@pytest.mark.quick
+def test_flash_attn_4_runs_only_the_layers_its_tested_shapes_cover(monkeypatch):
+    """Kernel choice by shape (issue #49): on a (simulated) Hopper GPU with flash-attn-4, a layer
+    runs it only where kernels/fa4.py's tested shapes cover the layer's `attention_shapes`; a
+    variant layer at another shape (two maps per head of half width, as Diff attention declares)
+    or with its own attention call keeps SDPA / FlexAttention, the rotary then makes the document
+    masks under bf16 autocast, and the start-up line says which layers run which kernel."""
+    from pithtrain.kernels import fa4
+    from pithtrain.models.common import Rotary
+
+    fake_hopper_with_fa4(monkeypatch)
+
+    class Variant(Qwen3MoeConfig):
+        def attention_shapes(self, i):
+            window, d_qk, d_v, heads = super().attention_shapes(i)
+            return (window, d_qk // 2, d_v, 2 * heads) if i == 1 else (window, d_qk, d_v, heads)
+
+    def own_attention(q, k, v, **kw):  # a variant's own call: use_kernels leaves it alone
+        raise AssertionError("not called")
+
+    dims = dict(vocab_size=64, hidden_size=64, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=64,
+                moe_intermediate_size=16, num_experts=4, top_k=2)
+    assert fa4.covers(Variant(**dims).attention_shapes(0)) and not fa4.covers(Variant(**dims).attention_shapes(1))
+    use = one_gpu_kernels("auto", "cuda")
+    assert use["fa4"] and use["flex"]
+    plain = use_kernels(Qwen3MoeForCausalLM(Qwen3MoeConfig(**dims)), use)
+    assert plain.rotary.fa4 and plain.rotary.fa4_all
+    assert kernels.describe(use, attention_kernels(plain, use)).endswith("; attention: layers 0-3 flash-attn-4")
+    model = Qwen3MoeForCausalLM(Variant(**dims))
+    model.layers[3].self_attn.attention = own_attention
+    use_kernels(model, use)
+    calls = [layer.self_attn.attention for layer in model.layers]
+    assert [c.keywords["fa4"] for c in calls[:3]] == [True, False, True] and calls[3] is own_attention
+    assert model.rotary.fa4 and not model.rotary.fa4_all
+    line = kernels.describe(use, attention_kernels(model, use))
+    assert line.endswith("; attention: layers 0, 2 flash-attn-4; layer 1 cuDNN SDPA/FlexAttention (d_qk 32, d_v 64: "
+                         "not a shape flash-attn-4 is tested at, kernels/fa4.py); layer 3 "
+                         f"{own_attention.__qualname__}"), line
+
+    class Masks:  # stands in for kernels.flex.FlexAttention's document masks (CUDA only)
+        def document_masks(self, docs_BS):
+            return {None: "block mask"}
+
+    docs, pos = torch.tensor([[0, 0, 1, 1]]), torch.arange(4)[None]
+    for m, masks in ((plain, None), (model, {None: "block mask"})):
+        rotary = Rotary(8, 10000.0)  # on CPU, with the flags use_kernels set
+        rotary.reset_parameters()
+        rotary.flex, rotary.fa4, rotary.fa4_all = Masks(), m.rotary.fa4, m.rotary.fa4_all
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            d = rotary(pos, docs).docs
+        assert d.block_masks == masks and d.cu_seqlens.tolist() == [0, 2, 4]
+
+
+def test_the_published_families_run_flash_attn_4_on_every_layer():
+    """Every layer of the embedded full-size recipes is at a shape flash-attn-4 is tested at
+    (kernels/fa4.py TESTED): the kernel choice by shape costs them nothing."""
+    from pithtrain.config import load_config
+    from pithtrain.kernels import fa4
+
+    for name in ("qwen3-30b-a3b", "deepseek-v2-lite", "gpt-oss-20b"):
+        m = load_config(name).model
+        assert all(fa4.covers(m.attention_shapes(i)) for i in range(m.num_layers)), name
+
+
 def test_configure_takes_every_fact_of_the_run():
     """No fact has a default that turns a path on: a new FSDP caller that forgets fsdp=True must
     not get the in-place weight gradients FSDP's reduced gradients do not survive."""
@@ -48,7 +122,9 @@ def test_configure_on_cpu_picks_references_and_says_so():
     use = one_gpu_kernels("auto", "cpu")
     assert set(use) == set(kernels.NAMES)
     assert use["linear_ce"] and not use["swiglu"] and not use["permute"] and not use["flex"]
-    assert kernels.describe(use).startswith("kernels: fused linear_ce; PyTorch reference for swiglu")
+    line = kernels.describe(use, attention_kernels(tiny_qwen(), use))
+    assert line.startswith("kernels: fused linear_ce; PyTorch reference for swiglu")
+    assert line.endswith("; attention: layers 0-1 SDPA/eager")
     assert not any(one_gpu_kernels("torch", "cpu").values())
     assert not any(one_gpu_kernels("auto", "cpu", off=("linear_ce",)).values())  # the bench's no-NAME
 

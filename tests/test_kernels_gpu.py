@@ -9,6 +9,7 @@ import pytest
 import torch
 from run_path import one_gpu_kernels
 
+from pithtrain.kernels import fa4
 from pithtrain.models import common
 
 pytestmark = [pytest.mark.gpu,
@@ -147,10 +148,7 @@ def test_cudnn_sdpa_path_matches_eager():
 
 THREE = [[100, 601, 323], [1024]]  # row 0: the first shorter than the window, the last no tile multiple
 MANY = [[1 + i % 5 for i in range(340)] + [4], [1024]]  # 341 documents: FA4's binary batch search (> 256)
-SHAPES = [(32, 4, 128, 128, None, False),  # Qwen3-30B-A3B: GQA
-          (16, 16, 192, 128, None, False),  # DeepSeek-V2-Lite: MLA, d_qk != d_v
-          (64, 8, 64, 64, None, True),  # GPT-OSS-20B full-attention layers: sinks
-          (64, 8, 64, 64, 128, True)]  # GPT-OSS-20B sliding layers: window 128 and sinks
+SHAPES = list(fa4.TESTED)  # the shapes the kernel choice lets flash-attn-4 run (fa4.covers)
 
 
 @pytest.mark.parametrize("H, K, d, e, window, sinks, lengths",
@@ -161,8 +159,6 @@ def test_flash_attn_4_matches_eager(H, K, d, e, window, sinks, lengths, monkeypa
     and every gradient (the sinks' included) against the float64 eager reference; with documents
     (`lengths`, per row) on the package's varlen interface, a few and many (past its 256-sequence
     switch of scheduler), against the reference's document mask, and the package's ops did run."""
-    from pithtrain.kernels import fa4
-
     if not fa4.HAVE_FA4:
         pytest.skip("flash-attn-4 is not installed")
     B, S = 2, 1024
@@ -200,6 +196,25 @@ def test_flash_attn_4_matches_eager(H, K, d, e, window, sinks, lengths, monkeypa
     assert rel(out, outr) < 2e-2
     for a, b in zip(grads, xr, strict=True):
         assert a is not None and rel(a, b.grad) < 2e-2
+
+
+def test_the_kernel_choice_on_this_gpu_runs_flash_attn_4_where_its_tests_cover():
+    """The real device facts (nothing faked): every layer of each published family is bound to
+    flash-attn-4, and a head width no test covers (96) keeps cuDNN SDPA (kernels/fa4.py covers)."""
+    from pithtrain.config import load_config
+    from pithtrain.models import build_model
+
+    if not fa4.HAVE_FA4:
+        pytest.skip("flash-attn-4 is not installed")
+    use = one_gpu_kernels("auto", "cuda")
+    for name in ("qwen3-30b-a3b", "deepseek-v2-lite", "gpt-oss-20b"):
+        m = load_config(name).model
+        kinds = common.attention_kernels(common.use_kernels(build_model(m, init=False), use), use)
+        assert kinds == {i: "flash-attn-4" for i in range(m.num_layers)}, name
+    m = load_config("qwen3-30b-a3b", ["model.head_dim=96"]).model
+    kinds = common.attention_kernels(common.use_kernels(build_model(m, init=False), use), use)
+    assert set(kinds.values()) == {"cuDNN SDPA/FlexAttention (d_qk 96, d_v 96: not a shape flash-attn-4 is tested "
+                                   "at, kernels/fa4.py)"}
 
 
 def small_model(family):

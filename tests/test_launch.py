@@ -141,6 +141,18 @@ def test_only_rank_0_prints_a_config_error(monkeypatch, capsys):
     assert trainer.main(["--check", "2", "parallel.fsdp=2"]) == 0 and capsys.readouterr() == ("", "")
 
 
+@pytest.mark.quick
+def test_the_parents_check_refuses_evaluation_under_pp_naming_only_its_key(capsys):
+    """The launcher's check before torchrun (train.py --check: build.check_run without a device)
+    refuses evaluation under pp > 1 in one line naming train.eval_every; the unrelated override
+    (train.lr) is not named."""
+    assert trainer.main(["--check", "2", "parallel.pp=2", "train.eval_every=2", "train.lr=1e-3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "train.lr" not in err
+    assert err.endswith("default.yaml: train.eval_every: evaluation is not supported with parallel.pp > 1 "
+                        "(set train.eval_every=0)\n")
+
+
 def test_plan_refusal_names_nproc(capsys):
     from pithtrain.plan import main as plan
 

@@ -27,6 +27,20 @@ def test_short_run_loss_decreases_and_prints_progress(tiny_overrides, tmp_path, 
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gb", "imbalance"} <= recs[0].keys()
 
 
+def test_a_setting_that_cannot_act_is_said_once(tiny_overrides, capsys):
+    """train.compile on CPU (compile acts on CUDA only) and a warm-up past the last step: each one
+    line at start-up, and the first step's phase line does not announce a compilation (#50)."""
+    cfg = load_config(None, tiny_overrides + ["train.steps=4", "train.warmup_steps=5", "train.compile=true",
+                                              "log.every=4"])
+    hist, _ = train(cfg)
+    out = capsys.readouterr().out
+    assert out.count("pithtrain: train.compile=true: off on cpu, the layers run eagerly") == 1
+    assert "pithtrain: first step ...\n" in out and "compiling" not in out
+    assert out.count("pithtrain: WARNING: train.warmup_steps 5 > train.steps 4: the run ends in its warm-up, "
+                     "the last step at 80% of train.lr") == 1
+    assert hist[-1]["lr"] == pytest.approx(0.8 * cfg.train.lr)
+
+
 def test_grad_accum_matches_one_big_batch(tiny_overrides):
     """2 micro-batches of 4 rows train exactly like 1 of 8 (same rows, loss normalised per token).
     The load-balancing loss is a per-micro-batch statistic (as in Megatron and Hugging Face), so it

@@ -49,7 +49,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from pithtrain.compile import apply_activation_checkpoint, apply_compile
+from pithtrain.compile import apply_activation_checkpoint, apply_compile, compiles
 from pithtrain.distributed.context_parallel import ContextParallelAttention, ContextParallelSum
 from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
 from pithtrain.distributed.parallel_dims import ParallelDims
@@ -89,7 +89,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, train_cfg, device: torch.d
             if isinstance(m, Balance):
                 m.stats_sum = cp_sum
     apply_activation_checkpoint(model, train_cfg.activation_checkpoint)
-    if train_cfg.compile and device.type == "cuda":
+    if compiles(train_cfg, device):
         apply_compile(model)
     if dims.fsdp_enabled:
         apply_fsdp(model, dims, precision.fsdp_policy())

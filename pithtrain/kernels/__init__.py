@@ -27,7 +27,8 @@ The policy is here, the choice lives in the model. `configure(mode, device, fp8=
 experts_alone=, cp=)` returns which operators a run uses (name -> on) from the recipe's
 `train.kernels` ("auto": every fused operator whose requirements are met; "torch": none), what is
 installed, and the run's facts (its precision and layout: build.build_run passes them, none has a
-default); `describe(use)` is the line the trainer and the bench print at start-up.
+default); `describe(use, common.attention_kernels(model, use))` is the line the trainer and the
+bench print at start-up, each layer's attention kernel included.
 `models.common.use_kernels(model, use, copies)` then resolves the choice into the model's own
 swappable attributes (the idiom `parallelize` uses for the dispatcher), so two models in one
 process each run their own kernels and nothing global is read:
@@ -40,10 +41,13 @@ process each run their own kernels and nothing global is read:
   Embedding.lookup        the token embedding: F.embedding, or wgrad.embedding (its gradient in place)
   LocalDispatcher.fused   the Triton permute / unpermute
   <attention>.attention   functools.partial(common.attention, sdpa_first=, flex=, fa4=) for every attention
-                          module (context parallel then replaces it); flex: one flex.FlexAttention
-                          per model, also held by `model.rotary` to build the batch's block masks eagerly;
-                          `model.rotary.fa4`: the rotary makes flash-attn-4's document starts (and no
-                          block masks under half-precision autocast, where flash-attn-4 takes them)
+                          module (context parallel then replaces it); fa4 per layer, only where the
+                          shapes flash-attn-4 is tested at cover the layer's `attention_shapes`
+                          (fa4.TESTED, fa4.covers); flex: one flex.FlexAttention per model, also held
+                          by `model.rotary` to build the batch's block masks eagerly; `model.rotary
+                          .fa4` / `.fa4_all`: the rotary makes flash-attn-4's document starts where
+                          some layer runs it, and the block masks unless every layer does and
+                          half-precision autocast lets it take them
   model.cross_entropy     the chunked LM-head loss (common.cross_entropy_sum or linear_ce's; with
                           wgrad, linear_ce adds the head's gradient in place)
 
@@ -119,9 +123,26 @@ def _deepgemm() -> bool:
     return load() is not None
 
 
-def describe(use: dict) -> str:
+def describe(use: dict, attention: dict[int, str]) -> str:
+    """The start-up line: the fused operators, the references, and each layer's attention kernel
+    (`attention`: layer -> kernel, as models.common.attention_kernels reads them from the model)."""
     why = "" if HAVE_TRITON else " (triton not installed)"
     on = [k for k, v in use.items() if v]
     off = [k for k, v in use.items() if not v]
+    groups: dict[str, list[int]] = {}
+    for i, name in attention.items():
+        groups.setdefault(name, []).append(i)
+    attn = "; ".join(f"{'layer' if len(ix) == 1 else 'layers'} {_spans(ix)} {name}" for name, ix in groups.items())
     return (f"kernels: fused {', '.join(on) or 'none'}; PyTorch reference for "
-            f"{', '.join(off) or 'none'}{why}")
+            f"{', '.join(off) or 'none'}{why}; attention: {attn or 'none'}")
+
+
+def _spans(ix: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for i in ix:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)

@@ -14,7 +14,11 @@ in, (T, H, d_v) and (H, T) out; `max_seqlen` bounds a document's length (the row
 kernels size their grids by the total, so no host read of the longest is needed).
 
 `window` follows Hugging Face's convention (keys within the last `window` positions, the query's
-own included: kj > qi - window), which is the package's local window (window - 1, 0); 0 means none."""
+own included: kj > qi - window), which is the package's local window (window - 1, 0); 0 means none.
+
+A layer runs on it only where `TESTED` covers its attention (`covers`; common.use_kernels binds it
+per layer): the kernels are compiled per head width and window kind, and a width no test ran is a
+hope, not a kernel choice. A new shape is one more TESTED row, run on the GPU before it is used."""
 
 from __future__ import annotations
 
@@ -29,6 +33,23 @@ try:  # optional: the appliance images install it (images/versions.yaml); CPU ma
 except ImportError:
     _fa = None
     HAVE_FA4 = False
+
+
+# The head shapes tests/test_kernels_gpu.py::test_flash_attn_4_matches_eager runs (its cases come from
+# here: forward and every gradient against the float64 reference, with and without documents):
+# (heads, kv heads, d_qk, d_v, window or None, sinks).
+TESTED = ((32, 4, 128, 128, None, False),  # Qwen3-30B-A3B: GQA
+          (16, 16, 192, 128, None, False),  # DeepSeek-V2-Lite: MLA, d_qk != d_v
+          (64, 8, 64, 64, None, True),  # GPT-OSS-20B full-attention layers: sinks
+          (64, 8, 64, 64, 128, True))  # GPT-OSS-20B sliding layers: window 128 and sinks
+
+
+def covers(shape: tuple) -> bool:
+    """A layer's attention (its config's `attention_shapes(i)`: window or None, d_qk, d_v, heads) is
+    at a TESTED shape: the same head widths (d_qk, d_v) and window kind (a window or none). The head
+    counts are the kernels' grid, not their code, so they are not compared."""
+    window, d_qk, d_v, _ = shape
+    return any((d, e, w is None) == (d_qk, d_v, window is None) for _, _, d, e, w, _ in TESTED)
 
 
 def _window(window: int) -> tuple[int | None, int | None]:

@@ -102,8 +102,8 @@ class Rotary(nn.Module):
     """cos/sin tables computed from positions on each call (cheap; nothing position-sized is cached).
     It runs eagerly before the layers (the pipeline's stages too), so it also prepares what the
     attention kernels (set by use_kernels) read of a batch with documents: flash-attn-4's document
-    starts (`fa4`) and FlexAttention's block masks (`flex`; not made when flash-attn-4 takes the
-    batch, i.e. under half-precision autocast)."""
+    starts (`fa4`: some layer runs it) and FlexAttention's block masks (`flex`), made unless every
+    layer's attention is flash-attn-4 (`fa4_all`) and it takes the batch (half-precision autocast)."""
 
     def __init__(self, dim: int, theta: float, scaling: dict | None = None):
         super().__init__()
@@ -111,7 +111,7 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", torch.empty(dim // 2), persistent=False)
         self.mscale = 1.0
         self.flex = None  # the model's kernels.flex.FlexAttention, or None (reference attention)
-        self.fa4 = False  # flash-attn-4 is the model's attention (kernels/fa4.py)
+        self.fa4 = self.fa4_all = False  # flash-attn-4 is some / every layer's attention (kernels/fa4.py)
 
     def reset_parameters(self):
         inv_freq, self.mscale = rope_inv_freq(self.dim, self.theta, self.scaling)
@@ -122,8 +122,8 @@ class Rotary(nn.Module):
         """docs_BS: the document index per token (document masking), or None."""
         docs = None
         if docs_BS is not None:
-            fa4_runs = self.fa4 and autocast_dtype(docs_BS.device) in HALF
-            masks = self.flex.document_masks(docs_BS) if self.flex is not None and not fa4_runs else None
+            fa4_only = self.fa4_all and autocast_dtype(docs_BS.device) in HALF
+            masks = self.flex.document_masks(docs_BS) if self.flex is not None and not fa4_only else None
             docs = Documents(docs_BS, masks, document_starts(docs_BS) if self.fa4 else None)
         if self.flex is not None and docs is None:
             self.flex.prepare(positions_BS.shape[1], positions_BS.device)
@@ -651,23 +651,31 @@ def use_kernels(model: nn.Module, use: dict, copies=None) -> nn.Module:
     attributes, in place: the fused operator where `use` says so, the reference elsewhere. Before
     parallelize (context parallel then replaces the attention call) and before compile. `copies`:
     the run's bf16 weight copies (precision.WeightCopies, or None), whose masters the in-place
-    weight gradients write (kernels/wgrad.py)."""
+    weight gradients write (kernels/wgrad.py). flash-attn-4 is bound per layer, only where its
+    tested shapes cover the layer's attention (kernels/fa4.py `covers`); the rotary makes the
+    document masks whenever some layer's attention will not be flash-attn-4."""
+    from pithtrain.kernels.fa4 import covers
     flex = None
     if use["flex"]:
         from pithtrain.kernels.flex import FlexAttention
         flex = FlexAttention(model.cfg.attention_shapes(i)[0] for i in range(model.cfg.num_layers))
-    model.rotary.flex, model.rotary.fa4 = flex, use["fa4"]
-    bound = functools.partial(attention, sdpa_first=SDPA_CUDNN_FIRST if use["cudnn_sdpa"] else None, flex=flex,
-                              fa4=use["fa4"])
+    bound = {on: functools.partial(attention, sdpa_first=SDPA_CUDNN_FIRST if use["cudnn_sdpa"] else None, flex=flex,
+                                   fa4=on) for on in (False, True)}
+    on_fa4 = []  # per layer: every attention call of it is flash-attn-4
+    for i, layer in indexed_layers(model):
+        fa4 = use["fa4"] and covers(model.cfg.attention_shapes(i))
+        calls = [m for m in layer.modules() if callable(getattr(m, "attention", None))]
+        for m in calls:
+            if attention in (m.attention, getattr(m.attention, "func", None)):  # not context parallel's
+                m.attention = bound[fa4]
+        on_fa4.append(bool(calls) and all(m.attention is bound[True] for m in calls))
+    model.rotary.flex, model.rotary.fa4, model.rotary.fa4_all = flex, any(on_fa4), all(on_fa4)
     model.cross_entropy = functools.partial(cross_entropy_sum, fused=use["linear_ce"], in_place=use["wgrad_ends"],
                                             copies=copies)
     for m in model.modules():
         if isinstance(m, Embedding):
             from pithtrain.kernels import wgrad
             m.lookup = functools.partial(wgrad.embedding, copies=copies) if use["wgrad_ends"] else F.embedding
-        call = getattr(m, "attention", None)
-        if attention in (call, getattr(call, "func", None)):  # not context parallel's
-            m.attention = bound
         if isinstance(getattr(m, "dispatcher", None), LocalDispatcher):
             m.dispatcher.fused = use["permute"]
         if isinstance(m, GroupedExperts):
@@ -691,11 +699,43 @@ def use_kernels(model: nn.Module, use: dict, copies=None) -> nn.Module:
     return model
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's decoder layers in order: `model.layers` is a ModuleList, or on a pipeline stage
-    a ModuleDict keyed by layer index holding only this stage's layers."""
+def attention_kernels(model: nn.Module, use: dict) -> dict[int, str]:
+    """Each decoder layer's attention kernel, read from the calls use_kernels (or context parallel)
+    bound into it: the witness kernels.describe prints at start-up. A variant's own call is named
+    by its qualified name; a layer the run allowed flash-attn-4 (`use`) that does not run it says
+    its shape is not one flash-attn-4 is tested at."""
+    from pithtrain.kernels.fa4 import covers
+    out = {}
+    for i, layer in indexed_layers(model):
+        names = set()
+        for call in (getattr(m, "attention", None) for m in layer.modules()):
+            if not callable(call):
+                continue
+            kw = call.keywords if getattr(call, "func", None) is attention else {} if call is attention else None
+            if kw is None:
+                names.add(getattr(call, "__qualname__", type(call).__qualname__))
+            elif kw.get("fa4"):
+                names.add("flash-attn-4")
+            else:  # plain causal attention on SDPA; windows, sinks and documents on FlexAttention or eager
+                flex = "FlexAttention" if kw.get("flex") else "eager"
+                names.add(f"{'cuDNN ' if kw.get('sdpa_first') else ''}SDPA/{flex}")
+        out[i] = "+".join(sorted(names)) or "none"
+        shape = model.cfg.attention_shapes(i)
+        if use["fa4"] and "flash-attn-4" not in names and not covers(shape):
+            out[i] += f" (d_qk {shape[1]}, d_v {shape[2]}: not a shape flash-attn-4 is tested at, kernels/fa4.py)"
+    return out
+
+
+def indexed_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(layer index, layer) of the model's decoder layers in order: `model.layers` is a ModuleList,
+    or on a pipeline stage a ModuleDict keyed by layer index holding only this stage's layers."""
     layers = model.layers
-    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+    return [(int(i), m) for i, m in layers.items()] if isinstance(layers, nn.ModuleDict) else list(enumerate(layers))
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers in order (indexed_layers without the indices)."""
+    return [m for _, m in indexed_layers(model)]
 
 
 def causal_lm_forward(model, input_ids_BS, positions_BS=None, labels_BS=None, docs_BS=None):
