@@ -41,6 +41,7 @@ from pithtrain.checkpoint.dcp import (
     CheckpointError,
     SafeReader,
     check_index,
+    lean_checkpoint,
     no_dist_warnings,
     resolve,
     verify,
@@ -49,6 +50,7 @@ from pithtrain.checkpoint.hf import SHARD_BYTES, refuse_hub_losses, state_for_ex
 from pithtrain.config import ConfigError, config_from_dict
 from pithtrain.data import BOS, EOS, TOKENIZER_FILES, added_around, declared_tokens, load_tokenizer
 from pithtrain.models import FAMILIES, build_model
+from pithtrain.precision import join_
 
 
 def checkpoint_recipe(path: Path):
@@ -167,7 +169,7 @@ def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SH
     fam, mcfg = FAMILIES[model.cfg.family], model.cfg
     out = Path(out)
     state = state_for_export(model)
-    check_index(path, [f"model.{n}" for n in state])
+    check_index(path, [f"{k}.{n}" for n in state for k in ("model", "lean")[:1 + lean_checkpoint(path)]])
     shards = plan_shards(model, dtype, shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
@@ -178,12 +180,19 @@ def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SH
     if world > 1:
         dist.barrier()
     t0 = time.monotonic()
+    lean = lean_checkpoint(path)  # the masters as two halves: joined (precision.join_)
+
     def hub_tensors(names):  # one native tensor in memory at a time, read from the checkpoint
         for name in names:
             one = {f"model.{name}": torch.empty(state[name].shape, dtype=torch.float32)}
+            if lean:
+                one[f"lean.{name}"] = torch.empty(state[name].shape, dtype=torch.int16)
             with no_dist_warnings():
                 dcp.load(one, storage_reader=SafeReader(path), no_dist=True)
-            yield from fam.native_to_hf(mcfg, name, one.pop(f"model.{name}"))
+            value = one.pop(f"model.{name}")
+            if lean:
+                join_(value, one.pop(f"lean.{name}"))
+            yield from fam.native_to_hf(mcfg, name, value)
 
     for i in range(rank, len(shards), world):
         layout = [(key, tuple(v.shape)) for n in shards[i] for key, v in fam.native_to_hf(mcfg, n, state[n])]
