@@ -15,7 +15,7 @@ same way for train.py, the benchmark, calibration (scripts/calibrate.py) and the
                  device, where the memory plan builds a rank's model for its shapes
     state        train.state=lean: the float32 weights split into bf16 parameters and their low
                  halves (precision.LeanState.convert)
-    optimizer    AdamW on the masters (kernels/adamw.py or torch's; LeanAdamW for lean), the LR schedule
+    optimizer    AdamW on the masters (kernels/adamw.py or torch's; kernels/adamw.py's for lean), the LR schedule
     runner       a pipeline rank's executor (distributed/pipeline.py)
 """
 
@@ -147,23 +147,19 @@ def build_run(cfg: Config, device: torch.device, dims: ParallelDims, *, state: s
 def build_optimizer(model: nn.Module, cfg: Config, device: torch.device, use: dict | None = None, copies=None,
                     lean=None):
     """AdamW on the masters; no weight decay on norms, biases and 1-D tensors. `lean` (the run's
-    precision.LeanState): kernels/adamw.LeanAdamW on the lean state. Else `use` (kernels.configure):
-    adamw -> the Triton step (kernels/adamw.py, which rewrites the float32 masters' bf16 `copies`
-    in its pass), else torch's, fused on CUDA."""
+    precision.LeanState) or `use` (kernels.configure) adamw: kernels/adamw.py's (the lean state's,
+    on CPU too; or the Triton step, which rewrites the float32 masters' bf16 `copies` in its pass),
+    else torch's, fused on CUDA."""
     decay, no_decay = [], []
     for p in {id(p): p for p in model.parameters() if p.requires_grad}.values():
         (decay if p.ndim >= 2 else no_decay).append(p)
     t = cfg.train
     groups = [{"params": decay, "weight_decay": t.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    if lean is not None:
-        from pithtrain.kernels.adamw import LeanAdamW
-
-        return LeanAdamW(groups, lean, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
-    if use and use["adamw"]:
+    if lean is not None or (use and use["adamw"]):
         from pithtrain.kernels.adamw import AdamW
 
-        return AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, copies=copies)
+        return AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, copies=copies, lean=lean)
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                              fused=device.type == "cuda")
 

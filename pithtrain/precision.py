@@ -134,9 +134,7 @@ class Precision:
     def grads(self, params) -> list[torch.Tensor]:
         """The step's gradients of `params` (the norm, the clip): lean's float32 buffers where it
         accumulates, else each .grad."""
-        if self.lean is not None:
-            return [g for p in params if (g := self.lean.grad(p)) is not None]
-        return [p.grad for p in params if p.grad is not None]
+        return [g for p in params if (g := self.lean.grad(p) if self.lean else p.grad) is not None]
 
     def bytes_per_param(self) -> dict:
         """Bytes of the training state per parameter (the memory plan): weights, grads, optimizer
@@ -199,71 +197,49 @@ class LeanState:
     parameter's float32 gradient buffer for the step.
 
     `convert(model)` turns float32 parameters into their bf16 high halves after the weights are set
-    (build.build_run: drawn or train.init_from's, in float32) through nn.Module._apply, which FSDP2
-    follows (its sharded parameters are reset from the new tensors); `assign` writes a float32 value
-    into a converted parameter (a float32 checkpoint's, checkpoint/dcp.py); `master` joins one.
-    A post-accumulate-grad hook on every trainable parameter (FSDP2 calls it on the sharded ones
-    after each reduce-scatter) adds the micro-batch's bf16 gradient into the float32 buffer and
-    drops it; kernels/wgrad.py writes into the buffer itself (`grad_into`). The buffers go at
-    zero_grad (kernels/adamw.LeanAdamW). Parameters are keyed by identity; a parameter that is
-    replaced is converted again (a test's model built twice)."""
+    (build.build_run: drawn or train.init_from's, in float32) through nn.Module._apply, which keeps
+    each Parameter object and which FSDP2 follows (it resets its sharded parameters from the new
+    tensors); `assign` writes a float32 value into a converted parameter (a float32 checkpoint's,
+    checkpoint/dcp.py). A post-accumulate-grad hook on every trainable parameter (FSDP2 calls it on
+    the sharded ones after each reduce-scatter) adds the micro-batch's bf16 gradient into the float32
+    buffer and drops it; kernels/wgrad.py writes into the buffer itself (`grad_into`). The buffers
+    go at zero_grad (kernels/adamw.AdamW). Parameters are keyed by identity (and held: the run's)."""
 
     def __init__(self, accumulate: bool):
         self.accumulate = accumulate
-        self._lo: dict[int, tuple] = {}  # id(p) -> (weakref to p, its int16 low half, shaped and placed as p)
+        self._lo: dict[int, tuple] = {}  # id(p) -> (p, its int16 low half, shaped and placed as p)
         self._acc: dict[int, torch.Tensor] = {}  # id(p) -> its float32 gradient buffer this step
 
     @torch.no_grad()
     def convert(self, model: nn.Module) -> None:
-        params = {id(p): p for p in model.parameters() if p.dtype == torch.float32}
-        lows = {}
+        todo, lows = {id(p) for p in model.parameters()}, {}
 
-        def halve(t):
-            if id(t) not in params:  # buffers (RoPE's tables stay float32), converted tied parameters
+        def halve(t):  # buffers (RoPE's tables stay float32) and converted tied parameters pass
+            if id(t) not in todo or t.dtype != torch.float32:
                 return t
             hi, lo = split(local(t))
             lows[id(t)] = _like(t, lo)
             return _like(t, hi)
 
         model._apply(halve)
-        for p in model.parameters():  # _apply keeps each Parameter object (set_data), or makes a new one
-            key = next((k for k, q in params.items() if q is p), None)
-            lo = lows.get(key) if key is not None else None
-            if lo is not None and id(p) not in self._lo:
-                self._lo[id(p)] = (weakref.ref(p), lo)
+        for p in model.parameters():
+            if id(p) in lows:
+                self._lo[id(p)] = (p, lows.pop(id(p)))
                 if self.accumulate and p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._accumulate)
 
     def lo(self, p: torch.Tensor) -> torch.Tensor:
-        entry = self._lo.get(id(p))
-        if entry is None or entry[0]() is not p:
-            raise KeyError(f"parameter {tuple(p.shape)} {p.dtype} has no low half (LeanState.convert not run)")
-        return entry[1]
-
-    def owns(self, p: torch.Tensor) -> bool:
-        entry = self._lo.get(id(p))
-        return entry is not None and entry[0]() is p
-
-    @torch.no_grad()
-    def joined(self, p: torch.Tensor) -> torch.Tensor:
-        """p's float32 master (a new tensor of p's local shape: checkpoints, export)."""
-        return join(local(p), local(self.lo(p)))
+        return self._lo[id(p)][1]
 
     @torch.no_grad()
     def assign(self, p: torch.Tensor, value: torch.Tensor) -> None:
         """Write float32 `value` (p's local shape) as p's master: its high half into p, the rest into lo."""
-        hi, lo = split(value.to(torch.float32))
-        local(p).copy_(hi)
-        local(self.lo(p)).copy_(lo)
+        for dst, src in zip((p, self.lo(p)), split(value.to(torch.float32))):
+            local(dst).copy_(src)
 
     def named_lows(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Each converted parameter's low half by the parameter's name (checkpoint/dcp.py)."""
-        seen, out = set(), {}
-        for name, p in model.named_parameters():
-            if id(p) not in seen and self.owns(p):
-                seen.add(id(p))
-                out[name] = self.lo(p)
-        return out
+        return {n: e[1] for n, p in model.named_parameters() if (e := self._lo.get(id(p))) and e[0] is p}
 
     def _accumulate(self, p: torch.Tensor) -> None:
         g = p.grad
@@ -278,7 +254,7 @@ class LeanState:
 
     def grad(self, p: torch.Tensor) -> torch.Tensor | None:
         """p's gradient this step: its float32 buffer, or its own .grad (one micro-batch)."""
-        return self._acc.get(id(p), p.grad) if self.accumulate else p.grad
+        return self._acc.get(id(p), p.grad)
 
     def zero_grad(self) -> None:
         self._acc.clear()
@@ -288,16 +264,14 @@ class LeanState:
         return None
 
     def grad_into(self, w: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
-        """kernels/wgrad.py: w's float32 buffer to add this micro-batch's gradient into ((buffer,
-        False)), made here on its first ((buffer, True): write it, do not add)."""
-        if not self.owns(w):
+        """kernels/wgrad.py: w's float32 buffer to add this micro-batch's gradient into (buffer,
+        False), made here on its first (buffer, True: write it, do not add)."""
+        if id(w) not in self._lo:
             return None
-        buf = self._acc.get(id(w))
-        if buf is not None:
-            return (local(buf), False) if local(buf).is_contiguous() else None
-        buf = torch.empty_like(w, dtype=torch.float32, memory_format=torch.contiguous_format)
-        self._acc[id(w)] = buf
-        return local(buf), True
+        if (buf := self._acc.get(id(w))) is not None:
+            return (buf, False) if type(buf) is torch.Tensor and buf.is_contiguous() else None
+        buf = self._acc[id(w)] = torch.empty_like(w, dtype=torch.float32, memory_format=torch.contiguous_format)
+        return buf, True
 
 
 class WeightCopies:

@@ -103,6 +103,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from pithtrain.data import TOKENIZER_FILES, tokenizer_of
+from pithtrain.models.common import local
 from pithtrain.precision import join_
 
 FORMAT = 1
@@ -846,20 +847,20 @@ class Checkpointer:
                  "the masters' values carry over exactly, the moments are cast")
         params = dict(self.model.named_parameters())
         if saved == "float32":  # the float32 masters into host memory, split into the lean halves afterwards
-            names = list(self.lean.named_lows(self.model))
+            names = list(tensors.pop("lean"))  # none in the checkpoint
             for name in names:
                 tensors["model"][name] = _host_like(params[name], torch.float32)
 
             def finish(tensors):
                 for name in names:
-                    self.lean.assign(params[name], _local(tensors["model"][name]).to(self.device))
+                    self.lean.assign(params[name], local(tensors["model"][name]).to(self.device))
             return finish
-        lows = {name: _host_like(p, torch.int16) for name, p in _unique(self.model)}  # read beside the high halves
-        tensors["lean"] = lows
+        lows = {name: _host_like(p, torch.int16) for name, p in self.model.named_parameters()}
+        tensors["lean"] = lows  # read beside the high halves
 
         def finish(tensors):
             for name, lo in lows.items():
-                join_(_local(params[name]).detach(), _local(lo))
+                join_(local(params[name]).detach(), local(lo))
         return finish
 
     def _recipe_hyperparameters(self, trainer: dict) -> tuple[list[dict], dict]:
@@ -937,7 +938,7 @@ def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
 
     sd = {"model": get_model_state_dict(model)}
     if lean_checkpoint(ckpt):
-        sd["lean"] = {name: torch.empty_like(p, dtype=torch.int16) for name, p in _unique(model)}
+        sd["lean"] = {name: torch.empty_like(p, dtype=torch.int16) for name, p in model.named_parameters()}
     check_index(ckpt, _flat_keys(sd))
     with no_dist_warnings():
         dcp.load(sd, storage_reader=SafeReader(ckpt), no_dist=True)
@@ -952,24 +953,10 @@ def lean_checkpoint(ckpt: Path) -> bool:
     return json.loads((ckpt / TRAINER).read_text()).get("state") == "lean"
 
 
-def _unique(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, parameter) once per parameter (a tied head under the embedding's name, as state dicts)."""
-    seen, out = set(), []
-    for name, p in model.named_parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append((name, p))
-    return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _host_like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An empty host tensor of p's local shape in `dtype`, a DTensor placed as p where p is one (a load
     target DCP reads this rank's chunks into)."""
-    block = torch.empty(_local(p).shape, dtype=dtype)
+    block = torch.empty(local(p).shape, dtype=dtype)
     if isinstance(p, DTensor):
         return DTensor.from_local(block, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride())
