@@ -347,3 +347,29 @@ def test_fsdp_keeps_layers_gathered_with_the_same_numbers_and_gathers_lean_witho
     assert lean["loss"][0] == pytest.approx(lean["one_loss"][0], rel=1e-5)
     assert lean["gnorm"][0] == pytest.approx(lean["one_gnorm"][0], rel=1e-2)
     assert lean["loss"][1] == pytest.approx(lean["one_loss"][1], rel=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory plan
+
+
+def test_the_plan_counts_the_lean_bytes_and_keeps_layers_gathered_only_where_that_fits():
+    """Qwen3-30B-A3B at fsdp=8 ep=8 with train.state=lean: 4 + 2 + 4 B per parameter (one micro-batch)
+    and no bf16 copy, where float32 keeps 4 + 4 + 8 and a copy of its experts; the dense layers kept
+    gathered are counted (`keep_bytes`), and on a GPU where only the plan without them fits the
+    plan drops them (`keep` false: the run gathers per micro-batch)."""
+    from test_plan import qwen3_rank
+
+    from pithtrain import plan as planner
+    cfg = load_config("qwen3-30b-a3b", ["parallel.auto=false", "parallel.fsdp=8", "parallel.ep=8", "train.state=lean"])
+    n = qwen3_rank(cfg.model, 1)[0]
+    r = (result := planner.plan(cfg, 8, 1000.0, "h200"))["ranks"][0]
+    assert (r["params"], r["grads"], r["optimizer"], r["bf16_copy"]) == (4 * n, 2 * n, 4 * n, 0)
+    assert result["keep"] and r["keep"] and r["keep_bytes"] > 0
+    f32 = planner.plan(load_config("qwen3-30b-a3b", ["parallel.auto=false", "parallel.fsdp=8", "parallel.ep=8"]),
+                       8, 1000.0, "h200")["ranks"][0]
+    assert (f32["grads"], f32["optimizer"]) == (4 * n, 8 * n) and f32["bf16_copy"] > 0
+    tight = (r["peak"] - r["keep_bytes"] / 2) / 2**30 / planner.FIT_FRACTION
+    dropped = planner.plan(cfg, 8, tight, "h200")
+    assert dropped["fits"] and not dropped["keep"] and planner.keeps(dropped) is False
+    assert dropped["ranks"][0]["peak"] == r["peak"] - r["keep_bytes"]
