@@ -20,8 +20,9 @@ differs by ~1e-5 relative. Reference: torch.optim.AdamW (tests/test_kernels_gpu.
 
 The lean training state (precision.py, `lean`): p is the master join(hi, lo), hi the bf16
 parameter and lo its int16 low half, the moments bf16. The same pass (LEAN) reads hi, lo, g, m, v
-(10 B per parameter with a bf16 gradient, where the float32 state's reads 28), updates the joined
-master as above and stores it split again (precision.split's rounding, in integer arithmetic).
+and writes hi, lo, m, v: 18 B per parameter with a bf16 gradient (20 with a float32 one), where the
+float32 state's pass moves 30 (28 + its bf16 copy). It updates the joined master as above and
+stores it split again (precision.split's rounding, in integer arithmetic).
 Off CUDA (CPU, and the reference) `lean_update_` applies torch.optim.AdamW's own single-tensor
 steps to the joined master: a lean step is the float32 step of the same master, moments and
 gradient, rounded into the halves and bf16 moments (tests/test_lean.py).
