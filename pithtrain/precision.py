@@ -30,11 +30,11 @@ The training state (`state`: train.state, STATES), bytes per parameter:
 "float32" is the reference. "lean" keeps the same float32 masters in two halves (split / join:
 the parameter IS the bf16 high half, rounded to nearest with ties away from zero, and LeanState
 holds the int16 low half beside it), so the layers and FSDP's gathers use the parameter with no
-copy and no cast, and kernels/adamw.py's LeanAdamW updates the joined float32 value with the
-float32 arithmetic, then splits it again; its moments are bf16 (train.beta2 at most
-config.LEAN_MAX_BETA2: the second moment's decay must move a bf16 value). A step of several micro-batches
-adds each micro-batch's bf16 gradient into a float32 buffer (LeanState's hook; kernels/wgrad.py
-writes there directly), one micro-batch uses its bf16 gradient as it is. It needs bf16 compute
+copy and no cast, and kernels/adamw.py's AdamW (its lean pass) updates the joined float32 value
+with the float32 arithmetic, then splits it again; its moments are bf16 (train.beta2 at most
+config.LEAN_MAX_BETA2: the second moment's decay must move a bf16 value). A step of several
+micro-batches adds each micro-batch's bf16 gradient into a float32 buffer (LeanState's hook;
+kernels/wgrad.py writes there directly), one micro-batch uses its bf16 gradient as it is. It needs bf16 compute
 (build.check_run refuses it otherwise). Its loss curve against float32's: docs/perf-notes.md.
 "bf16" keeps bf16 parameters and moments and no masters (the bench's comparison with its peers).
 

@@ -229,7 +229,9 @@ def test_checkpoints_resume_across_states_with_the_masters_bit_for_bit(tiny_over
     assert json.loads((saved / "trainer.json").read_text())["state"] == "lean"
     want = _masters(lean_model, lean)
     f32_model, none = run("float32", "b", resume=str(saved))
-    assert none is None and "holds the lean training state" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert none is None and "holds the lean training state" in out
+    assert "pithtrain: precision: compute bfloat16, state lean (4 + 2 + 4 B per parameter" in out  # start-up
     got = _masters(f32_model, None)
     assert all(torch.equal(got[n].view(torch.int32), want[n].view(torch.int32)) for n in want)
     assert all(torch.equal(load_checkpoint_model(saved).state_dict()[n], want[n]) for n in want)
