@@ -28,7 +28,8 @@ The training state (`state`: train.state, STATES), bytes per parameter:
     bf16     2: bf16, no masters        2                         4                none (the bench's peers)
 
 "float32" is the reference. "lean" keeps the same float32 masters in two halves (split / join:
-the parameter IS the bf16 high half, rounded to nearest with ties away from zero, and LeanState
+the parameter IS the bf16 high half, rounded to nearest with ties away from zero (kernels/adamw.py's
+split), and LeanState
 holds the int16 low half beside it), so the layers and FSDP's gathers use the parameter with no
 copy and no cast, and kernels/adamw.py's AdamW (its lean pass) updates the joined float32 value
 with the float32 arithmetic, then splits it again; its moments are bf16 (train.beta2 at most
@@ -56,6 +57,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from pithtrain.kernels.adamw import split
 from pithtrain.models.common import GroupedExperts, local
 
 # Bytes per parameter of a training state: weights (the masters), gradients, optimizer moments
@@ -158,29 +160,6 @@ class Precision:
 
 # ---------------------------------------------------------------------------------------------
 # The lean state: float32 masters as a bf16 high half (the parameter) and an int16 low half
-
-
-def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 -> (hi: bf16, x rounded to nearest with ties away from zero (torch's cast rounds
-    ties to even: they differ at exact ties only); lo: int16, the rest of x's bits), so that
-    join(hi, lo) is x, bit for bit, for every finite x. On the bits b of x: hi = (b + 2^15) >> 16
-    (an arithmetic shift rounds the magnitude of a sign-magnitude number), lo = b - (hi << 16),
-    within [-2^15, 2^15)."""
-    bits = x.contiguous().view(torch.int32)
-    hi = (bits + 0x8000) >> 16
-    lo = bits - (hi << 16)
-    return hi.to(torch.int16).view(torch.bfloat16), lo.to(torch.int16)
-
-
-def join(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """The float32 value `split` took apart (a new tensor)."""
-    return ((hi.contiguous().view(torch.int16).to(torch.int32) << 16) + lo.to(torch.int32)).view(torch.float32)
-
-
-def join_(x: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """In place: float32 `x` holding a high half exactly (a lean checkpoint's bf16 parameter read
-    into a float32 one: its low 16 bits are zero) becomes join(hi, lo)."""
-    return x.view(torch.int32).add_(lo.to(x.device, torch.int32))
 
 
 def _like(t: torch.Tensor, local_value: torch.Tensor) -> torch.Tensor:

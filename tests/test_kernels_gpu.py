@@ -342,8 +342,8 @@ def test_triton_lean_adamw_is_the_float32_pass_on_the_joined_master():
     clip factor. Off the GPU the same step is lean_update_ (tests/test_lean.py)."""
     import copy
 
-    from pithtrain.kernels.adamw import AdamW
-    from pithtrain.precision import LeanState, join
+    from pithtrain.kernels.adamw import AdamW, join
+    from pithtrain.precision import LeanState
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4099, 64), torch.nn.Linear(64, 3)).cuda()

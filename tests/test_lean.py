@@ -17,9 +17,9 @@ from pithtrain.build import build_run, check_run
 from pithtrain.config import ConfigError, config_from_dict, load_config
 from pithtrain.data import build_batches
 from pithtrain.distributed.parallel_dims import ParallelDims
-from pithtrain.kernels.adamw import AdamW
+from pithtrain.kernels.adamw import AdamW, join, join_, split
 from pithtrain.models.common import local
-from pithtrain.precision import LeanState, Precision, join, join_, split
+from pithtrain.precision import LeanState, Precision
 from pithtrain.train import micro_batches, train, train_step
 
 CPU = torch.device("cpu")

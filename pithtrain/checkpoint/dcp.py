@@ -68,7 +68,7 @@ float32 moments; a lean one the parameters (the masters' bf16 high halves) as `m
 low halves as `lean.*`, bf16 moments. Either resumes either (`_conversion`): the masters' values are
 the same (into a lean run: each float32 master read into host memory and split, precision.
 LeanState.assign; into a float32 run: the high half read into the float32 parameter, exact, and
-the low half added to its bits, precision.join_), the moments cast on read (DCP reads into the
+the low half added to its bits, kernels/adamw.join_), the moments cast on read (DCP reads into the
 live tensors' dtype). Export and load_model_weights join a lean checkpoint's halves.
 
 Test hook (the only one): PITHTRAIN_TEST_CRASH_IN_SAVE=N makes the process os._exit(70) while
@@ -103,8 +103,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from pithtrain.data import TOKENIZER_FILES, tokenizer_of
+from pithtrain.kernels.adamw import join_
 from pithtrain.models.common import local
-from pithtrain.precision import join_
 
 FORMAT = 1
 MANIFEST, TRAINER, RECIPE, LATEST = "manifest.json", "trainer.json", "recipe.yaml", "latest"

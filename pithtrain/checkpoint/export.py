@@ -49,8 +49,8 @@ from pithtrain.checkpoint.dcp import (
 from pithtrain.checkpoint.hf import SHARD_BYTES, refuse_hub_losses, state_for_export
 from pithtrain.config import ConfigError, config_from_dict
 from pithtrain.data import BOS, EOS, TOKENIZER_FILES, added_around, declared_tokens, load_tokenizer
+from pithtrain.kernels.adamw import join_
 from pithtrain.models import FAMILIES, build_model
-from pithtrain.precision import join_
 
 
 def checkpoint_recipe(path: Path):
@@ -180,7 +180,7 @@ def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SH
     if world > 1:
         dist.barrier()
     t0 = time.monotonic()
-    lean = lean_checkpoint(path)  # the masters as two halves: joined (precision.join_)
+    lean = lean_checkpoint(path)  # the masters as two halves: joined (kernels/adamw.join_)
 
     def hub_tensors(names):  # one native tensor in memory at a time, read from the checkpoint
         for name in names:

@@ -22,7 +22,7 @@ The lean training state (precision.py, `lean`): p is the master join(hi, lo), hi
 parameter and lo its int16 low half, the moments bf16. The same pass (LEAN) reads hi, lo, g, m, v
 and writes hi, lo, m, v: 18 B per parameter with a bf16 gradient (20 with a float32 one), where the
 float32 state's pass moves 30 (28 + its bf16 copy). It updates the joined master as above and
-stores it split again (precision.split's rounding, in integer arithmetic).
+stores it split again (`split`'s rounding, in integer arithmetic).
 Off CUDA (CPU, and the reference) `lean_update_` applies torch.optim.AdamW's own single-tensor
 steps to the joined master: a lean step is the float32 step of the same master, moments and
 gradient, rounded into the halves and bf16 moments (tests/test_lean.py).
@@ -33,9 +33,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from pithtrain.models.common import local
-from pithtrain.precision import join, split
+from torch.distributed.tensor import DTensor
 
 try:  # Triton is optional (CPU machines): the lean state's PyTorch update runs without it
     import triton
@@ -44,6 +42,29 @@ except ImportError:
     triton = None
 
 BLOCK = 4096
+
+
+def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 -> (hi: bf16, x rounded to nearest with ties away from zero (torch's cast rounds
+    ties to even: they differ at exact ties only); lo: int16, the rest of x's bits), so that
+    join(hi, lo) is x, bit for bit, for every finite x. On the bits b of x: hi = (b + 2^15) >> 16
+    (an arithmetic shift rounds the magnitude of a sign-magnitude number), lo = b - (hi << 16),
+    within [-2^15, 2^15)."""
+    bits = x.contiguous().view(torch.int32)
+    hi = (bits + 0x8000) >> 16
+    lo = bits - (hi << 16)
+    return hi.to(torch.int16).view(torch.bfloat16), lo.to(torch.int16)
+
+
+def join(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The float32 value `split` took apart (a new tensor)."""
+    return ((hi.contiguous().view(torch.int16).to(torch.int32) << 16) + lo.to(torch.int32)).view(torch.float32)
+
+
+def join_(x: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """In place: float32 `x` holding a high half exactly (a lean checkpoint's bf16 parameter read
+    into a float32 one: its low 16 bits are zero) becomes join(hi, lo)."""
+    return x.view(torch.int32).add_(lo.to(x.device, torch.int32))
 
 
 def _jit(fn):
@@ -83,6 +104,10 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, copy_ptr, N, lr, wd, bet
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
     if COPY:  # the next step's bf16 weights (precision.WeightCopies), from the value just stored
         tl.store(copy_ptr + offs, p.to(p_ptr.dtype.element_ty).to(copy_ptr.dtype.element_ty), mask=mask)
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x.to_local() if isinstance(x, DTensor) else x  # a DTensor's shard: AdamW is elementwise
 
 
 def _log(beta: float) -> float:
@@ -166,8 +191,8 @@ class AdamW(torch.optim.AdamW):
                 torch._foreach_add_(steps, 1)
             for (p, g), step in zip(todo, steps):
                 st = self.state[p]
-                ts = [local(x) for x in (p, g, st["exp_avg"], st["exp_avg_sq"])]  # AdamW is elementwise
-                copy = local(lean.lo(p)) if lean else self.copies.copy_of(p) if self.copies is not None else None
+                ts = [_local(x) for x in (p, g, st["exp_avg"], st["exp_avg_sq"])]  # AdamW is elementwise
+                copy = _local(lean.lo(p)) if lean else self.copies.copy_of(p) if self.copies is not None else None
                 if lean and not (ts[0].is_cuda and triton is not None and all(x.is_contiguous() for x in ts)):
                     lean_update_(ts[0], copy, *ts[1:], float(step), lr, wd, beta1, beta2, eps, grad_scale)
                 elif all(x.is_contiguous() for x in ts):
