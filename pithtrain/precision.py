@@ -27,10 +27,9 @@ The training state (`state`: train.state, STATES), bytes per parameter:
                                         several (LeanState)
     bf16     2: bf16, no masters        2                         4                none (the bench's peers)
 
-"float32" is the reference. "lean" keeps the same float32 masters in two halves (split / join:
-the parameter IS the bf16 high half, rounded to nearest with ties away from zero (kernels/adamw.py's
-split), and LeanState
-holds the int16 low half beside it), so the layers and FSDP's gathers use the parameter with no
+"float32" is the reference. "lean" keeps the same float32 masters in two halves (kernels/adamw.py's
+split / join: the parameter IS the bf16 high half, rounded to nearest with ties away from zero, and
+LeanState holds the int16 low half beside it), so the layers and FSDP's gathers use the parameter with no
 copy and no cast, and kernels/adamw.py's AdamW (its lean pass) updates the joined float32 value
 with the float32 arithmetic, then splits it again; its moments are bf16 (train.beta2 at most
 config.LEAN_MAX_BETA2: the second moment's decay must move a bf16 value). A step of several
