@@ -177,8 +177,7 @@ class LeanState:
     `convert(model)` turns float32 parameters into their bf16 high halves after the weights are set
     (build.build_run: drawn or train.init_from's, in float32) through nn.Module._apply, which keeps
     each Parameter object and which FSDP2 follows (it resets its sharded parameters from the new
-    tensors); `assign` writes a float32 value into a converted parameter (a float32 checkpoint's,
-    checkpoint/dcp.py). A post-accumulate-grad hook on every trainable parameter (FSDP2 calls it on
+    tensors). A post-accumulate-grad hook on every trainable parameter (FSDP2 calls it on
     the sharded ones after each reduce-scatter) adds the micro-batch's bf16 gradient into the float32
     buffer and drops it; kernels/wgrad.py writes into the buffer itself (`grad_into`). The buffers
     go at zero_grad (kernels/adamw.AdamW). Parameters are keyed by identity (and held: the run's)."""
@@ -208,12 +207,6 @@ class LeanState:
 
     def lo(self, p: torch.Tensor) -> torch.Tensor:
         return self._lo[id(p)][1]
-
-    @torch.no_grad()
-    def assign(self, p: torch.Tensor, value: torch.Tensor) -> None:
-        """Write float32 `value` (p's local shape) as p's master: its high half into p, the rest into lo."""
-        for dst, src in zip((p, self.lo(p)), split(value.to(torch.float32))):
-            local(dst).copy_(src)
 
     def named_lows(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Each converted parameter's low half by the parameter's name (checkpoint/dcp.py)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -284,6 +285,29 @@ def _steps(cfg, dims, keep, gathers: list, n: int = 2) -> dict:
     return out
 
 
+def _across_states(run, masters: dict, dims, run_dir: str) -> list[bool]:
+    """The lean FSDP run's checkpoint resumes a float32 FSDP run, whose checkpoint resumes a lean
+    one: each time, every rank's shard of every master bit for bit."""
+    from pithtrain.checkpoint.dcp import Checkpointer
+
+    def same(built):
+        lean = built.precision.lean
+        return all(torch.equal((join(local(p).detach(), local(lean.lo(p))) if lean else local(p).detach())
+                               .view(torch.int32), masters[k].view(torch.int32))
+                   for k, p in built.model.named_parameters())
+    out, saving = [], run
+    for step, state in ((2, "float32"), (3, "lean")):
+        cfg = _fsdp_cfg(run_dir, saving.precision.state, "bfloat16")
+        Checkpointer(cfg, saving.model, saving.optimizer, saving.scheduler, CPU, saving.precision).save(step)
+        cfg = _fsdp_cfg(run_dir, state, "bfloat16")
+        built = build_run(cfg, CPU, dims)
+        Checkpointer(cfg, built.model, built.optimizer, built.scheduler, CPU, built.precision).load(
+            Path(run_dir) / f"checkpoints/step_{step}")
+        out.append(built.precision.state == state and same(built))
+        saving = built
+    return out
+
+
 def _fsdp_worker(rank: int, world: int, port: int, tmp: str):
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
     dist = _init(rank, world, port)
@@ -316,6 +340,7 @@ def _fsdp_worker(rank: int, world: int, port: int, tmp: str):
             grads = run.precision.grads(run.model.parameters())
             r["float32_shards"] = bool(grads) and all(g.dtype == torch.float32 and hasattr(g, "to_local")
                                                       for g in grads)
+            r["across_states"] = _across_states(run, kept["params"], dims, os.path.join(tmp, "ckpt"))
             if rank == 0:  # one process, the same global batch in 4 micro-batches
                 one = _steps(_fsdp_cfg(os.path.join(tmp, "one"), state, dtype, fsdp=1, grad_accum=4),
                              ParallelDims(), None, [])
@@ -344,7 +369,7 @@ def test_fsdp_keeps_layers_gathered_with_the_same_numbers_and_gathers_lean_witho
         layers, micro = r["layers"], 2
         assert [f - k for k, f in zip(kept, fresh)] == [layers * (2 * micro - 1)] * 2, r["gathers"]
     lean = report["lean"]
-    assert lean["no_cast"] and lean["float32_shards"]
+    assert lean["no_cast"] and lean["float32_shards"] and lean["across_states"] == [True, True]
     print({k: (lean[k], lean[f"one_{k}"]) for k in ("loss", "gnorm")})
     assert lean["loss"][0] == pytest.approx(lean["one_loss"][0], rel=1e-5)
     assert lean["gnorm"][0] == pytest.approx(lean["one_gnorm"][0], rel=1e-2)

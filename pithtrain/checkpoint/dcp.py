@@ -66,9 +66,9 @@ shared by all ranks (each rank writes its own shards into the same directory).
 Training states (precision.py). A float32 checkpoint holds the float32 masters as `model.*` and
 float32 moments; a lean one the parameters (the masters' bf16 high halves) as `model.*`, their int16
 low halves as `lean.*`, bf16 moments. Either resumes either (`_conversion`): the masters' values are
-the same (into a lean run: each float32 master read into host memory and split, precision.
-LeanState.assign; into a float32 run: the high half read into the float32 parameter, exact, and
-the low half added to its bits, kernels/adamw.join_), the moments cast on read (DCP reads into the
+the same (into a lean run: each float32 master read into host memory and split, kernels/adamw.
+split; into a float32 run: the high half read into the float32 parameter, exact, and the low half
+added to its bits, kernels/adamw.join_), the moments cast on read (DCP reads into the
 live tensors' dtype). Export and load_model_weights join a lean checkpoint's halves.
 
 Test hook (the only one): PITHTRAIN_TEST_CRASH_IN_SAVE=N makes the process os._exit(70) while
@@ -103,7 +103,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from pithtrain.data import TOKENIZER_FILES, tokenizer_of
-from pithtrain.kernels.adamw import join_
+from pithtrain.kernels.adamw import join_, split
 from pithtrain.models.common import local
 
 FORMAT = 1
@@ -845,22 +845,23 @@ class Checkpointer:
             raise CheckpointError(f"a {saved!r} training state does not resume as train.state={self.state!r}")
         self.say(f"the checkpoint holds the {saved} training state, this run trains the {self.state} one: "
                  "the masters' values carry over exactly, the moments are cast")
-        params = dict(self.model.named_parameters())
+        live = dict(tensors["model"])  # what set_state_dict then loads into the parameters
         if saved == "float32":  # the float32 masters into host memory, split into the lean halves afterwards
-            names = list(tensors.pop("lean"))  # none in the checkpoint
-            for name in names:
-                tensors["model"][name] = _host_like(params[name], torch.float32)
+            lows = tensors.pop("lean")  # none in the checkpoint
+            for name in lows:
+                tensors["model"][name] = _host_like(live[name], torch.float32)
 
             def finish(tensors):
-                for name in names:
-                    self.lean.assign(params[name], local(tensors["model"][name]).to(self.device))
+                for name, lo in lows.items():
+                    for dst, src in zip((live[name], lo), split(local(tensors["model"][name]).to(self.device))):
+                        local(dst).copy_(src)
             return finish
         lows = {name: _host_like(p, torch.int16) for name, p in self.model.named_parameters()}
-        tensors["lean"] = lows  # read beside the high halves
+        tensors["lean"] = lows  # read beside the high halves, into the float32 tensors
 
         def finish(tensors):
             for name, lo in lows.items():
-                join_(local(params[name]).detach(), local(lo))
+                join_(local(tensors["model"][name]).detach(), local(lo))
         return finish
 
     def _recipe_hyperparameters(self, trainer: dict) -> tuple[list[dict], dict]:
