@@ -5,14 +5,17 @@ same way for train.py, the benchmark, calibration (scripts/calibrate.py) and the
     dims.init(device, cfg.parallel.timeout_s)          # the process groups (train.py)
     run = build_run(cfg, device, dims)                  # the steps below, in order
 
-    precision    Precision.of(recipe, device, layout): compute dtype, FSDP policy, bf16 copies (precision.py)
+    precision    Precision.of(recipe, device, layout): compute dtype, training state, FSDP policy, bf16
+                 copies, FSDP layers kept gathered (precision.py)
     kernels      kernels.configure from the recipe and the run's facts; common.use_kernels binds them
     prune        a pipeline rank keeps its stages' layers (distributed/pipeline.py), on the meta device
     parallelize  EP -> CP -> activation checkpointing -> compile -> FSDP (distributed/parallelize.py)
     weights      train.init_from's Hugging Face tensors (each rank reads its slices: checkpoint/hf.py),
                  else the seeded block-by-block init (parallelize.materialize); none on the meta
                  device, where the memory plan builds a rank's model for its shapes
-    optimizer    AdamW on the float32 masters (kernels/adamw.py or torch's), the LR schedule
+    state        train.state=lean: the float32 weights split into bf16 parameters and their low
+                 halves (precision.LeanState.convert)
+    optimizer    AdamW on the masters (kernels/adamw.py or torch's; kernels/adamw.py's for lean), the LR schedule
     runner       a pipeline rank's executor (distributed/pipeline.py)
 """
 
@@ -74,6 +77,9 @@ def check_run(cfg: Config, device: torch.device | None, world_size: int, rank: i
                               f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]} (set train.fp8=false)")
         if not kernels.HAVE_TRITON or cfg.train.kernels != "auto":
             fail("train.fp8", "the FP8 GEMMs are Triton kernels; they need triton installed and train.kernels=auto")
+    if cfg.train.state == "lean" and Precision.of(cfg.train, device, dims).compute != torch.bfloat16:
+        fail("train.state", "lean keeps bf16 weights and needs bf16 compute; this run computes in float32 "
+                            "(on CPU set train.dtype=bfloat16, or set train.state=float32)")
     if plan is not None and not plan["fits"]:
         raise ConfigError(plan["refusal"])
     return dims
@@ -98,19 +104,21 @@ class Run:
     runner: pipeline.PipelineRunner | None = None
 
 
-def build_run(cfg: Config, device: torch.device, dims: ParallelDims, *, state: str = "float32", off: tuple = (),
-              draws: str = "cpu") -> Run:
+def build_run(cfg: Config, device: torch.device, dims: ParallelDims, *, state: str | None = None,
+              keep: bool | None = None, off: tuple = (), draws: str = "cpu") -> Run:
     """The run of `cfg` on `device` in layout `dims` (checked: check_run; process groups and meshes
     made when distributed): the module docstring's steps. `state`: the training state (precision.
-    STATES; the bench's "bf16" casts the weights to bf16 after they are drawn); `off`: kernels kept
+    STATES; train.state unless given; the bench's "bf16" casts the weights to bf16 after they are
+    drawn); `keep`: whether FSDP keeps the dense layers gathered across a step (the memory plan's
+    answer, plan.keeps; None: wherever it applies, Precision.of); `off`: kernels kept
     on their reference (the bench's no-NAME); `draws`: where the init's random draws are made, "cpu"
     (every layout and device starts from the same weights) or "device" (faster: the bench, whose
     timing does not depend on the values)."""
     t = cfg.train
-    precision = Precision.of(t, device, dims, state)
+    precision = Precision.of(t, device, dims, state, keep)
     use = kernels.configure(t.kernels, device, fp8=t.fp8, bf16=precision.compute == torch.bfloat16,
                             fsdp=dims.fsdp_enabled, experts_alone=dims.experts_alone, cp=dims.cp_enabled, off=off)
-    model = use_kernels(build_model(cfg.model, init=False), use, precision.copies)  # meta until the weights
+    model = use_kernels(build_model(cfg.model, init=False), use, precision.sink)  # meta until the weights
     model.train()
     chunks = pipeline.prepare(model, cfg, dims) if dims.pp_enabled else None
     parallelize(model, dims, t, device, precision)
@@ -125,30 +133,34 @@ def build_run(cfg: Config, device: torch.device, dims: ParallelDims, *, state: s
     else:  # block by block, each block from its own seed: 1 GPU == N GPUs
         materialize(model, build_model(cfg.model, init=False), device, t.seed,
                     draws_on=device if draws == "device" else torch.device("cpu"))
-    if state == "bf16":
+    if precision.state == "bf16":
         for p in model.parameters():  # buffers (RoPE) stay float32
             p.data = p.data.to(torch.bfloat16)
-    run.optimizer = build_optimizer(model, cfg, device, use, precision.copies)
+    if precision.lean is not None:
+        precision.lean.convert(model)
+    run.optimizer = build_optimizer(model, cfg, device, use, precision.copies, precision.lean)
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lr_lambda(cfg))
     if chunks:
         run.runner = pipeline.make_runner(model, chunks, cfg, dims, device, precision)
     return run
 
 
-def build_optimizer(model: nn.Module, cfg: Config, device: torch.device, use: dict | None = None, copies=None):
-    """AdamW on the float32 masters; no weight decay on norms, biases and 1-D tensors. `use`
-    (kernels.configure): adamw -> the Triton step (kernels/adamw.py, which rewrites the masters'
-    bf16 `copies` in its pass), else torch's, fused on CUDA."""
+def build_optimizer(model: nn.Module, cfg: Config, device: torch.device, use: dict | None = None, copies=None,
+                    lean=None):
+    """AdamW on the masters; no weight decay on norms, biases and 1-D tensors. `lean` (the run's
+    precision.LeanState) or `use` (kernels.configure) adamw: kernels/adamw.py's (the lean state's,
+    on CPU too; or the Triton step, which rewrites the float32 masters' bf16 `copies` in its pass),
+    else torch's, fused on CUDA."""
     decay, no_decay = [], []
     for p in {id(p): p for p in model.parameters() if p.requires_grad}.values():
         (decay if p.ndim >= 2 else no_decay).append(p)
     t = cfg.train
     groups = [{"params": decay, "weight_decay": t.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    if use and use["adamw"]:
+    if lean is not None or (use and use["adamw"]):
         from pithtrain.kernels.adamw import AdamW
 
-        return AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, copies=copies)
+        return AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, copies=copies, lean=lean)
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                              fused=device.type == "cuda")
 

@@ -49,6 +49,11 @@ def changed_fields(model) -> list[tuple[str, Any]]:
 # Sections (the model section's dataclass lives in the family's model file)
 
 
+# The largest train.beta2 train.state=lean's bf16 second moment follows: beta2 * v must round away
+# from v for every bf16 mantissa (1 - beta2 >= 2^-7, the widest relative spacing), or v stops decaying.
+LEAN_MAX_BETA2 = 0.99
+
+
 @dataclass
 class TrainConfig:
     steps: int = 200
@@ -70,12 +75,16 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global L2 norm; 0 disables clipping
     seed: int = 1234
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU; bfloat16: both
     compile: bool = False  # torch.compile(fullgraph=True) on the non-MoE parts (CUDA only)
     activation_checkpoint: Literal["none", "full", "selective"] = "none"  # see pithtrain/compile.py
     kernels: Literal["auto", "torch"] = "auto"  # auto: fused operators where available (kernels/)
     fp8: bool = False
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # FSDP's gradient reduce-scatter (parallelize.py)
+    # the training state (pithtrain/precision.py): float32 masters, gradients and moments (16 B per
+    # parameter), or lean: the same float32 masters as a bf16 parameter + an int16 remainder, bf16
+    # moments, float32 gradients only over several micro-batches (8-10 B); lean needs bf16 compute
+    state: Literal["float32", "lean"] = "float32"
     init_from: str | None = None  # a Hugging Face checkpoint directory to start from
     eval_every: int = 0  # steps between validation-loss evaluations (val_loss in the log); 0: none
     eval_batches: int = 4  # global batches per evaluation
@@ -113,6 +122,12 @@ class TrainConfig:
         for k in ("beta1", "beta2"):
             if not 0 <= getattr(self, k) < 1:
                 err(k, f"must be in [0, 1), got {getattr(self, k)}")
+        if self.state == "lean" and self.beta2 > LEAN_MAX_BETA2:
+            err("beta2", f"{self.beta2} is above {LEAN_MAX_BETA2}, the largest train.state=lean's bf16 second moment "
+                         "follows (beta2 * v would round back to v); lower it or set train.state=float32")
+        if self.state == "lean" and self.dtype == "float32":
+            err("state", "lean keeps bf16 weights and needs bf16 compute, but train.dtype is float32 "
+                         "(set train.dtype=bfloat16 or auto, or train.state=float32)")
         if self.init_from is not None and not Path(self.init_from).is_dir():
             err("init_from", f"directory {self.init_from!r} does not exist")
 

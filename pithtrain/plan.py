@@ -36,8 +36,10 @@ each layer's input only (full: c D per token) or the layer without its MLP inter
 Communication buffers. FSDP2: the root's unsharded parameters (embedding, final norm, head:
 FSDP keeps the root gathered between forward and backward), the current and the prefetched
 layer gathered (param dtype), and one layer's unsharded gradients in the compute and reduce
-dtypes (the reduce-scatter input). Expert parallel: one layer's all-to-all send and receive
-buffers (2 c A T D).
+dtypes (the reduce-scatter input). Where the run keeps the layers gathered across the step
+(precision.keep: no pipeline), every layer's dense part gathered instead ("keep_bytes"); a plan
+that does not fit that way drops it first ("keep": false, and the run gathers per micro-batch).
+Expert parallel: one layer's all-to-all send and receive buffers (2 c A T D).
 
 Peak: the larger of
     end of forward   static + in-flight activations + gradients held (all of them when a step has
@@ -201,15 +203,19 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks, precisi
 
     # Unsharded sizes FSDP gathers: every dense parameter whole, experts as the ep split leaves
     # them (E / ep), none when FSDP leaves them out (dims.experts_alone).
-    def unsharded(mod):
+    def unsharded(mod, experts: bool):
         ex = {id(p) for b in moe_blocks(mod) for p in b.experts.parameters()}
-        return sum(0 if id(p) in ex and dims.experts_alone else p.numel() // (dims.ep if id(p) in ex else 1)
-                   for p in mod.parameters())
-    layer_full = max((unsharded(x) for x in layers.values()), default=0)
+        return sum(p.numel() // dims.ep if id(p) in ex else p.numel() for p in mod.parameters()
+                   if (id(p) in ex) == experts and not (experts and dims.experts_alone))
+    dense = [unsharded(x, False) for x in layers.values()] or [0]
+    expert = [unsharded(x, True) for x in layers.values()] or [0]
+    layer_full = max(d + e for d, e in zip(dense, expert))
     root_full = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("layers."))
-    comm = 0
-    if fsdp:
+    comm = keep = 0  # keep: the bytes precision.keep adds (every layer's dense part gathered for the step)
+    if fsdp:  # the root, the current and the prefetched layer, one layer's gradients
         comm += root_full * pbytes + 2 * layer_full * pbytes + layer_full * (pbytes + rbytes)
+        if precision.keep:
+            keep = max(sum(dense) - 2 * max(dense), 0) * pbytes
     if dims.ep_enabled:
         comm += 2 * c * m.top_k * T * D
     # train.fp8: each expert weight's unsharded FP8 copies (q and q^T, 1 B each) live for the step.
@@ -224,12 +230,14 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks, precisi
     copy = state["copy"] * {"all": n, "experts": experts, "none": 0}[precision.copy]
     static = state["weights"] * n + state["optimizer"] * n + copy + cache + WORKSPACE
     largest = max(whole.values(), default=0)
-    fwd = static + acts + held + logits + comm
-    bwd = static + grads + max(acts - max(chunk_bytes), 0) + largest + comm
+    fwd = static + acts + held + logits + comm + keep
+    bwd = static + grads + max(acts - max(chunk_bytes), 0) + largest + comm + keep
     fsdp_traffic = {k: fsdp_bytes(model, dims, t.grad_accum, pb, rb)
                     for k, (pb, rb) in (("float32", (4, 4)), ("policy", (pbytes, rbytes)))}
     return {"rank": dims.rank, "stage": dims.pp_rank, "params": state["weights"] * n, "grads": grads,
-            "optimizer": state["optimizer"] * n, "activations": acts, "comm": comm, "fp8_cache": cache,
+            "optimizer": state["optimizer"] * n, "activations": acts, "comm": comm + keep,
+            "keep": fsdp and precision.keep, "keep_bytes": keep,
+            "fp8_cache": cache,
             "bf16_copy": copy, "workspace": WORKSPACE, "peak": max(fwd, bwd),
             "fsdp_bytes_per_step": fsdp_traffic}
 
@@ -268,9 +276,13 @@ def plan(cfg: Config, world_size: int, gpu_gib: float, gpu: str = "") -> dict:
         dims = ParallelDims.from_config(cfg, world_size, stage * world_size // pp)
         with fake_world(world_size, dims.rank):
             ranks.append(rank_plan(cfg, dims, *rank_model(cfg, dims)))
+    if max(x["peak"] for x in ranks) > FIT_FRACTION * gpu_gib * GIB:  # no room to keep the layers gathered
+        for x in ranks:
+            x["peak"], x["comm"], x["keep"] = x["peak"] - x["keep_bytes"], x["comm"] - x["keep_bytes"], False
+            x["keep_bytes"] = 0
     peak = max(x["peak"] for x in ranks) / GIB
     result = {"gpu": gpu, "gpu_gib": gpu_gib, "usable_gib": FIT_FRACTION * gpu_gib, "world_size": world_size,
-              "layout": {k: getattr(cfg.parallel, k) for k in LAYOUT_KEYS},
+              "keep": all(x["keep"] for x in ranks), "layout": {k: getattr(cfg.parallel, k) for k in LAYOUT_KEYS},
               "activation_checkpoint": cfg.train.activation_checkpoint, "ranks": ranks,
               "peak_gib": peak, "fits": peak <= FIT_FRACTION * gpu_gib}
     if not result["fits"]:
@@ -415,6 +427,12 @@ def resolve_launch(cfg: Config, device: torch.device, world_size: int) -> tuple[
               "needs its own fake one)", flush=True)
         gpu_gib = None
     return resolve(cfg, world_size, torch.cuda.get_device_name(device) if gpu_gib else "", gpu_gib)
+
+
+def keeps(result: dict | None) -> bool | None:
+    """Whether the planned run keeps FSDP's dense layers gathered across a step (precision.keep):
+    the plan's answer, or None without a plan (CPU: Precision.of decides)."""
+    return None if result is None else result["keep"]
 
 
 def launch_line(cfg: Config, result: dict | None) -> str | None:

@@ -7,7 +7,7 @@ whoever needs it (the train step, the pipeline, evaluation, the bench, the memor
             loss = model(x_BS, labels_BS=y_BS)
         loss.backward()
 
-What it decides (CUDA's default compute is bf16: train.dtype auto or bfloat16; CPU computes float32):
+What it decides (compute is bf16 with train.dtype=bfloat16, and on CUDA with auto; else float32):
 
     layout                        compute  FSDP gathers  bf16 copy (`copies`)    gradients accumulate in
     float32 (CPU, dtype=float32)  float32  float32       none                    float32 .grad (FSDP: its shards)
@@ -18,12 +18,31 @@ What it decides (CUDA's default compute is bf16: train.dtype auto or bfloat16; C
     bf16, FSDP, experts alone     bf16     bf16 (dense)  the routed experts      their masters' .grad; the rest FSDP's
       (dims.experts_alone)
 
-The training state (`state`, STATES): "float32", the reference, keeps float32 masters, gradients
-and AdamW moments (16 B per parameter, plus 2 B where a bf16 copy exists); "bf16" keeps bf16
-parameters and moments and no masters (the bench's comparison with its peers, which run that). A
-leaner state (masters as bf16 plus a 16-bit remainder, bf16 moments) is one more entry of STATES:
-its bf16 half is the compute weight, so `WeightCopies` holds the halves where it now holds the copy,
-and the plan and the optimizer read its bytes and dtypes from here.
+The training state (`state`: train.state, STATES), bytes per parameter:
+
+    state    weights (masters)          gradients                 AdamW moments    bf16 copy
+    float32  4: float32                 4: float32                8: float32       2 where the table says
+    lean     4: bf16 + int16 remainder  2: bf16 (one micro-       4: bf16 m, v     none: the high half is
+             (exactly the float32)      batch); 4: float32 over                    the compute weight
+                                        several (LeanState)
+    bf16     2: bf16, no masters        2                         4                none (the bench's peers)
+
+"float32" is the reference. "lean" keeps the same float32 masters in two halves (kernels/adamw.py's
+split / join: the parameter IS the bf16 high half, rounded to nearest with ties away from zero, and
+LeanState holds the int16 low half beside it), so the layers and FSDP's gathers use the parameter with no
+copy and no cast, and kernels/adamw.py's AdamW (its lean pass) updates the joined float32 value
+with the float32 arithmetic, then splits it again; its moments are bf16 (train.beta2 at most
+config.LEAN_MAX_BETA2: the second moment's decay must move a bf16 value). A step of several
+micro-batches adds each micro-batch's bf16 gradient into a float32 buffer (LeanState's hook;
+kernels/wgrad.py writes there directly), one micro-batch uses its bf16 gradient as it is. It needs bf16 compute
+(build.check_run refuses it otherwise). Its loss curve against float32's: docs/perf-notes.md.
+"bf16" keeps bf16 parameters and moments and no masters (the bench's comparison with its peers).
+
+`keep` (FSDP without a pipeline, where the memory plan fits it: plan.py): the decoder layers'
+dense parameters stay gathered from a step's first forward to its end (FSDP2's
+reshard_after_forward / _after_backward off; `weights` reshards them on exit, before the
+optimizer), so a step of several micro-batches gathers each layer once instead of twice per
+micro-batch (distributed/parallelize.py).
 """
 
 from __future__ import annotations
@@ -37,10 +56,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from pithtrain.kernels.adamw import split
 from pithtrain.models.common import GroupedExperts, local
 
-# Bytes per parameter of a training state: weights (the masters), gradients, optimizer moments.
-STATES = {"float32": (4, 4, 8), "bf16": (2, 2, 4)}
+# Bytes per parameter of a training state: weights (the masters), gradients, optimizer moments
+# (lean's gradients: 2 with one micro-batch a step, 4 with several: bytes_per_param).
+STATES = {"float32": (4, 4, 8), "lean": (4, 2, 4), "bf16": (2, 2, 4)}
 
 
 @dataclass
@@ -50,20 +71,32 @@ class Precision:
     reduce: torch.dtype = torch.float32  # FSDP's gradient reduce-scatter (train.reduce_dtype)
     copy: str = "none"  # which weights have a bf16 copy: "none", "all" (no FSDP), "experts" (FSDP leaves them out)
     state: str = "float32"  # STATES
+    accumulate: bool = False  # several micro-batches a step (lean: float32 gradient buffers)
+    keep: bool = False  # FSDP keeps the dense layers gathered across a step (the module docstring)
+    fsdp: bool = False  # FSDP shards the parameters (dims.fsdp_enabled)
     copies: WeightCopies | None = field(init=False, repr=False)
+    lean: LeanState | None = field(init=False, repr=False)
+    kept: list = field(init=False, repr=False)  # the FSDP modules `keep` holds gathered (parallelize)
 
     def __post_init__(self):
         self.copies = WeightCopies(self.copy) if self.copy != "none" else None
+        self.lean = LeanState(self.accumulate) if self.state == "lean" else None
+        self.kept = []
 
     @classmethod
-    def of(cls, train_cfg, device: torch.device, dims, state: str = "float32") -> Precision:
-        """The run's precision: the table in the module docstring."""
-        bf16 = device.type == "cuda" and train_cfg.dtype in ("auto", "bfloat16")
+    def of(cls, train_cfg, device: torch.device, dims, state: str | None = None, keep: bool | None = None
+           ) -> Precision:
+        """The run's precision: the tables in the module docstring. `state`: train.state unless
+        given (the bench's "bf16"); `keep`: FSDP without a pipeline unless given (the memory plan's
+        answer, plan.py)."""
+        state = state or train_cfg.state
+        bf16 = train_cfg.dtype == "bfloat16" or (device.type == "cuda" and train_cfg.dtype == "auto")
         copy = "none"
         if bf16 and state == "float32":  # float32 masters: the layers compute on a bf16 copy or FSDP's gathers
             copy = "experts" if dims.experts_alone else "none" if dims.fsdp_enabled else "all"
+        keep = dims.fsdp_enabled and not dims.pp_enabled if keep is None else keep and dims.fsdp_enabled
         return cls(torch.bfloat16 if bf16 else torch.float32, device.type, getattr(torch, train_cfg.reduce_dtype),
-                   copy, state)
+                   copy, state, train_cfg.grad_accum > 1, keep, dims.fsdp_enabled)
 
     def autocast(self):
         """The forward's context: autocast to the compute dtype, or nothing in float32. Backward runs
@@ -74,20 +107,142 @@ class Precision:
 
     def fsdp_policy(self):
         """FSDP2's MixedPrecisionPolicy: gathers in the compute dtype, reduce-scatters in `reduce`;
-        the sharded parameters (the masters) stay as they are."""
+        the sharded parameters (float32 masters, or lean's bf16 halves: no cast) stay as they are."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
         return MixedPrecisionPolicy(param_dtype=self.compute, reduce_dtype=self.reduce)
 
     def weights(self, model: nn.Module):
         """Around one optimizer step's micro-batches: the bf16 copies in place of the masters (WeightCopies.swap),
-        or nothing where there are none."""
-        return self.copies.swap(model) if self.copies is not None else contextlib.nullcontext()
+        and on exit the layers `keep` held gathered resharded; nothing where there is neither."""
+        swap = self.copies.swap(model) if self.copies is not None else contextlib.nullcontext()
+        return self._resharding(swap) if self.kept else swap
+
+    @contextlib.contextmanager
+    def _resharding(self, inner):
+        try:
+            with inner:
+                yield
+        finally:
+            for m in self.kept:
+                m.reshard()
+
+    @property
+    def sink(self):
+        """What the in-place weight gradients (kernels/wgrad.py) ask where a weight's gradient goes:
+        the bf16 copies' masters, lean's float32 buffers, or None (models.common.use_kernels binds it)."""
+        return self.copies if self.copies is not None else self.lean if self.accumulate else None
+
+    def grads(self, params) -> list[torch.Tensor]:
+        """The step's gradients of `params` (the norm, the clip): lean's float32 buffers where it
+        accumulates, else each .grad."""
+        return [g for p in params if (g := self.lean.grad(p) if self.lean else p.grad) is not None]
 
     def bytes_per_param(self) -> dict:
         """Bytes of the training state per parameter (the memory plan): weights, grads, optimizer
         moments, and the bf16 copy where a weight has one."""
         w, g, m = STATES[self.state]
+        if self.state == "lean" and self.accumulate:
+            g = 4
         return {"weights": w, "grads": g, "optimizer": m, "copy": 2 if self.copies is not None else 0}
+
+    def describe(self) -> str:
+        """The start-up line: compute, the state and its bytes, the bf16 copies, FSDP's gathers."""
+        b = self.bytes_per_param()
+        copy = f", + {b['copy']} B bf16 copy of {self.copy}" if b["copy"] else ""
+        dtype = str(self.compute).removeprefix("torch.")
+        cast = "no cast" if self.state != "float32" or self.compute == torch.float32 else "cast from float32"
+        keep = "the dense layers kept gathered across the step" if self.keep else "gathered per micro-batch"
+        gathers = f"; FSDP gathers {dtype} ({cast}), {keep}" if self.fsdp else ""
+        return (f"pithtrain: precision: compute {dtype}, state {self.state} ({b['weights']} + {b['grads']} + "
+                f"{b['optimizer']} B per parameter: weights, gradients, moments{copy}){gathers}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The lean state: float32 masters as a bf16 high half (the parameter) and an int16 low half
+
+
+def _like(t: torch.Tensor, local_value: torch.Tensor) -> torch.Tensor:
+    """local_value as t is: a DTensor with t's mesh and placements when t is one."""
+    if isinstance(t, DTensor):
+        return DTensor.from_local(local_value, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride())
+    return local_value
+
+
+class LeanState:
+    """The lean state's pieces beside the parameters: each parameter's int16 low half (`lo`: with the
+    parameter, the float32 master), and where a step has several micro-batches (`accumulate`) each
+    parameter's float32 gradient buffer for the step.
+
+    `convert(model)` turns float32 parameters into their bf16 high halves after the weights are set
+    (build.build_run: drawn or train.init_from's, in float32) through nn.Module._apply, which keeps
+    each Parameter object and which FSDP2 follows (it resets its sharded parameters from the new
+    tensors). A post-accumulate-grad hook on every trainable parameter (FSDP2 calls it on
+    the sharded ones after each reduce-scatter) adds the micro-batch's bf16 gradient into the float32
+    buffer and drops it; kernels/wgrad.py writes into the buffer itself (`grad_into`). The buffers
+    go at zero_grad (kernels/adamw.AdamW). Parameters are keyed by identity (and held: the run's)."""
+
+    def __init__(self, accumulate: bool):
+        self.accumulate = accumulate
+        self._lo: dict[int, tuple] = {}  # id(p) -> (p, its int16 low half, shaped and placed as p)
+        self._acc: dict[int, torch.Tensor] = {}  # id(p) -> its float32 gradient buffer this step
+
+    @torch.no_grad()
+    def convert(self, model: nn.Module) -> None:
+        todo, lows = {id(p) for p in model.parameters()}, {}
+
+        def halve(t):  # buffers (RoPE's tables stay float32) and converted tied parameters pass
+            if id(t) not in todo or t.dtype != torch.float32:
+                return t
+            hi, lo = split(local(t))
+            lows[id(t)] = _like(t, lo)
+            return _like(t, hi)
+
+        model._apply(halve)
+        for p in model.parameters():
+            if id(p) in lows:
+                self._lo[id(p)] = (p, lows.pop(id(p)))
+                if self.accumulate and p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._accumulate)
+
+    def lo(self, p: torch.Tensor) -> torch.Tensor:
+        return self._lo[id(p)][1]
+
+    def named_lows(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Each converted parameter's low half by the parameter's name (checkpoint/dcp.py)."""
+        return {n: e[1] for n, p in model.named_parameters() if (e := self._lo.get(id(p))) and e[0] is p}
+
+    def _accumulate(self, p: torch.Tensor) -> None:
+        g = p.grad
+        if g is None:  # kernels/wgrad.py added this micro-batch's gradient into the buffer itself
+            return
+        buf = self._acc.get(id(p))
+        if buf is None:
+            self._acc[id(p)] = g.to(torch.float32)
+        else:
+            local(buf).add_(local(g))
+        p.grad = None
+
+    def grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """p's gradient this step: its float32 buffer, or its own .grad (one micro-batch)."""
+        return self._acc.get(id(p), p.grad)
+
+    def zero_grad(self) -> None:
+        self._acc.clear()
+
+    def master(self, w: torch.Tensor) -> None:
+        """kernels/wgrad.py's question (WeightCopies.master): no other parameter owns w's gradient."""
+        return None
+
+    def grad_into(self, w: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+        """kernels/wgrad.py: w's float32 buffer to add this micro-batch's gradient into (buffer,
+        False), made here on its first (buffer, True: write it, do not add)."""
+        if id(w) not in self._lo:
+            return None
+        if (buf := self._acc.get(id(w))) is not None:
+            return (buf, False) if type(buf) is torch.Tensor and buf.is_contiguous() else None
+        buf = self._acc[id(w)] = torch.empty_like(w, dtype=torch.float32, memory_format=torch.contiguous_format)
+        return buf, True
 
 
 class WeightCopies:
@@ -159,6 +314,27 @@ class WeightCopies:
         """The float32 master whose .grad the bf16 copy w's gradient goes into (kernels/wgrad.py), or None."""
         ref = self._master.get(id(w))
         return ref() if ref is not None else None
+
+    def grad_into(self, w: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+        """kernels/wgrad.py: where copy w's gradient goes, its float32 master's .grad: (it, False) to
+        add into; on the first micro-batch (made here empty, True): write it, do not add. None where
+        w is no copy or the gradient cannot be written in place (autograd and `_into_master` then)."""
+        p = self.master(w)
+        if p is None:
+            return None
+        dtensor = isinstance(p, DTensor)  # experts FSDP leaves out: the master's local block is w's
+        g = p.grad
+        if g is None:
+            if (type(p) is not nn.Parameter and not dtensor) or p.device != w.device:
+                return None
+            block = torch.empty_like(local(p), memory_format=torch.contiguous_format)
+            p.grad = (DTensor.from_local(block, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                         stride=p.stride()) if dtensor else block)
+            return block, True
+        g = local(g)
+        ok = (type(g) is torch.Tensor and g.device == w.device and g.is_contiguous() and g.shape == w.shape
+              and g.dtype in (torch.float32, torch.bfloat16))
+        return (g, False) if ok else None
 
     def copy_of(self, p: torch.Tensor) -> torch.Tensor | None:
         """The bf16 copy of master p, for kernels/adamw.py to write the updated value into, or None."""

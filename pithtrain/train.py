@@ -200,7 +200,7 @@ def train_step(run: Run, micro_batches, denom: float, step: int = 0, metrics: bo
             loss_sum, n_tokens = forward_backward(model, micro_batches, denom, run.precision)
         else:  # zero off the pipeline's last stage: the sum over ranks is right
             loss_sum, n_tokens = pipeline.run_step(run.runner, micro_batches, denom, cfg, dims, step)
-    norm = grad_norm(model.parameters(), dims)  # waits for the backward
+    norm = grad_norm(run.precision.grads(model.parameters()), dims)  # waits for the backward
     loss_sum, n_tokens = all_sum([float(loss_sum), n_tokens], dims)
     loss = loss_sum / denom  # per target (labels -100 carry no loss)
     if cfg.train.on_nonfinite == "skip" and not (math.isfinite(loss) and math.isfinite(norm)):
@@ -299,15 +299,16 @@ def start(cfg: Config, resume, notice: Notice, stack: contextlib.ExitStack, draw
         stack.callback(claim(cfg, total).close)  # ends rank 0, and torchrun ends the other ranks with it)
     torch.manual_seed(cfg.train.seed)
     with StartupTimer("building the model", say):
-        run = build_run(cfg, device, dims, draws=draws)
+        run = build_run(cfg, device, dims, draws=draws, keep=plan.keeps(planned))
         if say:
             print(kernels.describe(run.use, attention_kernels(run.model, run.use)), flush=True)
+            print(run.precision.describe(), flush=True)
             if cfg.train.compile and not compiles(cfg.train, device):
                 print(f"pithtrain: train.compile=true: off on {device.type}, the layers run eagerly "
                       "(torch.compile acts on CUDA only)", flush=True)
     t = cfg.train
     with StartupTimer("loading the checkpoint and data", say):
-        ckpt = Checkpointer(cfg, run.model, run.optimizer, run.scheduler, device)
+        ckpt = Checkpointer(cfg, run.model, run.optimizer, run.scheduler, device, run.precision)
         # on a failure, one process commits a save of an earlier step still in flight (Checkpointer.abort)
         stack.push(lambda failed, *_: ckpt.abort() if failed else None)
         begin = ckpt.resume(resume)  # steps already done = data position (0: fresh); says what it did

@@ -350,6 +350,42 @@ def test_triton_adamw_writes_the_next_steps_bf16_weights():
         assert (model[1].weight == 7).all()
 
 
+def test_triton_lean_adamw_is_the_float32_pass_on_the_joined_master():
+    """kernels/adamw.py on the lean state (train.state=lean): each step its joined master is, bit for
+    bit, what the float32 pass makes of the same master, gradient and (bf16, upcast) moments, and its
+    moments that result rounded to bf16; sizes not multiples of the block, weight decay 0.1 and 0, a
+    clip factor. Off the GPU the same step is lean_update_ (tests/test_lean.py)."""
+    import copy
+
+    from pithtrain.kernels.adamw import AdamW, join
+    from pithtrain.precision import LeanState
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4099, 64), torch.nn.Linear(64, 3)).cuda()
+    ref = copy.deepcopy(model)
+    lean = LeanState(accumulate=False)
+    lean.convert(model)
+
+    def groups(m):
+        return [{"params": [p for p in m.parameters() if p.ndim == 2], "weight_decay": 0.1},
+                {"params": [p for p in m.parameters() if p.ndim == 1], "weight_decay": 0.0}]
+    opt, ref_opt = AdamW(groups(model), lr=1e-2, lean=lean), AdamW(groups(ref), lr=1e-2)
+    for step in range(4):
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.float()
+            if step:
+                for k in ("exp_avg", "exp_avg_sq"):
+                    ref_opt.state[q][k].copy_(opt.state[p][k])
+        opt.step(grad_scale=0.5 if step == 2 else 1.0)
+        ref_opt.step(grad_scale=0.5 if step == 2 else 1.0)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert p.dtype == torch.bfloat16
+            assert torch.equal(join(p.detach(), lean.lo(p)).view(torch.int32), q.detach().view(torch.int32))
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(opt.state[p][k], ref_opt.state[q][k].to(torch.bfloat16))
+
+
 def check_triton_adamw(device, dtype, betas):
     """kernels/adamw.py against torch.optim.AdamW(fused=True): five steps with changing gradients
     and learning rate, two weight-decay groups (0.1 and 0), sizes not multiples of the block, a

@@ -14,7 +14,8 @@ Layout of `<log.run_dir>/checkpoints/`:
       .metadata           DCP's index (which chunk of which tensor lies where)
       __R_I.distcp        tensor data, written by rank R: model, optimizer moments, RNG states
       trainer.json        step, LR-scheduler state, optimizer hyper-parameters, world size, what
-                          the token ids mean ("data": the shards' tokenizer fingerprint, EOS, vocabulary)
+                          the token ids mean ("data": the shards' tokenizer fingerprint, EOS, vocabulary),
+                          the training state ("state": train.state, float32 when absent)
       recipe.yaml         the whole recipe of the run (Config.to_yaml)
       tokenizer.json      the shards' tokenizer files (data.TOKENIZER_FILES; none for stdlib bytes), so
                           sample and export need no data directory
@@ -62,6 +63,14 @@ once the write is done. DCP's exchanges for it run on that thread over a gloo gr
 step waits for the staging copy. On CPU saving is synchronous. Multi-process runs need a file system
 shared by all ranks (each rank writes its own shards into the same directory).
 
+Training states (precision.py). A float32 checkpoint holds the float32 masters as `model.*` and
+float32 moments; a lean one the parameters (the masters' bf16 high halves) as `model.*`, their int16
+low halves as `lean.*`, bf16 moments. Either resumes either (`_conversion`): the masters' values are
+the same (into a lean run: each float32 master read into host memory and split, kernels/adamw.
+split; into a float32 run: the high half read into the float32 parameter, exact, and the low half
+added to its bits, kernels/adamw.join_), the moments cast on read (DCP reads into the
+live tensors' dtype). Export and load_model_weights join a lean checkpoint's halves.
+
 Test hook (the only one): PITHTRAIN_TEST_CRASH_IN_SAVE=N makes the process os._exit(70) while
 saving step N, after the shards are written and before the manifest and rename.
 """
@@ -91,8 +100,11 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from pithtrain.data import TOKENIZER_FILES, tokenizer_of
+from pithtrain.kernels.adamw import join_, split
+from pithtrain.models.common import local
 
 FORMAT = 1
 MANIFEST, TRAINER, RECIPE, LATEST = "manifest.json", "trainer.json", "recipe.yaml", "latest"
@@ -477,9 +489,11 @@ class Checkpointer:
     hyper-parameters, LR schedule, step (= data position: batches are a function of the step),
     RNG states, and the recipe. All ranks construct it and call every method."""
 
-    def __init__(self, cfg, model, optimizer, scheduler, device: torch.device):
+    def __init__(self, cfg, model, optimizer, scheduler, device: torch.device, precision=None):
         self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
         self.device = device
+        self.state = precision.state if precision is not None else "float32"  # the run's (precision.py)
+        self.lean = precision.lean if precision is not None else None
         self.root = checkpoints_dir(cfg.log.run_dir)
         self.rank = _rank()
         self.use_async = cfg.checkpoint.async_save and device.type == "cuda"
@@ -528,7 +542,9 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         tensors = ({"model": model_sd} if weights_only else
                    {"model": model_sd, "optim": optim_sd["state"], "rng": self._rng_keys()})
-        trainer = {"format": FORMAT, "world_size": _world(),
+        if self.lean is not None:
+            tensors["lean"] = self.lean.named_lows(self.model)
+        trainer = {"format": FORMAT, "world_size": _world(), "state": self.state,
                    "scheduler": self.scheduler.state_dict(),
                    "optimizer_param_groups": optim_sd["param_groups"],
                    "torch": torch.__version__}
@@ -784,9 +800,13 @@ class Checkpointer:
         """Load a verified checkpoint into model, optimizer, scheduler and RNG; returns its step.
         Works across parallel layouts: DCP reads the chunks each rank's (D)Tensors need."""
         tensors, _ = self._state()  # current (sharded) tensors: DCP loads into them in place
-        trainer = agree(self.pg, ckpt, self._loadable, ckpt, tensors)  # all ranks enter DCP's load, or none
+        live = dict(tensors["model"])
+        # all ranks enter DCP's load, or none
+        trainer, convert = agree(self.pg, ckpt, self._loadable, ckpt, tensors)
         with no_dist_warnings():
             dcp.load(tensors, storage_reader=SafeReader(ckpt), process_group=self.pg, no_dist=self.pg is None)
+        convert(tensors)
+        tensors["model"] = live
         groups, schedule = self._recipe_hyperparameters(trainer)
         set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
                        optim_state_dict={"state": tensors["optim"], "param_groups": groups})
@@ -816,8 +836,38 @@ class Checkpointer:
         if trainer["world_size"] != _world():
             self.say(f"saved with {trainer['world_size']} ranks, loading into {_world()} (resharded); "
                      "ranks without a saved RNG state keep their seeded one")
+        convert = self._conversion(trainer.get("state", "float32"), tensors)
         check_index(ckpt, _flat_keys(tensors))
-        return trainer
+        return trainer, convert
+
+    def _conversion(self, saved: str, tensors: dict):
+        """A checkpoint of the other training state (module docstring): the load targets that read it
+        (in `tensors`, in place) and the function that completes the conversion after DCP's load.
+        Host memory: this rank's share of the masters in float32 (into lean) or of the low halves."""
+        if saved == self.state:
+            return lambda tensors: None
+        if (saved, self.state) not in (("float32", "lean"), ("lean", "float32")):
+            raise CheckpointError(f"a {saved!r} training state does not resume as train.state={self.state!r}")
+        self.say(f"the checkpoint holds the {saved} training state, this run trains the {self.state} one: "
+                 "the masters' values carry over exactly, the moments are cast")
+        live = dict(tensors["model"])  # what set_state_dict then loads into the parameters
+        if saved == "float32":  # the float32 masters into host memory, split into the lean halves afterwards
+            lows = tensors.pop("lean")  # none in the checkpoint
+            for name in lows:
+                tensors["model"][name] = _host_like(live[name], torch.float32)
+
+            def finish(tensors):
+                for name, lo in lows.items():
+                    for dst, src in zip((live[name], lo), split(local(tensors["model"][name]).to(self.device))):
+                        local(dst).copy_(src)
+            return finish
+        lows = {name: _host_like(p, torch.int16) for name, p in self.model.named_parameters()}
+        tensors["lean"] = lows  # read beside the high halves, into the float32 tensors
+
+        def finish(tensors):
+            for name, lo in lows.items():
+                join_(local(tensors["model"][name]).detach(), local(lo))
+        return finish
 
     def _recipe_hyperparameters(self, trainer: dict) -> tuple[list[dict], dict]:
         """Optimizer param groups and scheduler state to load: the saved step counts with the
@@ -891,14 +941,35 @@ class Checkpointer:
 
 
 def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
-    """Load a verified checkpoint's model tensors into a single-process model."""
+    """Load a verified checkpoint's model tensors into a single-process float32 model (a lean
+    checkpoint's masters joined from their halves)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     sd = {"model": get_model_state_dict(model)}
+    if lean_checkpoint(ckpt):
+        sd["lean"] = {name: torch.empty_like(p, dtype=torch.int16) for name, p in model.named_parameters()}
     check_index(ckpt, _flat_keys(sd))
     with no_dist_warnings():
         dcp.load(sd, storage_reader=SafeReader(ckpt), no_dist=True)
     set_model_state_dict(model, sd["model"])
+    params = dict(model.named_parameters())
+    for name, lo in sd.get("lean", {}).items():
+        join_(params[name].detach(), lo)
+
+
+def lean_checkpoint(ckpt: Path) -> bool:
+    """Whether `ckpt` holds the lean training state (its masters as `model.*` + `lean.*`)."""
+    return json.loads((ckpt / TRAINER).read_text()).get("state") == "lean"
+
+
+def _host_like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty host tensor of p's local shape in `dtype`, a DTensor placed as p where p is one (a load
+    target DCP reads this rank's chunks into)."""
+    block = torch.empty(local(p).shape, dtype=dtype)
+    if isinstance(p, DTensor):
+        return DTensor.from_local(block, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+    return block
 
 
 # ---------------------------------------------------------------------------------------------
@@ -907,17 +978,19 @@ def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
 
 def disk_estimate(cfg, n_params: int) -> str | None:
     """A line for the start-up log: bytes per save (float32 weights and AdamW's two moments: 12
-    bytes a parameter), the peak on disk under the save policy (keep_last committed saves + the
-    one being written in .tmp, as many as the run makes: checkpoint.every's, checkpoint.every_minutes'
-    -- the clock's, up to one a step -- and the final one; + the final export), and the free space of
-    log.run_dir's filesystem, with a warning when less. An asynchronous save (on CUDA) first copies
+    bytes a parameter; train.state=lean: bf16 halves and moments, 8), the peak on disk under the
+    save policy (keep_last committed saves + the one being written in .tmp, as many as the run
+    makes: checkpoint.every's, checkpoint.every_minutes' -- the clock's, up to one a step -- and the
+    final one; + the final export), and the free space of log.run_dir's filesystem, with a warning
+    when less. An asynchronous save (on CUDA) first copies
     the state to host memory: said too. None when the run saves nothing."""
     c, steps = cfg.checkpoint, cfg.train.steps
     saves = steps if c.every_minutes else (
         (steps // c.every if c.every else 0) + (1 if c.final and not (c.every and steps % c.every == 0) else 0))
     if saves == 0:
         return None
-    per_save = 12 * n_params
+    lean = cfg.train.state == "lean"
+    per_save = (8 if lean else 12) * n_params
     kept = min(c.keep_last, saves - 1) + 1
     peak = kept * per_save
     if c.export_hf:
@@ -926,7 +999,8 @@ def disk_estimate(cfg, n_params: int) -> str | None:
     while not where.exists():
         where = where.parent
     free = shutil.disk_usage(where).free
-    line = (f"checkpoint: {per_save / 1e9:.2f} GB per save (float32 weights + AdamW moments), peak "
+    what = "lean masters (bf16 + int16) + bf16 moments" if lean else "float32 weights + AdamW moments"
+    line = (f"checkpoint: {per_save / 1e9:.2f} GB per save ({what}), peak "
             f"{peak / 1e9:.2f} GB on disk ({kept} saves: keep_last={c.keep_last} and the one being written"
             f"{', and the export' if c.export_hf else ''}); {free / 1e9:.1f} GB free at {where}")
     if c.async_save and cfg.train.device != "cpu" and torch.cuda.is_available():  # Checkpointer.use_async

@@ -41,6 +41,7 @@ from pithtrain.checkpoint.dcp import (
     CheckpointError,
     SafeReader,
     check_index,
+    lean_checkpoint,
     no_dist_warnings,
     resolve,
     verify,
@@ -48,6 +49,7 @@ from pithtrain.checkpoint.dcp import (
 from pithtrain.checkpoint.hf import SHARD_BYTES, refuse_hub_losses, state_for_export
 from pithtrain.config import ConfigError, config_from_dict
 from pithtrain.data import BOS, EOS, TOKENIZER_FILES, added_around, declared_tokens, load_tokenizer
+from pithtrain.kernels.adamw import join_
 from pithtrain.models import FAMILIES, build_model
 
 
@@ -167,7 +169,7 @@ def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SH
     fam, mcfg = FAMILIES[model.cfg.family], model.cfg
     out = Path(out)
     state = state_for_export(model)
-    check_index(path, [f"model.{n}" for n in state])
+    check_index(path, [f"{k}.{n}" for n in state for k in ("model", "lean")[:1 + lean_checkpoint(path)]])
     refuse_trained_bias(path, model)
     shards = plan_shards(model, dtype, shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
@@ -179,12 +181,19 @@ def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SH
     if world > 1:
         dist.barrier()
     t0 = time.monotonic()
+    lean = lean_checkpoint(path)  # the masters as two halves: joined (kernels/adamw.join_)
+
     def hub_tensors(names):  # one native tensor in memory at a time, read from the checkpoint
         for name in names:
             one = {f"model.{name}": torch.empty(state[name].shape, dtype=torch.float32)}
+            if lean:
+                one[f"lean.{name}"] = torch.empty(state[name].shape, dtype=torch.int16)
             with no_dist_warnings():
                 dcp.load(one, storage_reader=SafeReader(path), no_dist=True)
-            yield from fam.native_to_hf(mcfg, name, one.pop(f"model.{name}"))
+            value = one.pop(f"model.{name}")
+            if lean:
+                join_(value, one.pop(f"lean.{name}"))
+            yield from fam.native_to_hf(mcfg, name, value)
 
     for i in range(rank, len(shards), world):
         layout = [(key, tuple(v.shape)) for n in shards[i] for key, v in fam.native_to_hf(mcfg, n, state[n])]

@@ -35,6 +35,14 @@ leaves out) the same numbers come from the precision's bf16 copies (precision.We
 copy per optimizer step, float32 gradient accumulation), which the train step enters around its
 micro-batches.
 
+Gathers kept (`precision.keep`: no pipeline, and the memory plan fits it, plan.py): each decoder
+layer's FSDP unit neither reshards after forward nor after backward, so its dense parameters are
+gathered once, at the step's first forward, and stay for every micro-batch's forward and backward
+until precision.weights reshards them at the step's end (before the optimizer changes the
+shards); the routed experts' own units reshard as before. Without a pipeline each layer also
+issues the next layer's gather as it starts (forward), the previous one's in backward. With
+train.state=lean the sharded parameters are bf16 already: the gathers cast nothing.
+
 Gradient reduction is a SUM (divide factor 1): the trainer divides the loss by the global target
 count, so summing every rank's gradient gives the single-process gradient. Experts need this:
 their gradient already sums the tokens of the whole ep group (through the all-to-all), and a
@@ -46,7 +54,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from pithtrain.compile import apply_activation_checkpoint, apply_compile, compiles
@@ -92,7 +100,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, train_cfg, device: torch.d
     if compiles(train_cfg, device):
         apply_compile(model)
     if dims.fsdp_enabled:
-        apply_fsdp(model, dims, precision.fsdp_policy())
+        apply_fsdp(model, dims, precision)
     return model
 
 
@@ -105,18 +113,29 @@ def shard_experts(experts: GroupedExperts, dims: ParallelDims):
         setattr(experts, name, nn.Parameter(dt, requires_grad=p.requires_grad))
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, mp: MixedPrecisionPolicy):
+def apply_fsdp(model: nn.Module, dims: ParallelDims, precision):
+    mp = precision.fsdp_policy()
     dense_mesh = dims.dense_mesh  # (dp, fsdp_cp): HSDP, a size-1 dp replicates nothing
     expert_mesh = dims.expert_mesh["edp", "efsdp"]
-    alone = set()  # experts FSDP leaves out (dims.experts_alone): their own rank's, whole; their bf16
-    for layer in decoder_layers(model):  # copy is the precision's (copy="experts")
+    alone, layers = set(), []  # experts FSDP leaves out (dims.experts_alone): their own rank's, whole;
+    for layer in decoder_layers(model):  # their bf16 copy is the precision's (copy="experts")
         for m in moe_blocks(layer):
             if dims.experts_alone:
                 alone |= set(m.experts.parameters())
             else:
                 fully_shard(m.experts, mesh=expert_mesh, shard_placement_fn=lambda p: Shard(1), mp_policy=mp)
-        fully_shard(layer, mesh=dense_mesh, mp_policy=mp, ignored_params=alone & set(layer.parameters()))
+        fully_shard(layer, mesh=dense_mesh, mp_policy=mp, ignored_params=alone & set(layer.parameters()),
+                    reshard_after_forward=not precision.keep)
+        layers.append(layer)
     fully_shard(model, mesh=dense_mesh, mp_policy=mp, ignored_params=alone)
+    if precision.keep:  # gathered at the step's first forward, resharded by precision.weights on exit
+        for layer in layers:
+            layer.set_reshard_after_backward(False, recurse=False)
+        precision.kept[:] = layers
+    if not dims.pp_enabled:  # the next layer's gather issued as a layer starts (the pipeline drives its own)
+        for a, b in zip(layers, layers[1:]):
+            a.set_modules_to_forward_prefetch([b])
+            b.set_modules_to_backward_prefetch([a])
     gloo = dist.get_backend() == "gloo"
     for m in model.modules():
         if isinstance(m, FSDPModule):

@@ -44,16 +44,17 @@ def _comm_device():
 
 
 @torch.no_grad()
-def grad_norm(params, dims) -> float:
-    """Global L2 norm of all gradients (train_step clips by `clip_coef` of it: the multiply is
-    `scale_grads_`, or inside the optimizer's own pass where it takes a grad_scale).
+def grad_norm(grads, dims) -> float:
+    """Global L2 norm of all gradients `grads` (the run's precision.grads: each .grad, or lean's
+    float32 buffers; train_step clips by `clip_coef` of it: the multiply is `scale_grads_`, or
+    inside the optimizer's own pass where it takes a grad_scale).
 
     Sharded gradients are DTensors on different meshes (dense on (dp, fsdp_cp), experts on
     (edp, efsdp, ep)), which one torch norm call cannot mix. Each rank sums the squares of its
     local shards, weighting a shard by 1 / (number of ranks holding a copy of it: the sizes of
     the mesh dims where it is Replicate), and one all-reduce over the world (pipeline stages
     hold different parameters, so they sum too) gives the square of the global norm."""
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = list(grads)
     local, weight = [], []
     for g in grads:
         w = 1.0

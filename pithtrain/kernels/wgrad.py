@@ -17,12 +17,15 @@ micro-batches (docs/perf-notes.md). Here each op adds its result into the gradie
 Where the gradient goes, per micro-batch (`target`):
 
   first micro-batch  bf16 parameters: autograd as before (its tensor becomes p.grad, no copy).
-                     On a bf16 copy of a float32 master (precision.WeightCopies, `copies`) the
-                     op writes the master's .grad itself (`owner`: made here, written rather
-                     than added to), instead of a bf16 gradient the copy's hook would cast into it
-  later ones         the tensor the gradient accumulates into exists: p.grad, or its float32
-                     master's .grad; the op adds into it (float32 arithmetic, one rounding to its
-                     dtype) and autograd gets None for the weight
+                     Where the run's precision keeps the gradient elsewhere (`copies`: its
+                     `sink`, asked through `grad_into`): on a bf16 copy of a float32 master
+                     (precision.WeightCopies) the op writes the master's .grad itself, on a lean
+                     parameter of a step of several micro-batches its float32 buffer
+                     (precision.LeanState); made there, written rather than added to, instead of
+                     a bf16 gradient a hook would add into it
+  later ones         the tensor the gradient accumulates into exists: p.grad, the master's
+                     .grad or the lean buffer; the op adds into it (float32 arithmetic, one
+                     rounding to its dtype) and autograd gets None for the weight
 
 Each gradient only when the engine wants it (torch._C._will_engine_execute_node), and in place only
 in a .backward() that will accumulate the weight's gradient: the pipeline's input-only pass
@@ -40,7 +43,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.autograd.graph import get_gradient_edge
-from torch.distributed.tensor import DTensor
 
 try:
     from pithtrain.kernels.wgrad_triton import add_kgrouped
@@ -77,36 +79,27 @@ def grad_nodes(w_view: torch.Tensor, p: torch.Tensor) -> tuple:
 
 def owner(w: torch.Tensor, copies=None) -> torch.Tensor:
     """The parameter w's gradient accumulates in: the float32 master when w is its bf16 copy
-    (`copies`: the run's precision.WeightCopies, bound by use_kernels), else w."""
+    (`copies`: the run's precision.sink, bound by use_kernels), else w."""
     p = copies.master(w) if copies is not None else None
     return w if p is None else p
 
 
 def target(w: torch.Tensor, acc_node, copies=None) -> tuple[torch.Tensor | None, bool]:
     """In backward, once w's gradient is wanted: (the tensor to add it into, False); on the first
-    micro-batch on a bf16 copy (the float32 master's .grad, made here empty, True: write it, do not
-    add); else (None, False): return the gradient to autograd."""
+    micro-batch where the run's sink keeps it (a bf16 copy's float32 master's .grad, lean's float32
+    buffer: precision.py's grad_into) (that tensor, made empty, True: write it, do not add); else
+    (None, False): return the gradient to autograd."""
     try:
         if acc_node is None or not will_run(acc_node):
             return None, False
     except RuntimeError:  # autograd.grad(): the gradient is returned, .grad stays untouched
         return None, False
-    p = owner(w, copies)
-    dtensor = isinstance(p, DTensor)  # experts FSDP leaves out: the master's local block is w's
-    g = p.grad
-    if g is None:
-        if p is w or (type(p) is not torch.nn.Parameter and not dtensor) or p.device != w.device:
-            return None, False
-        if dtensor:
-            local = torch.empty_like(p.to_local(), memory_format=torch.contiguous_format)
-            p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                        stride=p.stride())
-            return local, True
-        p.grad = torch.empty_like(p, memory_format=torch.contiguous_format)
-        return p.grad, True
-    g = g.to_local() if dtensor and isinstance(g, DTensor) else g
-    ok = (type(g) is torch.Tensor and g.device == w.device and g.is_contiguous() and g.shape == w.shape
-          and g.dtype in (torch.float32, torch.bfloat16))
+    into = copies.grad_into(w) if copies is not None else None
+    if into is not None:
+        return into
+    g = w.grad
+    ok = (g is not None and type(g) is torch.Tensor and g.device == w.device and g.is_contiguous()
+          and g.shape == w.shape and g.dtype in (torch.float32, torch.bfloat16))
     return (g, False) if ok else (None, False)
 
 
