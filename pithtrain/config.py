@@ -72,7 +72,7 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     compile: bool = False  # torch.compile(fullgraph=True) on the non-MoE parts (CUDA only)
-    activation_checkpoint: Literal["none", "full", "selective"] = "none"  # see pithtrain/compile.py
+    activation_checkpoint: Literal["none", "cheap", "selective", "full"] = "none"  # see pithtrain/compile.py
     kernels: Literal["auto", "torch"] = "auto"  # auto: fused operators where available (kernels/)
     fp8: bool = False
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # FSDP's gradient reduce-scatter (parallelize.py)
