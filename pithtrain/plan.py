@@ -17,20 +17,28 @@ shape of each parameter is this rank's share, at the bytes of the run's training
 (precision.STATES; float32: masters 4 B, gradients 4 B (FSDP reduces into the float32 sharded
 gradient), AdamW's two moments 8 B).
 
-Activations: an analytic count of the tensors autograd saves per token on the CUDA bf16 path,
-with c the compute bytes (2; the residual stream is bf16 too, as every weight is: FSDP's bf16
-gathers, or without FSDP the bf16 copy, precision.WeightCopies):
-    RMSNorm of width D                2 c D        its input and the normalised input
-    nn.Linear (attention, router, MLP) c in         its bf16 input
-    attention core                    c H (2 d_qk + 2 d_v) + 4 H d_qk    q, k, v (k, v counted
-                                      with H heads: an upper bound under GQA), the output, q's
-                                      float32 RoPE halves
-    dense SwiGLU MLP of width F       3 c F        gate, up and their product
-    routed experts, top-k A           c A (2 D + 3 F) + 4 E   dispatched rows, [gate | up],
-                                      the SwiGLU output, the expert output; router probabilities
-Activation checkpointing keeps
-each layer's input only (full: c D per token) or the layer without its MLP internals
-(selective). One micro-batch is T = micro_batch_size * seq_len / cp tokens per rank. A GPU test
+Activations: a count of the tensors autograd keeps per token on the CUDA bf16 path (compiled
+graphs, fused kernels), layer by layer (layer_activations), with c the compute bytes (2; the
+residual stream is bf16 too, as every weight is: FSDP's bf16 gathers, or without FSDP the bf16
+copy, precision.WeightCopies). Attention phase of H heads (K for k and v: kv heads, MLA every
+head), widths d_qk, d_v:
+    none, selective  its input, the residual after attention, the normalised input (every GEMM
+                     reading width D shares it), each other GEMM's input, q and k as the kernel
+                     reads them, v (MLA: the GEMM output it slices), the kernel's output and
+                     float32 log-sum-exp, each norm's input (per-head norms: every head) and
+                     float32 statistics (4 B a row)
+    cheap            its input, every GEMM's output, the kernel's output and log-sum-exp
+MLP block, D wide, a MoE block of top-k A over E routed experts of width F:
+    all but full     its input (c D); the router's logits (c E), ids, weights; unpermute's
+                     weights and indices (and the expert ids of biased experts)
+    routed experts   dispatched rows and expert outputs (2 c A D), plus [gate | up] (2 c A F,
+                     none and cheap) and the activation (c A F, none)
+    dense SwiGLU     (a dense layer's MLP; shared experts also keep their own input, c D) width
+                     F: gate, up, their product (3 c F, none), gate and up (cheap), nothing
+                     (selective)
+and under full each layer keeps its input (c D). tests/test_plan.py compares these, per layer and
+part, with what torch's saved-tensor hooks see at tiny widths on CPU (within 3%).
+One micro-batch is T = micro_batch_size * seq_len / cp tokens per rank. A GPU test
 (tests/test_plan.py, marked gpu) compares the peak with torch.cuda.max_memory_allocated.
 
 Communication buffers. FSDP2: the root's unsharded parameters (embedding, final norm, head:
@@ -75,7 +83,7 @@ from pithtrain.distributed import pipeline
 from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.distributed.parallelize import moe_blocks
 from pithtrain.gpus import GPUS, gpu_key
-from pithtrain.models.common import GroupedExperts, RMSNorm, SwiGLUMLP
+from pithtrain.models.common import GroupedExperts, RMSNorm
 from pithtrain.precision import Precision
 
 GIB = 2 ** 30
@@ -122,36 +130,53 @@ def local_numel(p: torch.Tensor) -> int:
 # Activations (the module docstring's table)
 
 
-def layer_activations(layer: nn.Module, i: int, cfg: Config, c: int) -> tuple[int, int]:
-    """Bytes per token a decoder layer saves for backward, as (attention part, MLP part)."""
-    m = cfg.model
-    per_tok = [0, 0]
-    for name, mod in layer.named_modules():
-        part = 1 if name.split(".")[0] in ("mlp", "post_attention_layernorm") else 0
-        if isinstance(mod, RMSNorm) and mod.weight.shape[0] == m.hidden_size:
-            per_tok[part] += 2 * c * m.hidden_size
-        elif isinstance(mod, nn.Linear):
-            per_tok[part] += c * mod.in_features
-        elif isinstance(mod, SwiGLUMLP):
-            per_tok[part] += 3 * c * mod.gate_proj.out_features
-        elif isinstance(mod, GroupedExperts):
-            per_tok[part] += c * m.top_k * (2 * mod.dim + 3 * mod.hidden) + 4 * mod.num_experts
-    _, d_qk, d_v, heads = m.attention_shapes(i)
-    per_tok[0] += c * heads * (2 * d_qk + 2 * d_v) + 4 * heads * d_qk
-    return per_tok[0], per_tok[1]
+def layer_activations(layer: nn.Module, i: int, cfg: Config, c: int, mode: str) -> tuple[int, int]:
+    """Bytes per token decoder layer i keeps for backward under activation checkpointing `mode`,
+    as (attention phase, MLP block), on the compiled path: the module docstring's table."""
+    m, D = cfg.model, cfg.model.hidden_size
+    if mode == "full":
+        return 0, c * D  # the layer's input
+    attn = layer.self_attn
+    _, d_qk, d_v, H = m.attention_shapes(i)
+    K = getattr(m, "num_kv_heads", H)  # the kernel's k / v heads (MLA: every head)
+    linears = [x for x in attn.modules() if isinstance(x, nn.Linear)]
+    core = c * H * d_v + 4 * H  # the kernel's output and float32 log-sum-exp
+    if mode == "cheap":
+        a = c * D + sum(c * x.out_features for x in linears) + core
+    else:
+        rows = {"q_norm": H, "k_norm": K}  # per-head norms; the others normalise a token's one row
+        norms = [(n, x.weight.shape[0] * rows.get(n, 1)) for n, x in attn.named_modules() if isinstance(x, RMSNorm)]
+        v = c * K * d_v
+        if hasattr(attn, "kv_b_proj"):  # MLA: v and the latent's norm input are slices of their GEMMs' outputs
+            v = c * attn.kv_b_proj.out_features
+            norms = [(n, attn.kv_a_proj_with_mqa.out_features if n == "kv_a_layernorm" else w) for n, w in norms]
+        a = (3 * c * D + sum(c * x.in_features for x in linears if x.in_features != D)
+             + c * (H + K) * d_qk + v + core + sum(c * w for _, w in norms)
+             + 4 * (2 + sum(rows.get(n, 1) for n, _ in norms)))
+    mlp = layer.mlp
+    if not isinstance(getattr(mlp, "experts", None), GroupedExperts):
+        return a, c * D + swiglu_mlp(mlp, c, mode)
+    ex, A = mlp.experts, m.top_k
+    routing = c * mlp.balance.num_experts + 8 * A + 4 * A + 4  # logits (router's width), ids, weights, their sum
+    rows = {"none": 2 * D + 3 * ex.hidden, "cheap": 2 * D + 2 * ex.hidden, "selective": 2 * D}[mode]
+    combine = c * A + 2 * 8 * A + (8 * A if ex.b13_EF2 is not None else 0)  # unpermute's weights and
+    shared = getattr(mlp, "shared_experts", None)  # indices; the rows' expert ids for the biases
+    shared = c * D + swiglu_mlp(shared, c, mode) if shared is not None else 0  # its input: its compiled
+    return a, c * D + routing + c * A * rows + combine + shared  # graph keeps its own
+
+
+def swiglu_mlp(mlp: nn.Module, c: int, mode: str) -> int:
+    """Bytes per token a dense SwiGLU MLP keeps beyond its input: gate, up and their product (none);
+    gate and up, the GEMMs' outputs its backward reads (cheap); nothing (selective)."""
+    F = mlp.gate_proj.out_features
+    return {"none": 3 * c * F, "cheap": 2 * c * F, "selective": 0}[mode]
 
 
 def saved_per_layer(layer, i, cfg, c, T) -> tuple[int, int]:
     """(bytes kept between forward and backward under train.activation_checkpoint, bytes of the
     layer's whole activations: what its backward (or recompute) holds at once)."""
-    a_tok, m_tok = layer_activations(layer, i, cfg, c)
-    whole = T * (a_tok + m_tok)
-    mode = cfg.train.activation_checkpoint
-    if mode == "full":
-        return T * c * cfg.model.hidden_size, whole
-    if mode == "selective":
-        return T * (a_tok + c * cfg.model.hidden_size), whole
-    return whole, whole
+    kept = sum(layer_activations(layer, i, cfg, c, cfg.train.activation_checkpoint))
+    return T * kept, T * sum(layer_activations(layer, i, cfg, c, "none"))
 
 
 def in_flight(cfg: Config, dims: ParallelDims, chunk_bytes: list[int]) -> int:
@@ -195,8 +220,9 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks, precisi
         saved[i], whole[i] = saved_per_layer(layer, i, cfg, c, T)
     head = getattr(model, "lm_head", None) is not None
     ends = T * 4 * c * D if head else 0  # final norm; the loss's bf16 h and dh
+    rope = T * 4 * (getattr(m, "qk_rope_head_dim", None) or m.head_dim)  # float32 cos and sin, every layer's
     chunks = chunks or [pipeline.Chunk(0, sorted(layers), True, True)]
-    chunk_bytes = [sum(saved[i] for i in ch.layer_ids) + (ends if ch.last else 0) for ch in chunks]
+    chunk_bytes = [sum(saved[i] for i in ch.layer_ids) + rope + (ends if ch.last else 0) for ch in chunks]
     acts = in_flight(cfg, dims, chunk_bytes)
 
     # Unsharded sizes FSDP gathers: every dense parameter whole, experts as the ep split leaves

@@ -428,3 +428,115 @@ def test_plan_and_train_reject_a_recipe_with_the_same_line(bad, monkeypatch, cap
     assert train.main([*sets, "train.device=cpu"]) == 2
     trained = capsys.readouterr().err.strip()
     assert planned.startswith("error: ") and "\n" not in planned and planned == trained
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations: the plan's per-layer count against what autograd saves
+
+
+# Tiny widths of each family, every width distinct enough to tell the terms apart (Qwen3 with a
+# dense first layer; DeepSeek's d_qk = d_v, which CPU SDPA's flash kernel needs).
+TINY = {
+    "qwen3-30b-a3b": ["model.hidden_size=48", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16",
+                      "model.moe_intermediate_size=24", "model.intermediate_size=40", "model.mlp_only_layers=[0]"],
+    "deepseek-v2-lite": ["model.hidden_size=48", "model.num_heads=4", "model.kv_lora_rank=16",
+                         "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=16",
+                         "model.intermediate_size=40", "model.moe_intermediate_size=24"],
+    "gpt-oss-20b": ["model.hidden_size=48", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16",
+                    "model.intermediate_size=24", "model.sliding_window=8"],
+}
+
+
+def cuda_like(model):
+    """Bind CPU stand-ins for the CUDA kernels that save what those kernels save: the attention
+    kernel (SDPA's CPU flash kernel: q, k, v, output, log-sum-exp, as flash-attn-4 and FlexAttention;
+    GPT-OSS's sinks and window are left out, which changes no shape), the fused SwiGLU (its input
+    alone: kernels/swiglu.py) and the fused combine (the rows, weights and order: kernels/permute.py)
+    in place of the references, which keep more (the activation's parts; index_add's source)."""
+    import functools
+
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    from pithtrain.models.common import GroupedExperts, LocalDispatcher, swiglu
+
+    def kept(fn, *args):  # saves its tensor arguments only
+        return checkpoint(fn, *args, use_reentrant=False)
+
+    def sdpa(q, k, v, *, scale, window=None, sinks_H=None, docs=None):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    for mod in model.modules():
+        if type(mod).__name__ == "Attention":
+            mod.attention = sdpa
+        if isinstance(mod, GroupedExperts):
+            mod.swiglu = functools.partial(kept, swiglu)
+        if isinstance(getattr(mod, "dispatcher", None), LocalDispatcher):
+            combine = mod.dispatcher.combine
+            mod.dispatcher.combine = lambda y, w, info, ref=combine: kept(
+                lambda y, w, order: ref(y, w, (order, info[1], None)), y, w, info[0])
+
+
+def saved_per_token(cfg, mode: str, B: int = 2, S: int = 32) -> dict:
+    """{(layer, "attn" | "mlp"): bytes per token} that autograd keeps for backward, counted with
+    torch's saved-tensor hooks (each storage once; parameters and the shared RoPE tables left out)
+    inside each layer's attention phase and the rest of it; bf16 weights under bf16 autocast, the
+    compiled parts compiled as on CUDA (AOTAutograd's partitioner decides what a graph keeps)."""
+    from pithtrain import compile as ac
+    from pithtrain.models import build_model
+    from pithtrain.models.common import decoder_layers
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = build_model(cfg.model, init=True).to(torch.bfloat16)
+    cuda_like(model)
+    ac.apply_activation_checkpoint(model, mode)
+    ac.apply_compile(model, backend="aot_eager")
+    where, got = [None], {}
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        if where[0] is not None and t.untyped_storage().data_ptr() not in skip:
+            got.setdefault(where[0], {})[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def within(fn, key, after=None):
+        def call(*args, **kwargs):
+            where[0] = key
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                where[0] = after
+        return call
+    rotary = model.rotary.forward
+
+    def rope(*args):
+        out = rotary(*args)
+        skip.update(t.untyped_storage().data_ptr() for t in out if isinstance(t, torch.Tensor))
+        return out
+    model.rotary.forward = rope
+    for i, layer in enumerate(decoder_layers(model)):
+        layer.forward = within(layer.forward, (i, "mlp"))
+        layer.attend = within(layer.attend, (i, "attn"), (i, "mlp"))
+    ids = torch.randint(0, cfg.model.vocab_size, (B, S))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids, labels_BS=ids)
+    torch._dynamo.reset()
+    return {k: sum(v.values()) / (B * S) for k, v in got.items()}, model
+
+
+@pytest.mark.parametrize("recipe", list(TINY))
+@pytest.mark.parametrize("mode", ["none", "cheap", "selective", "full"])
+def test_planned_activations_are_what_autograd_saves(recipe, mode):
+    """plan.layer_activations, per layer and part, against the bytes autograd keeps (saved_per_token)
+    at tiny widths, within 3% (what the count leaves out: the router's and the balancing unit's few
+    small tensors, a bf16 copy of the router's weight)."""
+    from pithtrain.models.common import decoder_layers
+
+    cfg = load_config(recipe, [*TINY[recipe], "model.num_layers=2", "model.num_experts=8", "model.top_k=3",
+                               "model.vocab_size=300", f"train.activation_checkpoint={mode}"])
+    got, model = saved_per_token(cfg, mode)
+    for i, layer in enumerate(decoder_layers(model)):
+        want = planner.layer_activations(layer, i, cfg, 2, mode)
+        for part, w in zip(("attn", "mlp"), want):
+            g = got.get((i, part), 0)
+            assert w == pytest.approx(g, rel=0.03, abs=1), (recipe, mode, i, part, g, w)
