@@ -26,8 +26,10 @@ micro-batch:
 Modelled on top of it (`predict`):
     compute        each layer at its tokens per micro-batch (T = micro-batch x seq / cp), linear in
                    T; the experts phase moved along the measured ep curve and slowed by the group
-                   imbalance (the slowest rank sets the pace); activation checkpointing adds the
-                   layer's forward (full) or its MLP part (selective) to its backward. Another GPU
+                   imbalance (the slowest rank sets the pace); activation checkpointing adds to
+                   its backward what it recomputes, derived from the measured forward phases
+                   (`recompute`: full the layer's forward, selective the experts phase, cheap the
+                   attention phase's pointwise work and the SwiGLU activations). Another GPU
                    than the calibration's: the part of a phase its FLOPs at GEMM_EFFICIENCY of the
                    peak explain scales with the peak, the rest with memory bandwidth.
     collectives    the bytes the code sends, over the GPU's links (pithtrain/gpus.py) at LINK_EFFICIENCY plus ALPHA per
@@ -173,20 +175,61 @@ def layer_costs(cfg, fam: dict, path: str, gpu: str, ep: int, T: float, which: s
         flops = layer_flops(m, i, t.seq_len)[0]
         scale = T / fam["tokens"] * flops / fam["layer_flops"][kind]  # another width: by its FLOPs
         F, BW = lay[which]["F"] * scale, lay[which]["BW"] * scale
+        attn_F = lay["phases_F"]["attn"] * F
+        mlp_F = F - attn_F  # a dense layer's MLP phase; a MoE layer's experts phase, below
         if kind != "dense":  # the experts phase at this layout's rows per expert (and in FP8)
             e1, ek = fam["experts"]["1"], measured_at(fam["experts"], ep)
             e8 = measured_at(fam["experts_fp8"], ep) if fp8 else ek
             imb = measured_at(fam["balance"]["group_max_mean"], ep)
             f1 = lay["phases_F"]["experts"] * F
             b1 = f1 * e1["BW"] / e1["F"]
-            F += f1 * (e8["F"] / e1["F"] * imb - 1)
+            mlp_F = f1 * e8["F"] / e1["F"] * imb
+            F += mlp_F - f1
             BW += b1 * (e8["BW"] / e1["BW"] * imb - 1)
-        if t.activation_checkpoint == "full":
-            BW += F
-        elif t.activation_checkpoint == "selective" and kind != "dense":
-            BW += F * (1 - lay["phases_F"]["attn"])
-        out[i] = (on_gpu(F, T * flops, fam["gpu"], gpu), on_gpu(BW, 2 * T * flops, fam["gpu"], gpu))
+        extra, extra_flops = recompute(cfg, i, t.activation_checkpoint, F, attn_F, mlp_F, fam["gpu"], T)
+        out[i] = (on_gpu(F, T * flops, fam["gpu"], gpu),
+                  on_gpu(BW + extra, 2 * T * flops + extra_flops, fam["gpu"], gpu))
     return out
+
+
+def mlp_flops(m, i: int) -> float:
+    """Forward FLOPs per token of layer i's MLP block: router, top-k routed and shared experts (a
+    dense layer: its SwiGLU MLP); layer_flops less this is the attention phase's."""
+    D = m.hidden_size
+    if layer_kind(m, i) == "dense":
+        return 2 * 3 * D * m.intermediate_size
+    return 2 * (D * m.num_experts + m.top_k * expert_params(m, i) / m.num_experts + 3 * D * shared_width(m))
+
+
+def shared_width(m) -> int:
+    """The shared experts' hidden width (DeepSeek; 0 elsewhere)."""
+    return getattr(m, "n_shared_experts", 0) and m.n_shared_experts * m.moe_intermediate_size
+
+
+def recompute(cfg, i: int, mode: str, F: float, attn_F: float, mlp_F: float, measured_on: str,
+              T: float) -> tuple[float, float]:
+    """(seconds, FLOPs) activation checkpointing `mode` adds to layer i's backward, on the
+    calibration GPU, derived from the measured forward of T tokens: F the layer's, attn_F its
+    attention phase, mlp_F its experts phase as this layout runs it (a dense layer: its MLP phase):
+        full       the layer's forward
+        selective  the experts phase (a dense layer: its MLP phase)
+        cheap      the attention phase less its GEMMs and attention kernel at GEMM_EFFICIENCY of
+                   the peak (what is left is the pointwise work it recomputes: norms, RoPE, casts,
+                   the residual), plus the SwiGLU activations at the GPU's memory bandwidth (one
+                   pass: read gate and up, write their product, 3 x 2 B per element)"""
+    m = cfg.model
+    flops = layer_flops(m, i, cfg.train.seq_len)[0]
+    if mode == "full":
+        return F, T * flops
+    dense = layer_kind(m, i) == "dense"
+    if mode == "selective":
+        return mlp_F, T * (mlp_flops(m, i) - (0 if dense else 2 * m.hidden_size * m.num_experts))
+    if mode != "cheap":
+        return 0.0, 0.0
+    g = GPUS[measured_on]
+    gemms = T * (flops - mlp_flops(m, i)) / (GEMM_EFFICIENCY * g.peak_tflops * 1e12)
+    width = m.intermediate_size if dense else m.top_k * getattr(m, m.expert_width_field) + shared_width(m)
+    return max(0.0, attn_F - gemms) + T * 3 * 2 * width / (g.hbm_tbs * 1e12), 0.0
 
 
 def end_costs(cfg, fam: dict, path: str, gpu: str, T: float) -> dict:
