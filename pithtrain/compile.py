@@ -88,6 +88,9 @@ def _cheap(forward, *args, **kwargs):
 
 
 def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
+    if mode not in ("none", "cheap", "selective", "full"):
+        raise ValueError(f"activation checkpointing {mode!r}: the run's choice is made before the build "
+                         "(plan.resolve chooses train.activation_checkpoint=auto)")
     if mode == "none":
         return
     for layer in decoder_layers(model):

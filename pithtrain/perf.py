@@ -49,6 +49,7 @@ model was checked against a measurement and how far off it was.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -63,6 +64,13 @@ COSTS = Path(__file__).resolve().parent / "costs_h200.json"  # scripts/calibrate
 LINK_EFFICIENCY = {"nvlink": 0.82, "ib": 0.92}
 ALPHA = {"nvlink": 15e-6, "ib": 30e-6}  # seconds per collective (NCCL's small-message latency)
 GEMM_EFFICIENCY = 0.744  # the bf16 8192^3 GEMM on the H200: 736 of 989 TFLOP/s (docs/bench.md)
+
+
+@functools.lru_cache(maxsize=64)
+def op_lists(schedule: str, pp: int, micro_batches: int) -> list:
+    """schedule.build_schedule, kept: the planner asks for the same lists across its candidates, and
+    building them for many micro-batches is most of its time. Read them, never change them."""
+    return build_schedule(schedule, pp, micro_batches)
 
 
 def load_costs(path: str | Path = COSTS) -> dict:
@@ -105,15 +113,18 @@ def dims_of(lay: dict) -> ParallelDims:
     return ParallelDims(**{k: lay[k] for k in ("pp", "dp", "fsdp", "cp", "ep")})
 
 
-def local_params(cfg, lay: dict) -> float:
+def local_params(cfg, lay: dict, chunks: list | None = None) -> float:
     """Parameters one rank holds (its optimizer's share): dense ones over fsdp x cp, routed experts
-    over ep x efsdp, a pipeline stage's share of the layers."""
+    over ep x efsdp; a pipeline stage's share of the layers, or with `chunks` (schedule.Chunk: layer
+    ids, first / last) exactly those layers, the embedding with the first, the head with the last."""
     m, d = cfg.model, dims_of(lay)
-    dense, experts = 2 * m.vocab_size * m.hidden_size, 0
-    for i in range(m.num_layers):
+    ids = range(m.num_layers) if chunks is None else [i for ch in chunks for i in ch.layer_ids]
+    dense = (2 if chunks is None else sum(ch.first + ch.last for ch in chunks)) * m.vocab_size * m.hidden_size
+    experts = 0
+    for i in ids:
         ex = expert_params(m, i)
         dense, experts = dense + m.layer_params(i)[0] - ex, experts + ex
-    return (dense / (d.fsdp * d.cp) + experts / (d.ep * d.efsdp)) / d.pp
+    return (dense / (d.fsdp * d.cp) + experts / (d.ep * d.efsdp)) / (d.pp if chunks is None else 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,11 +288,14 @@ def comm_costs(cfg, lay: dict, gpu: str, fam: dict, T: float) -> dict:
     return out
 
 
-def predict(cfg, lay: dict, gpu: str, costs: dict | None = None, path: str | None = None) -> dict:
+def predict(cfg, lay: dict, gpu: str, costs: dict | None = None, path: str | None = None,
+            memo: dict | None = None) -> dict:
     """Step seconds, tokens/s (all GPUs and per GPU) and the step's parts for cfg's model and
     train settings on layout `lay` ({pp, dp, fsdp, cp, ep}, optionally pp_schedule, pp_overlap;
     else cfg.parallel's) over GPUs of type `gpu`. `path`: the cost file's path to use (default:
-    "fsdp" when the layout shards parameters, else "train"; "bench" for the bench's bf16 step)."""
+    "fsdp" when the layout shards parameters, else "train"; "bench" for the bench's bf16 step).
+    `memo`: a dict kept across calls for one model (the planner's ranking), holding the layers' costs
+    by what they depend on."""
     costs = costs or load_costs()
     m, t = cfg.model, cfg.train
     if m.family not in costs["families"]:
@@ -296,9 +310,14 @@ def predict(cfg, lay: dict, gpu: str, costs: dict | None = None, path: str | Non
     if path == "fsdp" and path not in fam["paths"]:  # measured before FSDP left such experts out: its
         path = "fsdp_sharded"  # costs are those of the experts inside FSDP (the prediction says which)
     T = t.micro_batch_size * t.seq_len / cp
-    costs_mb = {w: layer_costs(cfg, fam, path, gpu, lay["ep"], T, w, t.fp8) for w in ("first", "later")}
+    memo = {} if memo is None else memo
+    key = (path, gpu, lay["ep"], T, t.fp8, t.activation_checkpoint)  # what the layers' costs depend on
+    if key not in memo:
+        memo[key] = {w: layer_costs(cfg, fam, path, gpu, lay["ep"], T, w, t.fp8) for w in ("first", "later")}
+    costs_mb = memo[key]
     ends = end_costs(cfg, fam, path, gpu, T)
-    comm = comm_costs(cfg, lay, gpu, fam, T)
+    key = ("comm", gpu, T, t.reduce_dtype, *(lay[k] for k in ("pp", "dp", "fsdp", "cp", "ep")))
+    comm = memo[key] = memo[key] if key in memo else comm_costs(cfg, lay, gpu, fam, T)
     tail = on_gpu(fam["paths"][path]["tail_per_param"] * local_params(cfg, lay), 0.0, fam["gpu"], gpu)
 
     def chunk(layers, first_end, last_end, which):
@@ -333,7 +352,7 @@ def predict(cfg, lay: dict, gpu: str, costs: dict | None = None, path: str | Non
         def pair(vf, vb):  # an F&B pair: the all-to-all under the other micro-batch's compute
             (f1, _, x1, a1, _), (_, b2, x2, a2, _) = ch[vf], ch[vb]
             return max(f1 + b2, (a1 + a2) / 2) + (x1 + x2) / 2 + 2 * hop
-        makespan, busy, _ = simulate(build_schedule(schedule, pp, M), schedule, F, B, W, pair if overlap else None)
+        makespan, busy, _ = simulate(op_lists(schedule, pp, M), schedule, F, B, W, pair if overlap else None)
         step = makespan + tail
         r = max(range(pp), key=lambda r: busy[r])  # the busiest rank's step
         vs = rank_stages(r, pp, schedule)

@@ -100,7 +100,7 @@ def test_auto_takes_the_fastest_that_fits(monkeypatch):
     monkeypatch.setattr(perf, "load_costs", lambda path=None: costs)
     planned = []
 
-    def fake_plan(c, world, gpu_gib, gpu=""):
+    def fake_plan(c, world, gpu_gib, gpu="", models=None):
         planned.append(c.parallel.ep)
         lay = {k: getattr(c.parallel, k) for k in ("pp", "dp", "fsdp", "cp", "ep")}
         peak = 10.0 * c.parallel.ep

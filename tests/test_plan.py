@@ -136,9 +136,10 @@ def test_auto_fills_unset_sizes_and_keeps_given_ones():
     assert cfg.parallel.auto and cfg.parallel.fsdp is None
     fastest = planner.ranked(cfg, 8, "h200")[0]
     lay, result = planner.auto_layout(cfg, 8, None)  # no GPU memory: nothing planned, the fastest taken
-    assert result is None and lay == planner.layout_of(fastest)
+    assert result is None and lay == planner.choice_of(fastest)
     resolved, result = planner.resolve(cfg, 8)
-    assert result is None and planner.layout_of(vars(resolved.parallel)) == lay and resolved.model is cfg.model
+    assert result is None and resolved.model is cfg.model
+    assert planner.choice_of({**vars(resolved.parallel), **vars(resolved.train)}) == lay
     assert cfg.parallel.fsdp is None  # ranking and resolving leave the recipe's sizes as they were
 
     def sizes(c, world=8):
@@ -165,7 +166,7 @@ def test_auto_without_costs_for_the_family_chooses_by_memory_and_says_so(monkeyp
     params = [perf.local_params(cfg, c) for c in options]
     assert params == sorted(params) and params[0] < params[-1]
     lay, _ = planner.auto_layout(cfg, 4, None)
-    assert lay == planner.layout_of(options[0]) and lay["fsdp"] * lay["ep"] > 1
+    assert lay == planner.choice_of(options[0]) and lay["fsdp"] * lay["ep"] > 1
     line = planner.launch_line(planner.resolve(cfg, 4)[0], None)
     assert "\n" not in line and "chosen by memory alone" in line and "'qwen3_moe'" in line
     cfg = load_config(None, ["parallel.auto=true", "train.steps=1", "checkpoint.final=false", "model.num_layers=1",
@@ -205,8 +206,10 @@ def test_cuda_launch_refuses_a_plan_that_does_not_fit(monkeypatch):
     cfg, result = planner.resolve_launch(load_config("qwen3-30b-a3b"), cuda, 8)
     assert result["fits"]
     lay = " ".join(f"{k}={getattr(cfg.parallel, k)}" for k in ("pp", "dp", "fsdp", "cp", "ep"))
+    t = cfg.train
     line = planner.launch_line(cfg, result)
-    assert line.startswith(f"pithtrain: parallel auto: {lay} (memory plan: peak")
+    assert line.startswith(f"pithtrain: parallel auto: {lay}, activation_checkpoint={t.activation_checkpoint} "
+                           f"micro_batch_size={t.micro_batch_size} grad_accum={t.grad_accum} (memory plan: peak")
     assert "tokens/s per GPU (pithtrain/perf.py), the fastest of" in line
 
 
