@@ -357,7 +357,7 @@ def predict(cfg, lay: dict, gpu: str, costs: dict | None = None, path: str | Non
         r = max(range(pp), key=lambda r: busy[r])  # the busiest rank's step
         vs = rank_stages(r, pp, schedule)
         comp, exposed = M * sum(ch[v][0] + ch[v][1] for v in vs), M * sum(ch[v][2] + 2 * hop for v in vs)
-        parts = {"compute": comp, "fsdp_cp_exposed": exposed, "all_to_all": busy[r] - comp - exposed,
+        parts = {"compute": comp, "fsdp_cp_exposed": exposed, "all_to_all": max(0.0, busy[r] - comp - exposed),
                  "optimizer": tail, "bubble": makespan - busy[r]}
     return {"layout": {k: lay[k] for k in ("pp", "dp", "fsdp", "cp", "ep")}, "gpu": gpu, "path": path,
             "step_s": step, "tokens_per_s": tokens / step, "tokens_per_s_per_gpu": tokens / step / world,

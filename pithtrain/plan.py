@@ -70,6 +70,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import math
 import sys
 
 import torch
@@ -317,6 +318,7 @@ def plan(cfg: Config, world_size: int, gpu_gib: float, gpu: str = "", models: di
 # auto) and, for a recipe that fixes train.global_batch_tokens, the micro-batch and accumulation.
 TRAIN_CHOICES = ("activation_checkpoint", "micro_batch_size", "grad_accum")
 POLICIES = ("none", "cheap", "selective", "full")  # least recomputation first
+TIE = 0.005  # predictions this close rank by micro-batch size (ranked)
 
 
 def global_batch(cfg: Config, dp_size: int | None = None) -> int:
@@ -414,7 +416,9 @@ def with_choice(cfg: Config, c: dict) -> Config:
 
 def ranked(cfg: Config, world_size: int, gpu: str, costs: dict | None = None) -> list[dict]:
     """The valid candidates, each with its perf.predict (`costs`: the cost file's), fastest
-    (tokens/s per GPU) first. A family the cost file has not measured: prediction None, and by
+    (tokens/s per GPU) first; predictions within TIE of each other are a tie, which the larger
+    micro-batch takes (fewer, larger GEMMs: the model, linear in a micro-batch's tokens, does not
+    see that a GPU runs small ones less well). A family the cost file has not measured: prediction None, and by
     memory alone: the fewest parameters per rank first (perf.local_params), then the least
     recomputation, then the largest micro-batch."""
     costs = costs or perf.load_costs()
@@ -430,7 +434,8 @@ def ranked(cfg: Config, world_size: int, gpu: str, costs: dict | None = None) ->
     if not measured:
         return sorted(out, key=lambda c: (perf.local_params(cfg, c), POLICIES.index(c["activation_checkpoint"]),
                                           -c["micro_batch_size"]))
-    return sorted(out, key=lambda c: -c["prediction"]["tokens_per_s_per_gpu"])
+    return sorted(out, key=lambda c: (-math.floor(math.log(c["prediction"]["tokens_per_s_per_gpu"]) / math.log1p(TIE)),
+                                      -c["micro_batch_size"]))
 
 
 def auto_layout(cfg: Config, world_size: int, gpu_gib: float | None, gpu: str = "",
@@ -626,8 +631,11 @@ def why(result: dict, before: int = 6, after: int = 4) -> list[str]:
             reason = f"does not fit by {c['peak_gib'] - usable:.1f} GiB"
         elif "peak_floor_gib" in c:
             reason = f"does not fit by at least {c['peak_floor_gib'] - usable:.1f} GiB (state and activations)"
+        elif not speed[at]:
+            reason = "later by memory alone"
         else:
-            reason = f"slower by {1 - speed[i] / speed[at]:.1%}" if speed[at] else "later by memory alone"
+            reason = (f"slower by {1 - speed[i] / speed[at]:.1%}" if i > at and speed[i] < speed[at] * (1 - TIE)
+                      else f"a tie (within {TIE:.1%}): the larger micro-batch goes first")
         return (f"{'>' if i == at else ' '} {lay:<30} {c['activation_checkpoint']:<9} "
                 f"{c['micro_batch_size']:>3} x {c['grad_accum']:<4} {pred} {peak}   {reason}")
     head = (f"choice: the {'fastest' if speed[at] else 'first by memory alone'} of {len(options)} valid "

@@ -297,7 +297,8 @@ def trained_layout(cfg):
 
 def small_cfg(recipe: str, run_dir: str, grad_accum: int = 1):
     return load_config(recipe, [*SMALL[recipe], "train.steps=3", "train.micro_batch_size=2", "train.seq_len=16",
-                                f"train.grad_accum={grad_accum}", "train.warmup_steps=1", "train.device=cpu",
+                                f"train.grad_accum={grad_accum}", "train.global_batch_tokens=",
+                                "train.activation_checkpoint=none", "train.warmup_steps=1", "train.device=cpu",
                                 "data.max_bytes=20000", "checkpoint.final=false", "log.every=1",
                                 f"log.run_dir={run_dir}"])
 
@@ -376,20 +377,24 @@ GPU_RUNS = ["qwen3-30b-a3b", "deepseek-v2-lite", "gpt-oss-20b", "default"]
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_planned_peak_within_10_percent_of_measured(tmp_path):
-    """The three 4-layer bench configurations (real widths, micro-batch 2 x 4096, the recipe's
-    own settings: compile, Qwen3's full activation checkpointing) and the default recipe, 3 steps
-    of train.py on one GPU each. Prints planned vs measured; the lead runs it on the H200:
+    """The three 4-layer bench configurations (real widths, micro-batch 2 x 4096, one per step, the
+    recipe's own settings (compile) but the recomputation: Qwen3 cheap, DeepSeek selective,
+    GPT-OSS none) and the default recipe, 3 steps of train.py on one GPU each. Prints planned vs
+    measured; the lead runs it on the H200:
         python -m pytest -m gpu tests/test_plan.py -s -p no:cacheprovider"""
     import gc
 
     from pithtrain.train import train
     gpu_gib = torch.cuda.get_device_properties(0).total_memory / planner.GIB
-    bench = ["model.num_layers=4", "train.micro_batch_size=2", "train.seq_len=4096"]  # the 4-layer bench line
+    bench = ["model.num_layers=4", "train.micro_batch_size=2", "train.seq_len=4096",  # the 4-layer bench line
+             "train.global_batch_tokens=", "train.grad_accum=1"]
+    policy = {"qwen3-30b-a3b": "cheap", "deepseek-v2-lite": "selective", "gpt-oss-20b": "none"}
     rows = []
     for name in GPU_RUNS:
+        own = [] if name == "default" else [*bench, f"train.activation_checkpoint={policy[name]}"]
         cfg = load_config(None if name == "default" else name, [
-            *([] if name == "default" else bench), "train.steps=3", "train.warmup_steps=1", "log.every=1",
-            "checkpoint.final=false", f"log.run_dir={tmp_path / name}", "train.device=cuda"])
+            *own, "train.steps=3", "train.warmup_steps=1", "log.every=1", "checkpoint.final=false",
+            f"log.run_dir={tmp_path / name}", "train.device=cuda"])
         torch._dynamo.reset()
         gc.collect()
         torch.cuda.empty_cache()
