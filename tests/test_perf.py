@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 TINY = ["model.num_layers=4", "model.hidden_size=256", "model.num_heads=4", "model.num_kv_heads=2",
         "model.head_dim=64", "model.moe_intermediate_size=256", "model.num_experts=8", "model.top_k=2",
         "model.vocab_size=1024", "train.seq_len=256", "train.micro_batch_size=2", "train.compile=false",
-        "train.activation_checkpoint=none"]
+        "train.activation_checkpoint=none", "train.global_batch_tokens="]
 ONE = {"pp": 1, "dp": 1, "fsdp": 1, "cp": 1, "ep": 1}
 
 

@@ -70,7 +70,7 @@ CASES = {
 @pytest.mark.parametrize("recipe", list(CASES))
 def test_plan_bytes_equal_arithmetic(recipe):
     overrides, hand, stages = CASES[recipe]
-    cfg = load_config(recipe, ["parallel.auto=false", *overrides])
+    cfg = load_config(recipe, ["parallel.auto=false", "train.activation_checkpoint=none", *overrides])
     result = planner.plan(cfg, 8, GPUS["h200"].memory_gib, "h200")
     want = hand(cfg.model, stages)
     got = [(r["stage"], r["params"], r["grads"], r["optimizer"]) for r in result["ranks"]]
@@ -82,7 +82,8 @@ def test_fsdp_traffic_before_and_after_policy():
     """qwen3 fsdp=8 ep=8: experts are whole per rank (no FSDP traffic); per micro-batch the root
     (embedding, norm, head) is gathered once, each layer's dense tensors twice, all reduced once;
     a ring moves 7/8 of each buffer. float32 gathers (4 B) vs the policy's bf16 (2 B)."""
-    cfg = load_config("qwen3-30b-a3b", ["parallel.auto=false", "parallel.fsdp=8", "parallel.ep=8"])
+    cfg = load_config("qwen3-30b-a3b", ["parallel.auto=false", "parallel.fsdp=8", "parallel.ep=8",
+                                        "train.activation_checkpoint=full"])
     m = cfg.model
     D, H, K, hd, E = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_experts
     root, layers = 2 * m.vocab_size * D + D, m.num_layers * (2 * D * H * hd + 2 * D * K * hd + 2 * hd + 2 * D + D * E)
@@ -106,10 +107,12 @@ def test_plan_cli_fits_on_eight_not_on_one(recipe, gpu, capsys):
         assert out["fits"] is fits and out["gpu_gib"] == GPUS[gpu].memory_gib
         assert (out["peak_gib"] <= planner.FIT_FRACTION * out["gpu_gib"]) is fits
         ranked = [c["prediction"]["tokens_per_s_per_gpu"] for c in out["candidates"]]
-        assert ranked == sorted(ranked, reverse=True)
+        assert all(b <= a * (1 + planner.TIE) for a, b in zip(ranked, ranked[1:]))  # fastest first, but ties
         if fits:
             assert out["layout"]["fsdp"] * out["layout"]["pp"] * out["layout"]["dp"] == 8
             assert out["prediction"]["tokens_per_s_per_gpu"] > 0 and cap.err == ""
+            c, dp = out["choice"], out["layout"]["dp"] * out["layout"]["fsdp"]  # the recipe's step, as chosen
+            assert c["micro_batch_size"] * c["grad_accum"] * dp * 4096 == out["global_batch_tokens"] == 524288
         else:
             assert out["peak_gib"] > 100  # params + grads + AdamW alone: 16 B x >= 15.7B parameters
             assert "does not fit" in cap.err
@@ -120,8 +123,9 @@ def test_invoke_plan_prints_the_table():
     r = subprocess.run([sys.executable, "-m", "invoke", "plan", "--model=deepseek-v2-lite", "--gpu=h100",
                         "--gpus=8"], cwd=REPO, text=True, capture_output=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "pp=1 dp=1 fsdp=8 cp=1 ep=8" in r.stdout and "fits: yes" in r.stdout
-    assert "FSDP traffic per step" in r.stdout
+    assert "pp=8 dp=1 fsdp=1 cp=1 ep=1" in r.stdout and "fits: yes" in r.stdout
+    assert "choice: the fastest of" in r.stdout and re.search(r"^> pp=8 dualpipev +none +1 x 128 .* chosen$",
+                                                              r.stdout, re.M)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,10 +149,67 @@ def test_auto_fills_unset_sizes_and_keeps_given_ones():
     def sizes(c, world=8):
         return [getattr(planner.resolve(c, world)[0].parallel, k) for k in ("pp", "dp", "fsdp", "cp", "ep")]
     assert sizes(load_config("qwen3-30b-a3b", ["parallel.ep=2", "parallel.cp=2", "train.compile=false"]))[3:] == [2, 2]
-    assert sizes(load_config("deepseek-v2-lite", ["parallel.fsdp=4"]))[:3] == [1, 2, 4]  # fsdp given: dp the rest
+    pp, dp, fsdp = sizes(load_config("deepseek-v2-lite", ["parallel.fsdp=4"]))[:3]
+    assert fsdp == 4 and pp * dp == 2  # fsdp given: pp and dp the rest
     cfg = load_config("gpt-oss-20b", ["parallel.ep=3"])  # a given size that cannot work
     with pytest.raises(ConfigError, match="parallel: auto found no valid layout"):
         planner.auto_layout(cfg, 8, None)
+
+
+def test_auto_chooses_recomputation_and_batch_for_the_global_batch():
+    """With train.global_batch_tokens and activation_checkpoint: auto, auto chooses the layout, the
+    recomputation, the micro-batch and the accumulation together: the chosen one fits and makes the
+    recipe's step; every candidate ranked faster does not fit (planned, or its bound over the GPU);
+    the recipe's Config is left as it was."""
+    cfg = load_config("deepseek-v2-lite", ["parallel.pp=1"])
+    resolved, result = planner.resolve(cfg, 8, "h100", GPUS["h100"].memory_gib)
+    t, usable = resolved.train, result["usable_gib"]
+    assert cfg.train.activation_checkpoint == "auto" and cfg.train.micro_batch_size == 2 and cfg.parallel.fsdp is None
+    assert t.activation_checkpoint in planner.POLICIES and result["fits"]
+    dp = resolved.parallel.dp * resolved.parallel.fsdp
+    assert t.micro_batch_size * t.grad_accum * dp * t.seq_len == t.global_batch_tokens == 524288
+    options = result["candidates"]
+    at = next(i for i, c in enumerate(options) if planner.choice_of(c) == result["choice"])
+    assert {(c["activation_checkpoint"], c["micro_batch_size"]) for c in options} >= {("full", 1), ("none", 16)}
+    for c in options[:at]:
+        assert c["fits"] is False and max(c.get("peak_gib", 0), c.get("peak_floor_gib", 0)) > usable, c
+    assert planner.choice_of({**vars(resolved.parallel), **vars(t)}) == result["choice"]
+
+
+def test_the_bound_is_below_the_plan():
+    """floor_gib, which skips a candidate without building its model, is a lower bound of its plan:
+    every policy, a pipeline (each stage) and FSDP layouts, several micro-batches."""
+    from pithtrain.models import build_model
+    from pithtrain.models.common import decoder_layers
+
+    cfg = load_config("deepseek-v2-lite", ["parallel.auto=false", "train.global_batch_tokens="])
+    layers = decoder_layers(build_model(cfg.model, init=False))
+    per_token = {p: {i: sum(planner.layer_activations(x, i, cfg, 2, p)) for i, x in enumerate(layers)}
+                 for p in planner.POLICIES}
+    models = {}
+    for lay in (["parallel.fsdp=8", "parallel.ep=8"], ["parallel.pp=2", "parallel.fsdp=4", "parallel.ep=4"]):
+        for policy, mb in (("none", 2), ("cheap", 1), ("selective", 4), ("full", 8)):
+            c = load_config("deepseek-v2-lite", [
+                "parallel.auto=false", "train.global_batch_tokens=", *lay, f"train.activation_checkpoint={policy}",
+                f"train.micro_batch_size={mb}", "train.grad_accum=4"])
+            peak = planner.plan(c, 8, 80.0, "h100", models=models)["peak_gib"]
+            assert 0.5 * peak < planner.floor_gib(c, 8, per_token) <= peak, (lay, policy, mb)
+
+
+def test_a_given_layout_must_make_the_global_batch():
+    """train.global_batch_tokens with the layout given: micro-batch x accumulation x data-parallel
+    ranks x sequence must be it, else one line that says which accumulation would be; the field
+    itself must be a multiple of the sequence."""
+    base = ["parallel.auto=false", "parallel.fsdp=8", "parallel.ep=8", "train.activation_checkpoint=full"]
+    with pytest.raises(ConfigError) as e:
+        planner.resolve(load_config("qwen3-30b-a3b", base), 8)
+    msg = str(e.value)
+    assert "\n" not in msg and "train.global_batch_tokens: 524288 is not micro_batch_size x grad_accum x " \
+        "data-parallel ranks x seq_len = 2 x 1 x 8 x 4096 = 65536; set train.grad_accum=8" in msg
+    cfg = load_config("qwen3-30b-a3b", [*base, "train.grad_accum=8"])
+    assert planner.resolve(cfg, 8)[0] is cfg
+    with pytest.raises(ConfigError, match="train.global_batch_tokens: must be a positive multiple of train.seq_len"):
+        load_config("qwen3-30b-a3b", ["train.global_batch_tokens=1000"])
 
 
 def test_auto_without_costs_for_the_family_chooses_by_memory_and_says_so(monkeypatch, capsys, tmp_path):
@@ -197,7 +258,8 @@ def test_cuda_launch_refuses_a_plan_that_does_not_fit(monkeypatch):
                         lambda d: SimpleNamespace(total_memory=int(79.6 * planner.GIB)))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
     cuda = torch.device("cuda", 0)
-    cfg, result = planner.resolve_launch(load_config("qwen3-30b-a3b", ["parallel.auto=false"]), cuda, 1)
+    cfg, result = planner.resolve_launch(load_config("qwen3-30b-a3b", ["parallel.auto=false",
+                                                                       "train.global_batch_tokens="]), cuda, 1)
     with pytest.raises(ConfigError) as e:
         check_run(cfg, cuda, 1, 0, result)
     msg = str(e.value)
