@@ -17,14 +17,30 @@ What is compiled (fullgraph=True: a graph break is an error, not a silent slow p
   The permutation, the grouped expert GEMMs and combine stay eager: they already run as a few
   large kernels (grouped GEMM, Triton permute/SwiGLU) that a compiler would not improve.
 
-Activation checkpointing (`train.activation_checkpoint`):
-  "full"       recompute each whole decoder layer in backward (least memory, ~1/3 more compute);
+Activation checkpointing (`train.activation_checkpoint`), per decoder layer, least memory last:
+  "none"       autograd keeps what each operation saves (compiled graphs: what inductor's
+               partitioner keeps, which already recomputes the pointwise work inside them).
+  "cheap"      keep what is expensive to make again, recompute what is cheap: the attention phase
+               (`attend`) and every dense SwiGLU (a dense layer's `mlp`, shared experts) run under
+               a selective checkpoint (torch.utils.checkpoint's create_selective_checkpoint_contexts)
+               whose policy (`cheap_policy`) saves the outputs of the GEMMs and of the attention
+               kernel (output and log-sum-exp) and recomputes the rest in backward: norms, RoPE,
+               activations, casts, residual adds. The routed experts keep their dispatched rows and
+               both GEMMs' outputs and recompute the activation (SwiGLU, GPT-OSS's clamp) from the
+               first GEMM's output (`GroupedExperts.down` under a plain checkpoint, which stops
+               recomputing when the second GEMM has saved its input, before that GEMM runs). The
+               router (its softmax: 4 B x experts per token) and dispatch / combine are untouched,
+               so expert parallel's all-to-all runs once. Cost: the recomputed pointwise work, a
+               few percent of the layer (pithtrain/perf.py).
   "selective"  recompute only the expert computation: a MoE layer's grouped experts (and shared
                experts), a dense layer's `mlp`. The routed experts' hidden activations (top_k
                rows per token, 2F + F wide) are the largest share of a MoE layer's saved memory,
                and their recompute is one grouped-GEMM forward; attention's saved tensors, and
                the dispatched rows (the checkpoint's input), are kept. Dispatch and combine stay
                outside the checkpoint, so expert parallel's all-to-all is never run twice.
+  "full"       recompute each whole decoder layer in backward (least memory, ~1/3 more compute).
+What each keeps, per token, is pithtrain/plan.py's table (saved_per_layer), checked against
+torch's saved-tensor hooks in tests/test_plan.py.
 """
 
 from __future__ import annotations
@@ -33,8 +49,9 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+import pithtrain.kernels.fa4  # noqa: F401  (registers pithtrain::fa4_fwd, an attention kernel cheap_policy keeps)
 from pithtrain.models.balance import local_sum
 from pithtrain.models.common import GroupedExperts, LocalDispatcher, decoder_layers, dispatch_plan, route_and_observe
 
@@ -47,11 +64,46 @@ def _checkpointed(forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
+# What "cheap" keeps: the outputs of GEMMs and attention kernels (every SDPA backend, FlexAttention,
+# flash-attn-4); everything else in its regions is recomputed in backward.
+_aten = torch.ops.aten
+KEPT_OPS = frozenset([
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._grouped_mm.default,
+    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.higher_order.flex_attention, torch.ops.pithtrain.fa4_fwd.default])
+
+
+def cheap_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def cheap_contexts():
+    """The selective checkpoint's context pair for one region (a fresh cache each call)."""
+    return create_selective_checkpoint_contexts(cheap_policy)
+
+
+def _cheap(forward, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=cheap_contexts, **kwargs)
+
+
 def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
+    if mode not in ("none", "cheap", "selective", "full"):
+        raise ValueError(f"activation checkpointing {mode!r}: the run's choice is made before the build "
+                         "(plan.resolve chooses train.activation_checkpoint=auto)")
     if mode == "none":
         return
     for layer in decoder_layers(model):
         mlp = layer.mlp
+        if mode == "cheap":
+            layer.attend = functools.partial(_cheap, layer.attend)
+            if not hasattr(mlp, "dispatcher"):
+                mlp.forward = functools.partial(_cheap, mlp.forward)
+                continue
+            mlp.experts.down = functools.partial(_checkpointed, mlp.experts.down)
+            if getattr(mlp, "shared_experts", None) is not None:
+                mlp.shared_experts.forward = functools.partial(_cheap, mlp.shared_experts.forward)
+            continue
         if mode == "full":
             targets = [layer]
         elif hasattr(mlp, "dispatcher"):  # a MoE block: its phases call the experts directly

@@ -60,6 +60,10 @@ class TrainConfig:
     micro_batch_size: int = 8
     seq_len: int = 128
     grad_accum: int = 1  # micro-batches per optimizer step (per data-parallel rank)
+    # tokens per optimizer step over every rank; null: micro_batch_size x grad_accum per data-parallel
+    # rank is the step. Set: micro_batch_size x grad_accum x data-parallel ranks x seq_len must be it,
+    # and under `parallel: auto` the planner chooses micro_batch_size and grad_accum for it (plan.py)
+    global_batch_tokens: int | None = None
     lr: float = 3e-3
     warmup_steps: int = 20  # linear warmup to lr, then the schedule (train.lr_lambda)
     # cosine / linear: from the end of warmup to the last step; wsd (warmup-stable-decay): lr held
@@ -77,7 +81,8 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU; bfloat16: both
     compile: bool = False  # torch.compile(fullgraph=True) on the non-MoE parts (CUDA only)
-    activation_checkpoint: Literal["none", "full", "selective"] = "none"  # see pithtrain/compile.py
+    # see pithtrain/compile.py; auto: the planner chooses with the layout (plan.resolve, pithtrain/plan.py)
+    activation_checkpoint: Literal["none", "cheap", "selective", "full", "auto"] = "none"
     kernels: Literal["auto", "torch"] = "auto"  # auto: fused operators where available (kernels/)
     fp8: bool = False
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # FSDP's gradient reduce-scatter (parallelize.py)
@@ -109,6 +114,10 @@ class TrainConfig:
         if self.lr_schedule != "wsd" and (self.decay_ratio, self.decay_type) != (0.2, "linear"):
             err("decay_ratio" if self.decay_ratio != 0.2 else "decay_type",
                 f"applies to train.lr_schedule=wsd only (it is {self.lr_schedule!r})")
+        if self.global_batch_tokens is not None and (self.global_batch_tokens < 1
+                                                     or self.global_batch_tokens % self.seq_len):
+            err("global_batch_tokens", f"must be a positive multiple of train.seq_len ({self.seq_len}), got "
+                                       f"{self.global_batch_tokens}")
         if self.max_skips < 1:
             err("max_skips", f"must be >= 1, got {self.max_skips}")
         if self.eval_every < 0:

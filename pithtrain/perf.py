@@ -26,8 +26,10 @@ micro-batch:
 Modelled on top of it (`predict`):
     compute        each layer at its tokens per micro-batch (T = micro-batch x seq / cp), linear in
                    T; the experts phase moved along the measured ep curve and slowed by the group
-                   imbalance (the slowest rank sets the pace); activation checkpointing adds the
-                   layer's forward (full) or its MLP part (selective) to its backward. Another GPU
+                   imbalance (the slowest rank sets the pace); activation checkpointing adds to
+                   its backward what it recomputes, derived from the measured forward phases
+                   (`recompute`: full the layer's forward, selective the experts phase, cheap the
+                   attention phase's pointwise work and the SwiGLU activations). Another GPU
                    than the calibration's: the part of a phase its FLOPs at GEMM_EFFICIENCY of the
                    peak explain scales with the peak, the rest with memory bandwidth.
     collectives    the bytes the code sends, over the GPU's links (pithtrain/gpus.py) at LINK_EFFICIENCY plus ALPHA per
@@ -47,6 +49,7 @@ model was checked against a measurement and how far off it was.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -61,6 +64,13 @@ COSTS = Path(__file__).resolve().parent / "costs_h200.json"  # scripts/calibrate
 LINK_EFFICIENCY = {"nvlink": 0.82, "ib": 0.92}
 ALPHA = {"nvlink": 15e-6, "ib": 30e-6}  # seconds per collective (NCCL's small-message latency)
 GEMM_EFFICIENCY = 0.744  # the bf16 8192^3 GEMM on the H200: 736 of 989 TFLOP/s (docs/bench.md)
+
+
+@functools.lru_cache(maxsize=64)
+def op_lists(schedule: str, pp: int, micro_batches: int) -> list:
+    """schedule.build_schedule, kept: the planner asks for the same lists across its candidates, and
+    building them for many micro-batches is most of its time. Read them, never change them."""
+    return build_schedule(schedule, pp, micro_batches)
 
 
 def load_costs(path: str | Path = COSTS) -> dict:
@@ -103,15 +113,18 @@ def dims_of(lay: dict) -> ParallelDims:
     return ParallelDims(**{k: lay[k] for k in ("pp", "dp", "fsdp", "cp", "ep")})
 
 
-def local_params(cfg, lay: dict) -> float:
+def local_params(cfg, lay: dict, chunks: list | None = None) -> float:
     """Parameters one rank holds (its optimizer's share): dense ones over fsdp x cp, routed experts
-    over ep x efsdp, a pipeline stage's share of the layers."""
+    over ep x efsdp; a pipeline stage's share of the layers, or with `chunks` (schedule.Chunk: layer
+    ids, first / last) exactly those layers, the embedding with the first, the head with the last."""
     m, d = cfg.model, dims_of(lay)
-    dense, experts = 2 * m.vocab_size * m.hidden_size, 0
-    for i in range(m.num_layers):
+    ids = range(m.num_layers) if chunks is None else [i for ch in chunks for i in ch.layer_ids]
+    dense = (2 if chunks is None else sum(ch.first + ch.last for ch in chunks)) * m.vocab_size * m.hidden_size
+    experts = 0
+    for i in ids:
         ex = expert_params(m, i)
         dense, experts = dense + m.layer_params(i)[0] - ex, experts + ex
-    return (dense / (d.fsdp * d.cp) + experts / (d.ep * d.efsdp)) / d.pp
+    return (dense / (d.fsdp * d.cp) + experts / (d.ep * d.efsdp)) / (d.pp if chunks is None else 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,20 +186,61 @@ def layer_costs(cfg, fam: dict, path: str, gpu: str, ep: int, T: float, which: s
         flops = layer_flops(m, i, t.seq_len)[0]
         scale = T / fam["tokens"] * flops / fam["layer_flops"][kind]  # another width: by its FLOPs
         F, BW = lay[which]["F"] * scale, lay[which]["BW"] * scale
+        attn_F = lay["phases_F"]["attn"] * F
+        mlp_F = F - attn_F  # a dense layer's MLP phase; a MoE layer's experts phase, below
         if kind != "dense":  # the experts phase at this layout's rows per expert (and in FP8)
             e1, ek = fam["experts"]["1"], measured_at(fam["experts"], ep)
             e8 = measured_at(fam["experts_fp8"], ep) if fp8 else ek
             imb = measured_at(fam["balance"]["group_max_mean"], ep)
             f1 = lay["phases_F"]["experts"] * F
             b1 = f1 * e1["BW"] / e1["F"]
-            F += f1 * (e8["F"] / e1["F"] * imb - 1)
+            mlp_F = f1 * e8["F"] / e1["F"] * imb
+            F += mlp_F - f1
             BW += b1 * (e8["BW"] / e1["BW"] * imb - 1)
-        if t.activation_checkpoint == "full":
-            BW += F
-        elif t.activation_checkpoint == "selective" and kind != "dense":
-            BW += F * (1 - lay["phases_F"]["attn"])
-        out[i] = (on_gpu(F, T * flops, fam["gpu"], gpu), on_gpu(BW, 2 * T * flops, fam["gpu"], gpu))
+        extra, extra_flops = recompute(cfg, i, t.activation_checkpoint, F, attn_F, mlp_F, fam["gpu"], T)
+        out[i] = (on_gpu(F, T * flops, fam["gpu"], gpu),
+                  on_gpu(BW + extra, 2 * T * flops + extra_flops, fam["gpu"], gpu))
     return out
+
+
+def mlp_flops(m, i: int) -> float:
+    """Forward FLOPs per token of layer i's MLP block: router, top-k routed and shared experts (a
+    dense layer: its SwiGLU MLP); layer_flops less this is the attention phase's."""
+    D = m.hidden_size
+    if layer_kind(m, i) == "dense":
+        return 2 * 3 * D * m.intermediate_size
+    return 2 * (D * m.num_experts + m.top_k * expert_params(m, i) / m.num_experts + 3 * D * shared_width(m))
+
+
+def shared_width(m) -> int:
+    """The shared experts' hidden width (DeepSeek; 0 elsewhere)."""
+    return getattr(m, "n_shared_experts", 0) and m.n_shared_experts * m.moe_intermediate_size
+
+
+def recompute(cfg, i: int, mode: str, F: float, attn_F: float, mlp_F: float, measured_on: str,
+              T: float) -> tuple[float, float]:
+    """(seconds, FLOPs) activation checkpointing `mode` adds to layer i's backward, on the
+    calibration GPU, derived from the measured forward of T tokens: F the layer's, attn_F its
+    attention phase, mlp_F its experts phase as this layout runs it (a dense layer: its MLP phase):
+        full       the layer's forward
+        selective  the experts phase (a dense layer: its MLP phase)
+        cheap      the attention phase less its GEMMs and attention kernel at GEMM_EFFICIENCY of
+                   the peak (what is left is the pointwise work it recomputes: norms, RoPE, casts,
+                   the residual), plus the SwiGLU activations at the GPU's memory bandwidth (one
+                   pass: read gate and up, write their product, 3 x 2 B per element)"""
+    m = cfg.model
+    flops = layer_flops(m, i, cfg.train.seq_len)[0]
+    if mode == "full":
+        return F, T * flops
+    dense = layer_kind(m, i) == "dense"
+    if mode == "selective":
+        return mlp_F, T * (mlp_flops(m, i) - (0 if dense else 2 * m.hidden_size * m.num_experts))
+    if mode != "cheap":
+        return 0.0, 0.0
+    g = GPUS[measured_on]
+    gemms = T * (flops - mlp_flops(m, i)) / (GEMM_EFFICIENCY * g.peak_tflops * 1e12)
+    width = m.intermediate_size if dense else m.top_k * getattr(m, m.expert_width_field) + shared_width(m)
+    return max(0.0, attn_F - gemms) + T * 3 * 2 * width / (g.hbm_tbs * 1e12), 0.0
 
 
 def end_costs(cfg, fam: dict, path: str, gpu: str, T: float) -> dict:
@@ -234,11 +288,14 @@ def comm_costs(cfg, lay: dict, gpu: str, fam: dict, T: float) -> dict:
     return out
 
 
-def predict(cfg, lay: dict, gpu: str, costs: dict | None = None, path: str | None = None) -> dict:
+def predict(cfg, lay: dict, gpu: str, costs: dict | None = None, path: str | None = None,
+            memo: dict | None = None) -> dict:
     """Step seconds, tokens/s (all GPUs and per GPU) and the step's parts for cfg's model and
     train settings on layout `lay` ({pp, dp, fsdp, cp, ep}, optionally pp_schedule, pp_overlap;
     else cfg.parallel's) over GPUs of type `gpu`. `path`: the cost file's path to use (default:
-    "fsdp" when the layout shards parameters, else "train"; "bench" for the bench's bf16 step)."""
+    "fsdp" when the layout shards parameters, else "train"; "bench" for the bench's bf16 step).
+    `memo`: a dict kept across calls for one model (the planner's ranking), holding the layers' costs
+    by what they depend on."""
     costs = costs or load_costs()
     m, t = cfg.model, cfg.train
     if m.family not in costs["families"]:
@@ -253,9 +310,14 @@ def predict(cfg, lay: dict, gpu: str, costs: dict | None = None, path: str | Non
     if path == "fsdp" and path not in fam["paths"]:  # measured before FSDP left such experts out: its
         path = "fsdp_sharded"  # costs are those of the experts inside FSDP (the prediction says which)
     T = t.micro_batch_size * t.seq_len / cp
-    costs_mb = {w: layer_costs(cfg, fam, path, gpu, lay["ep"], T, w, t.fp8) for w in ("first", "later")}
+    memo = {} if memo is None else memo
+    key = (path, gpu, lay["ep"], T, t.fp8, t.activation_checkpoint)  # what the layers' costs depend on
+    if key not in memo:
+        memo[key] = {w: layer_costs(cfg, fam, path, gpu, lay["ep"], T, w, t.fp8) for w in ("first", "later")}
+    costs_mb = memo[key]
     ends = end_costs(cfg, fam, path, gpu, T)
-    comm = comm_costs(cfg, lay, gpu, fam, T)
+    key = ("comm", gpu, T, t.reduce_dtype, *(lay[k] for k in ("pp", "dp", "fsdp", "cp", "ep")))
+    comm = memo[key] = memo[key] if key in memo else comm_costs(cfg, lay, gpu, fam, T)
     tail = on_gpu(fam["paths"][path]["tail_per_param"] * local_params(cfg, lay), 0.0, fam["gpu"], gpu)
 
     def chunk(layers, first_end, last_end, which):
@@ -290,12 +352,12 @@ def predict(cfg, lay: dict, gpu: str, costs: dict | None = None, path: str | Non
         def pair(vf, vb):  # an F&B pair: the all-to-all under the other micro-batch's compute
             (f1, _, x1, a1, _), (_, b2, x2, a2, _) = ch[vf], ch[vb]
             return max(f1 + b2, (a1 + a2) / 2) + (x1 + x2) / 2 + 2 * hop
-        makespan, busy, _ = simulate(build_schedule(schedule, pp, M), schedule, F, B, W, pair if overlap else None)
+        makespan, busy, _ = simulate(op_lists(schedule, pp, M), schedule, F, B, W, pair if overlap else None)
         step = makespan + tail
         r = max(range(pp), key=lambda r: busy[r])  # the busiest rank's step
         vs = rank_stages(r, pp, schedule)
         comp, exposed = M * sum(ch[v][0] + ch[v][1] for v in vs), M * sum(ch[v][2] + 2 * hop for v in vs)
-        parts = {"compute": comp, "fsdp_cp_exposed": exposed, "all_to_all": busy[r] - comp - exposed,
+        parts = {"compute": comp, "fsdp_cp_exposed": exposed, "all_to_all": max(0.0, busy[r] - comp - exposed),
                  "optimizer": tail, "bubble": makespan - busy[r]}
     return {"layout": {k: lay[k] for k in ("pp", "dp", "fsdp", "cp", "ep")}, "gpu": gpu, "path": path,
             "step_s": step, "tokens_per_s": tokens / step, "tokens_per_s_per_gpu": tokens / step / world,

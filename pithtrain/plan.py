@@ -17,20 +17,28 @@ shape of each parameter is this rank's share, at the bytes of the run's training
 (precision.STATES; float32: masters 4 B, gradients 4 B (FSDP reduces into the float32 sharded
 gradient), AdamW's two moments 8 B).
 
-Activations: an analytic count of the tensors autograd saves per token on the CUDA bf16 path,
-with c the compute bytes (2; the residual stream is bf16 too, as every weight is: FSDP's bf16
-gathers, or without FSDP the bf16 copy, precision.WeightCopies):
-    RMSNorm of width D                2 c D        its input and the normalised input
-    nn.Linear (attention, router, MLP) c in         its bf16 input
-    attention core                    c H (2 d_qk + 2 d_v) + 4 H d_qk    q, k, v (k, v counted
-                                      with H heads: an upper bound under GQA), the output, q's
-                                      float32 RoPE halves
-    dense SwiGLU MLP of width F       3 c F        gate, up and their product
-    routed experts, top-k A           c A (2 D + 3 F) + 4 E   dispatched rows, [gate | up],
-                                      the SwiGLU output, the expert output; router probabilities
-Activation checkpointing keeps
-each layer's input only (full: c D per token) or the layer without its MLP internals
-(selective). One micro-batch is T = micro_batch_size * seq_len / cp tokens per rank. A GPU test
+Activations: a count of the tensors autograd keeps per token on the CUDA bf16 path (compiled
+graphs, fused kernels), layer by layer (layer_activations), with c the compute bytes (2; the
+residual stream is bf16 too, as every weight is: FSDP's bf16 gathers, or without FSDP the bf16
+copy, precision.WeightCopies). Attention phase of H heads (K for k and v: kv heads, MLA every
+head), widths d_qk, d_v:
+    none, selective  its input, the residual after attention, the normalised input (every GEMM
+                     reading width D shares it), each other GEMM's input, q and k as the kernel
+                     reads them, v (MLA: the GEMM output it slices), the kernel's output and
+                     float32 log-sum-exp, each norm's input (per-head norms: every head) and
+                     float32 statistics (4 B a row)
+    cheap            its input, every GEMM's output, the kernel's output and log-sum-exp
+MLP block, D wide, a MoE block of top-k A over E routed experts of width F:
+    all but full     its input (c D); the router's logits (c E), ids, weights; unpermute's
+                     weights and indices (and the expert ids of biased experts)
+    routed experts   dispatched rows and expert outputs (2 c A D), plus [gate | up] (2 c A F,
+                     none and cheap) and the activation (c A F, none)
+    dense SwiGLU     (a dense layer's MLP; shared experts also keep their own input, c D) width
+                     F: gate, up, their product (3 c F, none), gate and up (cheap), nothing
+                     (selective)
+and under full each layer keeps its input (c D). tests/test_plan.py compares these, per layer and
+part, with what torch's saved-tensor hooks see at tiny widths on CPU (within 3%).
+One micro-batch is T = micro_batch_size * seq_len / cp tokens per rank. A GPU test
 (tests/test_plan.py, marked gpu) compares the peak with torch.cuda.max_memory_allocated.
 
 Communication buffers. FSDP2: the root's unsharded parameters (embedding, final norm, head:
@@ -62,7 +70,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
+import math
 import sys
 
 import torch
@@ -73,11 +83,12 @@ from torch.distributed.tensor import DTensor
 from pithtrain import perf
 from pithtrain.build import build_run
 from pithtrain.config import LAYOUT_KEYS, Config, ConfigError, load_config
-from pithtrain.distributed import pipeline
+from pithtrain.distributed import pipeline, schedule
 from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.distributed.parallelize import moe_blocks
 from pithtrain.gpus import GPUS, gpu_key
-from pithtrain.models.common import GroupedExperts, RMSNorm, SwiGLUMLP
+from pithtrain.models import build_model
+from pithtrain.models.common import GroupedExperts, RMSNorm, decoder_layers
 from pithtrain.precision import Precision
 
 GIB = 2 ** 30
@@ -124,36 +135,53 @@ def local_numel(p: torch.Tensor) -> int:
 # Activations (the module docstring's table)
 
 
-def layer_activations(layer: nn.Module, i: int, cfg: Config, c: int) -> tuple[int, int]:
-    """Bytes per token a decoder layer saves for backward, as (attention part, MLP part)."""
-    m = cfg.model
-    per_tok = [0, 0]
-    for name, mod in layer.named_modules():
-        part = 1 if name.split(".")[0] in ("mlp", "post_attention_layernorm") else 0
-        if isinstance(mod, RMSNorm) and mod.weight.shape[0] == m.hidden_size:
-            per_tok[part] += 2 * c * m.hidden_size
-        elif isinstance(mod, nn.Linear):
-            per_tok[part] += c * mod.in_features
-        elif isinstance(mod, SwiGLUMLP):
-            per_tok[part] += 3 * c * mod.gate_proj.out_features
-        elif isinstance(mod, GroupedExperts):
-            per_tok[part] += c * m.top_k * (2 * mod.dim + 3 * mod.hidden) + 4 * mod.num_experts
-    _, d_qk, d_v, heads = m.attention_shapes(i)
-    per_tok[0] += c * heads * (2 * d_qk + 2 * d_v) + 4 * heads * d_qk
-    return per_tok[0], per_tok[1]
+def layer_activations(layer: nn.Module, i: int, cfg: Config, c: int, mode: str) -> tuple[int, int]:
+    """Bytes per token decoder layer i keeps for backward under activation checkpointing `mode`,
+    as (attention phase, MLP block), on the compiled path: the module docstring's table."""
+    m, D = cfg.model, cfg.model.hidden_size
+    if mode == "full":
+        return 0, c * D  # the layer's input
+    attn = layer.self_attn
+    _, d_qk, d_v, H = m.attention_shapes(i)
+    K = getattr(m, "num_kv_heads", H)  # the kernel's k / v heads (MLA: every head)
+    linears = [x for x in attn.modules() if isinstance(x, nn.Linear)]
+    core = c * H * d_v + 4 * H  # the kernel's output and float32 log-sum-exp
+    if mode == "cheap":
+        a = c * D + sum(c * x.out_features for x in linears) + core
+    else:
+        rows = {"q_norm": H, "k_norm": K}  # per-head norms; the others normalise a token's one row
+        norms = [(n, x.weight.shape[0] * rows.get(n, 1)) for n, x in attn.named_modules() if isinstance(x, RMSNorm)]
+        v = c * K * d_v
+        if hasattr(attn, "kv_b_proj"):  # MLA: v and the latent's norm input are slices of their GEMMs' outputs
+            v = c * attn.kv_b_proj.out_features
+            norms = [(n, attn.kv_a_proj_with_mqa.out_features if n == "kv_a_layernorm" else w) for n, w in norms]
+        a = (3 * c * D + sum(c * x.in_features for x in linears if x.in_features != D)
+             + c * (H + K) * d_qk + v + core + sum(c * w for _, w in norms)
+             + 4 * (2 + sum(rows.get(n, 1) for n, _ in norms)))
+    mlp = layer.mlp
+    if not isinstance(getattr(mlp, "experts", None), GroupedExperts):
+        return a, c * D + swiglu_mlp(mlp, c, mode)
+    ex, A = mlp.experts, m.top_k
+    routing = c * mlp.balance.num_experts + 8 * A + 4 * A + 4  # logits (router's width), ids, weights, their sum
+    rows = {"none": 2 * D + 3 * ex.hidden, "cheap": 2 * D + 2 * ex.hidden, "selective": 2 * D}[mode]
+    combine = c * A + 2 * 8 * A + (8 * A if ex.b13_EF2 is not None else 0)  # unpermute's weights and
+    shared = getattr(mlp, "shared_experts", None)  # indices; the rows' expert ids for the biases
+    shared = c * D + swiglu_mlp(shared, c, mode) if shared is not None else 0  # its input: its compiled
+    return a, c * D + routing + c * A * rows + combine + shared  # graph keeps its own
+
+
+def swiglu_mlp(mlp: nn.Module, c: int, mode: str) -> int:
+    """Bytes per token a dense SwiGLU MLP keeps beyond its input: gate, up and their product (none);
+    gate and up, the GEMMs' outputs its backward reads (cheap); nothing (selective)."""
+    F = mlp.gate_proj.out_features
+    return {"none": 3 * c * F, "cheap": 2 * c * F, "selective": 0}[mode]
 
 
 def saved_per_layer(layer, i, cfg, c, T) -> tuple[int, int]:
     """(bytes kept between forward and backward under train.activation_checkpoint, bytes of the
     layer's whole activations: what its backward (or recompute) holds at once)."""
-    a_tok, m_tok = layer_activations(layer, i, cfg, c)
-    whole = T * (a_tok + m_tok)
-    mode = cfg.train.activation_checkpoint
-    if mode == "full":
-        return T * c * cfg.model.hidden_size, whole
-    if mode == "selective":
-        return T * (a_tok + c * cfg.model.hidden_size), whole
-    return whole, whole
+    kept = sum(layer_activations(layer, i, cfg, c, cfg.train.activation_checkpoint))
+    return T * kept, T * sum(layer_activations(layer, i, cfg, c, "none"))
 
 
 def in_flight(cfg: Config, dims: ParallelDims, chunk_bytes: list[int]) -> int:
@@ -161,7 +189,7 @@ def in_flight(cfg: Config, dims: ParallelDims, chunk_bytes: list[int]) -> int:
     with one, replay this rank's op list (F holds a chunk's activations, W or BW releases them)."""
     if not dims.pp_enabled:
         return chunk_bytes[0]
-    ops = pipeline.build_schedule(cfg.parallel.pp_schedule, dims.pp, cfg.train.grad_accum)[dims.pp_rank]
+    ops = perf.op_lists(cfg.parallel.pp_schedule, dims.pp, cfg.train.grad_accum)[dims.pp_rank]
     held, most = [0] * len(chunk_bytes), 0
     for op in ops:
         if op.kind in ("F", "FB"):
@@ -197,8 +225,9 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks, precisi
         saved[i], whole[i] = saved_per_layer(layer, i, cfg, c, T)
     head = getattr(model, "lm_head", None) is not None
     ends = T * 4 * c * D if head else 0  # final norm; the loss's bf16 h and dh
+    rope = T * 4 * (getattr(m, "qk_rope_head_dim", None) or m.head_dim)  # float32 cos and sin, every layer's
     chunks = chunks or [pipeline.Chunk(0, sorted(layers), True, True)]
-    chunk_bytes = [sum(saved[i] for i in ch.layer_ids) + (ends if ch.last else 0) for ch in chunks]
+    chunk_bytes = [sum(saved[i] for i in ch.layer_ids) + rope + (ends if ch.last else 0) for ch in chunks]
     acts = in_flight(cfg, dims, chunk_bytes)
 
     # Unsharded sizes FSDP gathers: every dense parameter whole, experts as the ep split leaves
@@ -266,45 +295,102 @@ def fsdp_bytes(model: nn.Module, dims: ParallelDims, micro_batches: int, pbytes:
 # The whole plan, and the automatic layout
 
 
-def plan(cfg: Config, world_size: int, gpu_gib: float, gpu: str = "") -> dict:
+def plan(cfg: Config, world_size: int, gpu_gib: float, gpu: str = "", models: dict | None = None) -> dict:
     """The plan of cfg's layout on `world_size` GPUs of `gpu_gib` GiB (ConfigError if the layout
     is invalid): one entry per pipeline stage, the peak of the largest; where it does not fit, the
-    one-line "refusal" build.check_run raises."""
+    one-line "refusal" build.check_run raises. `models`: a cache of the rank models by layout (the
+    search plans one layout under several policies and batches; its model does not depend on them)."""
     ranks = []
     pp = ParallelDims.from_config(cfg, world_size, 0).pp
     for stage in range(pp):
         dims = ParallelDims.from_config(cfg, world_size, stage * world_size // pp)
-        with fake_world(world_size, dims.rank):
-            ranks.append(rank_plan(cfg, dims, *rank_model(cfg, dims)))
+        key = (tuple(layout_of(vars(cfg.parallel)).values()), stage)
+        if models is None or key not in models:
+            with fake_world(world_size, dims.rank):
+                built = rank_model(cfg, dims)
+            if models is not None:
+                models[key] = built
+        ranks.append(rank_plan(cfg, dims, *(models[key] if models is not None else built)))
     if max(x["peak"] for x in ranks) > FIT_FRACTION * gpu_gib * GIB:  # no room to keep the layers gathered
         for x in ranks:
             x["peak"], x["comm"], x["keep"] = x["peak"] - x["keep_bytes"], x["comm"] - x["keep_bytes"], False
             x["keep_bytes"] = 0
     peak = max(x["peak"] for x in ranks) / GIB
+    t = cfg.train
     result = {"gpu": gpu, "gpu_gib": gpu_gib, "usable_gib": FIT_FRACTION * gpu_gib, "world_size": world_size,
               "keep": all(x["keep"] for x in ranks), "layout": {k: getattr(cfg.parallel, k) for k in LAYOUT_KEYS},
-              "activation_checkpoint": cfg.train.activation_checkpoint, "ranks": ranks,
-              "peak_gib": peak, "fits": peak <= FIT_FRACTION * gpu_gib}
+              **{k: getattr(t, k) for k in TRAIN_CHOICES}, "global_batch_tokens": global_batch(cfg),
+              "ranks": ranks, "peak_gib": peak, "fits": peak <= FIT_FRACTION * gpu_gib}
     if not result["fits"]:
         result["refusal"] = refusal(cfg, result, world_size)
     return result
 
 
+# What `parallel: auto` chooses besides the layout: the recomputation (train.activation_checkpoint:
+# auto) and, for a recipe that fixes train.global_batch_tokens, the micro-batch and accumulation.
+TRAIN_CHOICES = ("activation_checkpoint", "micro_batch_size", "grad_accum")
+POLICIES = ("none", "cheap", "selective", "full")  # least recomputation first
+TIE = 0.005  # predictions this close rank by micro-batch size (ranked)
+
+
+def global_batch(cfg: Config, dp_size: int | None = None) -> int:
+    """Tokens per optimizer step: train.global_batch_tokens, else micro-batch x accumulation x
+    sequence x the data-parallel ranks (`dp_size`; cfg's layout when None)."""
+    t = cfg.train
+    if t.global_batch_tokens is not None:
+        return t.global_batch_tokens
+    dp_size = dp_size or (cfg.parallel.dp or 1) * (cfg.parallel.fsdp or 1)
+    return t.micro_batch_size * t.grad_accum * t.seq_len * dp_size
+
+
+def check_global_batch(cfg: Config, world_size: int) -> None:
+    """A recipe that fixes train.global_batch_tokens in a layout it gives: micro_batch_size x
+    grad_accum x data-parallel ranks x seq_len must be it (ConfigError, one line, otherwise)."""
+    t, n = cfg.train, cfg.train.global_batch_tokens
+    if n is None or cfg.parallel.auto:
+        return
+    dp = ParallelDims.from_config(cfg, world_size, 0).data_parallel_size
+    got = t.micro_batch_size * t.grad_accum * dp * t.seq_len
+    if got != n:
+        rows = n // t.seq_len
+        fix = (f"set train.grad_accum={rows // (dp * t.micro_batch_size)}" if rows % (dp * t.micro_batch_size) == 0
+               else "change train.micro_batch_size")
+        raise ConfigError(f"{cfg.source}: train.global_batch_tokens: {n} is not micro_batch_size x grad_accum x "
+                          f"data-parallel ranks x seq_len = {t.micro_batch_size} x {t.grad_accum} x {dp} x "
+                          f"{t.seq_len} = {got}; {fix}, or use parallel: auto, which chooses them")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def batches(cfg: Config, lay: dict) -> list[tuple[int, int]]:
+    """(micro_batch_size, grad_accum) options in layout `lay`: under parallel: auto with
+    train.global_batch_tokens every micro-batch size dividing a data-parallel rank's sequences
+    (none when they do not divide over its ranks); else the recipe's."""
+    t = cfg.train
+    if t.global_batch_tokens is None or not cfg.parallel.auto:
+        return [(t.micro_batch_size, t.grad_accum)]
+    rows, dp = t.global_batch_tokens // t.seq_len, lay["dp"] * lay["fsdp"]
+    return [] if rows % dp else [(mb, rows // dp // mb) for mb in divisors(rows // dp)]
+
+
 def candidates(cfg: Config, world_size: int) -> list[dict]:
-    """Every layout `parallel: auto` may choose: pp a divisor of the world the step's micro-batches
-    can fill (pp <= train.grad_accum and the layers; 1 under document masking or evaluation, which
-    a pipeline does not run), cp as given (else 1), every dp x fsdp split of the rest and every ep
-    dividing the experts; for a pipeline both schedules and DualPipeV's overlap where ep > 1 and
-    nothing is recomputed. Sizes (and pp_schedule, pp_overlap) the recipe gives are kept;
+    """Every (layout, activation_checkpoint, micro_batch_size, grad_accum) `parallel: auto` may
+    choose. Layouts: pp a divisor of the world the step's micro-batches can fill (pp <= grad_accum
+    and the layers; 1 under document masking or evaluation, which a pipeline does not run), cp as
+    given (else 1), every dp x fsdp split of the rest and every ep dividing the experts; for a
+    pipeline both schedules and DualPipeV's overlap where ep > 1 and nothing is recomputed. Sizes
+    (and pp_schedule, pp_overlap) the recipe gives are kept. Recomputation: every policy under
+    train.activation_checkpoint: auto, else the recipe's; micro-batch and accumulation: `batches`.
     parallel_dims.validate then rejects what cannot run (DualPipeV with fewer than 2 pp
     micro-batches, ...)."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     given = {k: getattr(p, k) for k in LAYOUT_KEYS if getattr(p, k) is not None}
-
-    def divisors(n):
-        return [d for d in range(1, n + 1) if n % d == 0]
+    policies = POLICIES if t.activation_checkpoint == "auto" else (t.activation_checkpoint,)
+    most = t.grad_accum if t.global_batch_tokens is None else t.global_batch_tokens // t.seq_len
     pps = ([given["pp"]] if "pp" in given else [1] if cfg.data.document_mask or t.eval_every
-           else [d for d in divisors(world_size) if d <= min(m.num_layers, t.grad_accum)])
+           else [d for d in divisors(world_size) if d <= min(m.num_layers, most)])
     out = []
     for pp in pps:
         cp = given.get("cp", 1)
@@ -320,67 +406,116 @@ def candidates(cfg: Config, world_size: int) -> list[dict]:
                     [e for e in divisors(dp * fsdp * cp) if experts % e == 0] if experts else [1]):
                 schedules = [(s, o) for s in ([p.pp_schedule] if p.pp_schedule else ["1f1b", "dualpipev"])
                              for o in ([p.pp_overlap] if p.pp_overlap is not None else [False, True])
-                             if not o or (s == "dualpipev" and ep > 1 and t.activation_checkpoint == "none")]
+                             if not o or (s == "dualpipev" and ep > 1)]
                 if pp == 1:  # no pipeline: the schedule fields say nothing
                     schedules = [(p.pp_schedule or "1f1b", bool(p.pp_overlap))]
-                for s, o in schedules:
-                    out.append({"pp": pp, "dp": dp, "fsdp": fsdp, "cp": cp, "ep": ep, "pp_schedule": s,
-                                "pp_overlap": o})
+                lay = {"pp": pp, "dp": dp, "fsdp": fsdp, "cp": cp, "ep": ep}
+                for (mb, accum), (s, o), ac in itertools.product(batches(cfg, lay), schedules, policies):
+                    if pp <= accum and (not o or ac == "none"):
+                        out.append({**lay, "pp_schedule": s, "pp_overlap": o, "activation_checkpoint": ac,
+                                    "micro_batch_size": mb, "grad_accum": accum})
     return out
 
 
-def with_layout(cfg: Config, lay: dict) -> Config:
-    """cfg in layout `lay` (its sizes, pp_schedule, pp_overlap): a new Config sharing cfg's other
-    sections; cfg itself is not changed."""
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **layout_of(lay)))
+def with_choice(cfg: Config, c: dict) -> Config:
+    """cfg with candidate `c`'s layout (sizes, pp_schedule, pp_overlap) and, where it has them, its
+    recomputation, micro-batch and accumulation: a new Config sharing cfg's other sections; cfg
+    itself is not changed."""
+    train = {k: c[k] for k in TRAIN_CHOICES if k in c}
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **layout_of(c)),
+                               train=dataclasses.replace(cfg.train, **train) if train else cfg.train)
 
 
 def ranked(cfg: Config, world_size: int, gpu: str, costs: dict | None = None) -> list[dict]:
     """The valid candidates, each with its perf.predict (`costs`: the cost file's), fastest
-    (tokens/s per GPU) first. A family the cost file has not measured: prediction None, and the
-    fewest parameters per rank first (perf.local_params: the choice by memory alone)."""
+    (tokens/s per GPU) first; predictions within TIE of each other are a tie, which the larger
+    micro-batch takes (fewer, larger GEMMs: the model, linear in a micro-batch's tokens, does not
+    see that a GPU runs small ones less well). A family the cost file has not measured: prediction None, and by
+    memory alone: the fewest parameters per rank first (perf.local_params), then the least
+    recomputation, then the largest micro-batch."""
     costs = costs or perf.load_costs()
     measured = cfg.model.family in costs["families"]
-    out = []
-    for lay in candidates(cfg, world_size):
-        c = with_layout(cfg, lay)
+    out, memo = [], {}
+    for c in candidates(cfg, world_size):
+        chosen = with_choice(cfg, c)
         try:
-            ParallelDims.from_config(c, world_size, 0)
+            ParallelDims.from_config(chosen, world_size, 0)
         except ConfigError:
             continue
-        out.append({**lay, "prediction": perf.predict(c, lay, gpu, costs) if measured else None})
+        out.append({**c, "prediction": perf.predict(chosen, c, gpu, costs, memo=memo) if measured else None})
     if not measured:
-        return sorted(out, key=lambda c: perf.local_params(cfg, c))
-    return sorted(out, key=lambda c: -c["prediction"]["tokens_per_s_per_gpu"])
+        return sorted(out, key=lambda c: (perf.local_params(cfg, c), POLICIES.index(c["activation_checkpoint"]),
+                                          -c["micro_batch_size"]))
+    return sorted(out, key=lambda c: (-math.floor(math.log(c["prediction"]["tokens_per_s_per_gpu"]) / math.log1p(TIE)),
+                                      -c["micro_batch_size"]))
 
 
 def auto_layout(cfg: Config, world_size: int, gpu_gib: float | None, gpu: str = "",
                 max_plans: int | None = None) -> tuple[dict, dict | None]:
-    """`parallel: auto`'s layout for cfg's unset sizes: the fastest valid candidate (perf.predict
-    on `gpu`, or on the cost file's GPU; ranked) whose memory plan fits `gpu_gib` GiB, planning in
-    order of speed until one fits (else the smallest peak). Returns (the layout, that plan with its
-    "prediction" and the ranking as "candidates": the planned ones carry peak_gib and fits);
-    without gpu_gib nothing is planned: (the fastest valid candidate, None). `max_plans`: plan at
-    most that many. cfg is not changed (with_layout makes the resolved Config)."""
+    """`parallel: auto`'s choice for cfg's unset sizes (and recomputation, micro-batch and
+    accumulation where the recipe leaves them to it: candidates): the fastest valid candidate
+    (perf.predict on `gpu`, or on the cost file's GPU; ranked) whose memory plan fits `gpu_gib`
+    GiB, planning in order of speed until one fits (else the smallest peak). Returns (the choice:
+    layout_of's keys and TRAIN_CHOICES, that plan with its "prediction", "choice" and the ranking
+    as "candidates": the planned ones carry peak_gib and fits); without gpu_gib nothing is planned:
+    (the fastest valid candidate, None). `max_plans`: plan at most that many. cfg is not changed
+    (with_choice makes the resolved Config)."""
     options = ranked(cfg, world_size, gpu_key(gpu) or perf.load_costs()["gpu"])
     if not options:
         raise ConfigError(f"{cfg.source}: parallel: auto found no valid layout for {world_size} processes "
-                          f"(tried {candidates(cfg, world_size)}); give the sizes explicitly")
+                          f"(tried {len(candidates(cfg, world_size))} candidates); give the sizes explicitly"
+                          + (" or another train.global_batch_tokens" if cfg.train.global_batch_tokens else ""))
     if gpu_gib is None:
-        return layout_of(options[0]), None
-    best = None
+        return choice_of(options[0]), None
+    best, models = None, {}
+    layers = decoder_layers(build_model(cfg.model, init=False))  # meta, unsharded
+    per_token = {mode: {i: sum(layer_activations(x, i, cfg, 2, mode)) for i, x in enumerate(layers)}
+                 for mode in POLICIES}
     for c in options[:max_plans]:
-        result = plan(with_layout(cfg, c), world_size, gpu_gib, gpu)
+        chosen = with_choice(cfg, c)
+        if (floor := floor_gib(chosen, world_size, per_token)) > FIT_FRACTION * gpu_gib:
+            c["peak_floor_gib"], c["fits"] = floor, False
+            continue
+        result = plan(chosen, world_size, gpu_gib, gpu, models=models)
         c["peak_gib"], c["fits"] = result["peak_gib"], result["fits"]
         if best is None or result["fits"] or result["peak_gib"] < best[1]["peak_gib"]:
             best = (c, result)
         if result["fits"]:
             break
-    return layout_of(best[0]), {**best[1], "prediction": best[0]["prediction"], "candidates": options}
+    if best is None:  # every bound was over: plan the smallest, for its refusal
+        c = min(options[:max_plans], key=lambda c: c["peak_floor_gib"])
+        best = (c, plan(with_choice(cfg, c), world_size, gpu_gib, gpu, models=models))
+        c["peak_gib"] = best[1]["peak_gib"]
+    return choice_of(best[0]), {**best[1], "prediction": best[0]["prediction"], "choice": choice_of(best[0]),
+                                "candidates": options}
+
+
+def floor_gib(cfg: Config, world_size: int, per_token: dict) -> float:
+    """A lower bound of cfg's planned peak that needs no rank model: each pipeline rank's training
+    state (perf.local_params of its layers at Precision.bytes_per_param) and its in-flight
+    activations (`per_token`: {policy: {layer: bytes per token}}, layer_activations of the unsharded
+    model, which the sharding does not change), the largest over the ranks of one data-parallel
+    group. auto_layout plans no candidate whose bound is over the GPU."""
+    p, t = cfg.parallel, cfg.train
+    most = 0
+    for stage in range(p.pp):
+        dims = ParallelDims.from_config(cfg, world_size, stage * world_size // p.pp)
+        state = Precision.of(t, torch.device("cuda"), dims).bytes_per_param()
+        chunks = (schedule.rank_chunks(stage, p.pp, p.pp_schedule, cfg.model.num_layers, p.pp_layers)
+                  if p.pp > 1 else [pipeline.Chunk(0, list(range(cfg.model.num_layers)), True, True)])
+        T = t.micro_batch_size * t.seq_len // dims.cp
+        saved = [T * sum(per_token[t.activation_checkpoint][i] for i in ch.layer_ids) for ch in chunks]
+        n = perf.local_params(cfg, layout_of(vars(p)), chunks)
+        most = max(most, n * (state["weights"] + state["grads"] + state["optimizer"]) + in_flight(cfg, dims, saved))
+    return most / GIB
 
 
 def layout_of(c: dict) -> dict:
     return {k: c[k] for k in (*LAYOUT_KEYS, "pp_schedule", "pp_overlap")}
+
+
+def choice_of(c: dict) -> dict:
+    return {**layout_of(c), **{k: c[k] for k in TRAIN_CHOICES}}
 
 
 def describe(result: dict) -> str:
@@ -392,11 +527,11 @@ def describe(result: dict) -> str:
 def refusal(cfg: Config, result: dict, world_size: int) -> str:
     """One line: by how much the plan is over, and what to change."""
     over = result["peak_gib"] - result["usable_gib"]
-    hints = []
-    if cfg.train.activation_checkpoint != "full":
+    t, hints = cfg.train, []
+    if t.activation_checkpoint != "full":
         hints.append("train.activation_checkpoint=full")
-    if cfg.train.micro_batch_size > 1:
-        hints.append(f"a smaller train.micro_batch_size (now {cfg.train.micro_batch_size})")
+    if t.micro_batch_size > 1:
+        hints.append(f"a smaller train.micro_batch_size (now {t.micro_batch_size})")
     if not cfg.parallel.auto:
         hints.append("parallel: auto (it adds pipeline stages when needed)")
     hints.append(f"more GPUs than {world_size} (invoke train --nproc N: one process per GPU)")
@@ -409,12 +544,16 @@ def refusal(cfg: Config, result: dict, world_size: int) -> str:
 
 
 def resolve(cfg: Config, world_size: int, gpu: str = "", gpu_gib: float | None = None) -> tuple[Config, dict | None]:
-    """cfg's layout on `world_size` GPUs: (cfg with `parallel: auto`'s sizes chosen (auto_layout; a
-    new Config, cfg unchanged) or cfg itself, the plan of that layout against `gpu_gib` GiB, or
-    None without it). A layout that does not fit is build.check_run's to refuse."""
-    if cfg.parallel.auto:
-        lay, result = auto_layout(cfg, world_size, gpu_gib, gpu)
-        return with_layout(cfg, lay), result
+    """cfg on `world_size` GPUs: (cfg with what `parallel: auto` and `activation_checkpoint: auto`
+    leave open chosen (auto_layout; a new Config, cfg unchanged) or cfg itself, the plan of that
+    choice against `gpu_gib` GiB, or None without it). A layout that does not fit is
+    build.check_run's to refuse; a given layout whose batch is not train.global_batch_tokens,
+    ConfigError here."""
+    if cfg.parallel.auto or cfg.train.activation_checkpoint == "auto":
+        check_global_batch(cfg, world_size) if not cfg.parallel.auto else None
+        choice, result = auto_layout(cfg, world_size, gpu_gib, gpu)
+        return with_choice(cfg, choice), result
+    check_global_batch(cfg, world_size)
     return cfg, None if gpu_gib is None else plan(cfg, world_size, gpu_gib, gpu)
 
 
@@ -437,18 +576,21 @@ def keeps(result: dict | None) -> bool | None:
 
 def launch_line(cfg: Config, result: dict | None) -> str | None:
     """The line rank 0 prints for a resolved layout (`parallel: auto`, or any layout on CUDA):
-    the sizes, the memory plan, the prediction; for a family the cost file has not measured, that
-    auto chose by memory alone."""
+    the sizes, what auto chose besides (recomputation, micro-batch and accumulation), the memory
+    plan, the prediction; for a family the cost file has not measured, that auto chose by memory
+    alone."""
     if result is None and not cfg.parallel.auto:
         return None
     lay = " ".join(f"{k}={getattr(cfg.parallel, k)}" for k in LAYOUT_KEYS)
+    if result and "choice" in result or cfg.train.global_batch_tokens:
+        lay += f", {train_choice(cfg.train)}"
     family, said = cfg.model.family, ""
     measured = family in perf.load_costs()["families"]
     if result and measured and (key := gpu_key(result["gpu"])):
         pred = result.get("prediction") or perf.predict(cfg, layout_of(vars(cfg.parallel)), key)
         said = f"; predicted {pred['tokens_per_s_per_gpu'] / 1e3:.1f}K tokens/s per GPU (pithtrain/perf.py)"
         if "candidates" in result:
-            said += f", the fastest of {len(result['candidates'])} valid layouts whose plan fits"
+            said += f", the fastest of {len(result['candidates'])} valid candidates whose plan fits"
     if cfg.parallel.auto and not measured:
         said += (f"; chosen by memory alone (fewest parameters per rank): the cost file has no {family!r}, "
                  "`python scripts/calibrate.py --models RECIPE` measures it")
@@ -457,13 +599,20 @@ def launch_line(cfg: Config, result: dict | None) -> str | None:
             if result else f"(no GPU memory to plan against{said})"))
 
 
+def train_choice(t) -> str:
+    return (f"activation_checkpoint={t.activation_checkpoint} micro_batch_size={t.micro_batch_size} "
+            f"grad_accum={t.grad_accum}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Entry point
 
 
 def table(result: dict) -> str:
     cols = ("params", "grads", "optimizer", "activations", "comm", "fp8_cache", "bf16_copy", "workspace", "peak")
-    lines = [f"plan: {describe(result)}, activation checkpointing {result['activation_checkpoint']}",
+    lines = [f"plan: {describe(result)}, activation checkpointing {result['activation_checkpoint']}, "
+             f"micro-batch {result['micro_batch_size']} x {result['grad_accum']} accumulated "
+             f"({result['global_batch_tokens']:,} tokens per step)",
              f"{'rank':>5} {'stage':>5} " + " ".join(f"{c:>11}" for c in cols) + "   (GiB)"]
     for x in result["ranks"]:
         lines.append(f"{x['rank']:>5} {x['stage']:>5} " + " ".join(f"{x[c] / GIB:>11.2f}" for c in cols))
@@ -476,38 +625,67 @@ def table(result: dict) -> str:
         lines.append(f"predicted on {pr['gpu']}: {pr['tokens_per_s_per_gpu'] / 1e3:.1f}K tokens/s per GPU, step "
                      f"{pr['step_s']:.2f} s (" + ", ".join(f"{k} {v:.2f}" for k, v in pr["parts_s"].items()) + " s)")
     if result.get("candidates"):
-        lines.append("layouts, fastest first (predicted tokens/s per GPU; peak GiB where planned):" if
-                     result["candidates"][0]["prediction"] else "layouts, fewest parameters per rank first "
-                     "(the cost file has not measured this family; peak GiB where planned):")
-        for c in result["candidates"]:
-            lay = " ".join(f"{k}={c[k]}" for k in LAYOUT_KEYS) + (
-                f" {c['pp_schedule']}{' overlap' if c['pp_overlap'] else ''}" if c["pp"] > 1 else "")
-            mem = f"{c['peak_gib']:.1f} GiB, fits {'yes' if c['fits'] else 'no'}" if "peak_gib" in c else "not planned"
-            speed = f"{c['prediction']['tokens_per_s_per_gpu'] / 1e3:7.1f}K" if c["prediction"] else "      -"
-            lines.append(f"  {lay:<44} {speed}   {mem}")
+        lines += why(result)
     lines.append(f"fits: {'yes' if result['fits'] else 'no'}")
     return "\n".join(lines)
 
 
+def why(result: dict, before: int = 6, after: int = 4) -> list[str]:
+    """The choice among the ranked candidates: the `before` faster ones next to it (planned: each
+    does not fit, by how much), the chosen one, and the `after` next slower ones (by how much)."""
+    options, choice = result["candidates"], result["choice"]
+    at = next(i for i, c in enumerate(options) if choice_of(c) == choice)
+    speed = [c["prediction"] and c["prediction"]["tokens_per_s_per_gpu"] for c in options]
+    usable = result["usable_gib"]
+
+    def row(i, c):
+        lay = " ".join(f"{k}={c[k]}" for k in LAYOUT_KEYS if c[k] > 1) or "one process"
+        lay += f" {c['pp_schedule']}{' overlap' if c['pp_overlap'] else ''}" if c["pp"] > 1 else ""
+        pred = f"{speed[i] / 1e3:6.1f}K" if speed[i] else "     -"
+        peak = f"{c['peak_gib']:6.1f}" if "peak_gib" in c else "     -"
+        if i == at:
+            reason = "chosen" if c.get("fits") else "chosen: the smallest peak, nothing fits"
+        elif "peak_gib" in c and not c["fits"]:
+            reason = f"does not fit by {c['peak_gib'] - usable:.1f} GiB"
+        elif "peak_floor_gib" in c:
+            reason = f"does not fit by at least {c['peak_floor_gib'] - usable:.1f} GiB (state and activations)"
+        elif not speed[at]:
+            reason = "later by memory alone"
+        else:
+            reason = (f"slower by {1 - speed[i] / speed[at]:.1%}" if i > at and speed[i] < speed[at] * (1 - TIE)
+                      else f"a tie (within {TIE:.1%}): the larger micro-batch goes first")
+        return (f"{'>' if i == at else ' '} {lay:<30} {c['activation_checkpoint']:<9} "
+                f"{c['micro_batch_size']:>3} x {c['grad_accum']:<4} {pred} {peak}   {reason}")
+    head = (f"choice: the {'fastest' if speed[at] else 'first by memory alone'} of {len(options)} valid "
+            f"candidates (layout x recomputation x micro-batch) whose plan fits; {at} faster planned, none fits:"
+            if at else f"choice: the {'fastest' if speed[at] else 'first by memory alone'} of {len(options)} "
+            "valid candidates (layout x recomputation x micro-batch), and its plan fits:")
+    lines = [head, f"  {'layout':<30} {'recompute':<9} {'mb x accum':<10} {'tok/s/GPU':>7} {'peak GiB':>6}"]
+    return lines + [row(i, options[i]) for i in range(max(0, at - before), min(len(options), at + after + 1))]
+
+
 def nearest_fit(recipe, overrides: list[str], gpu: str, world: int) -> str:
-    """What would fit when `recipe` on `world` x `gpu` does not: the first of parallel: auto, full
-    activation checkpointing, half the micro-batch, then twice, four, eight times the GPUs (each
-    by auto's two fastest layouts)."""
-    tries = [(["parallel.auto=true"], world), (["parallel.auto=true", "train.activation_checkpoint=full"], world)]
+    """What would fit when `recipe` on `world` x `gpu` does not: the first of parallel: auto with
+    the recomputation chosen too, half the micro-batch (a recipe without train.global_batch_tokens),
+    then twice, four, eight times the GPUs (each planning auto's candidates in order of speed)."""
     cfg = load_config(recipe, overrides)
-    if cfg.train.micro_batch_size > 1:
-        tries.append((["parallel.auto=true", f"train.micro_batch_size={cfg.train.micro_batch_size // 2}"], world))
-    tries += [(["parallel.auto=true"], world * k) for k in (2, 4, 8)]
+    auto = ["parallel.auto=true"] + (["train.activation_checkpoint=auto"] if cfg.train.activation_checkpoint != "auto"
+                                     else [])
+    tries = [(auto, world)]
+    if cfg.train.micro_batch_size > 1 and cfg.train.global_batch_tokens is None:
+        tries.append(([*auto, f"train.micro_batch_size={cfg.train.micro_batch_size // 2}"], world))
+    tries += [(auto, world * k) for k in (2, 4, 8)]
     for extra, n in tries:
         try:
             c = load_config(recipe, [*overrides, *extra])
-            r = auto_layout(c, n, GPUS[gpu].memory_gib, gpu, max_plans=2)[1]  # the two fastest of each
+            r = auto_layout(c, n, GPUS[gpu].memory_gib, gpu)[1]
         except ConfigError:
             continue
         if r["fits"]:
             lay = " ".join(f"{k}={v}" for k, v in r["layout"].items() if v > 1) or "one process"
-            return f"{' '.join('--set ' + e for e in extra)} on {n} GPUs fits ({lay}: peak {r['peak_gib']:.1f} GiB)"
-    return "nothing tried fits (auto, full checkpointing, half the micro-batch, up to 8x the GPUs)"
+            return (f"{' '.join('--set ' + e for e in extra)} on {n} GPUs fits ({lay}, {r['activation_checkpoint']} "
+                    f"recomputation: peak {r['peak_gib']:.1f} GiB)")
+    return "nothing tried fits (auto with every recomputation, half the micro-batch, up to 8x the GPUs)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -227,7 +227,7 @@ def tiny_qwen(**kw):
                                     head_dim=8, moe_intermediate_size=16, num_experts=8, top_k=2), **kw})
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "cheap"])
 def test_counts_once_per_micro_batch_under_activation_recompute(mode):
     """Two micro-batches forward + backward: the step's load is the sum of both micro-batches'
     routing (not the last one's), and recomputing the forward in backward adds nothing."""

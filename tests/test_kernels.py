@@ -201,13 +201,16 @@ def loss_and_grads(model, x, y, saved=None):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["cheap", "selective", "full"])
 def test_activation_checkpoint_recomputes_and_keeps_loss_and_grads(mode):
     """Checkpointing really recomputes in backward (full: whole layers, attention included;
-    selective: the experts only), counted through the modules' swappable calls, and really saves
-    less for backward (full: little beyond the layers' inputs; selective: at least the experts'
-    hidden activations, top_k rows per token, 2F + F wide); loss and gradients stay those of the
-    run without it."""
+    selective: the experts only; cheap: the attention phase's pointwise work and the experts'
+    activation, entering the attention call and the experts' second GEMM again, whose kernels it
+    does not rerun: test_cheap_reruns_no_gemm_and_no_attention_kernel), counted through the
+    modules' swappable calls, and really saves less for backward (full: little beyond the layers'
+    inputs; selective: at least the experts' hidden activations, top_k rows per token, 2F + F
+    wide; cheap: at least their activation, F wide); loss and gradients stay those of the run
+    without it."""
     model = tiny_qwen()
     calls = {"attention": 0, "experts": 0}
 
@@ -225,10 +228,12 @@ def test_activation_checkpoint_recomputes_and_keeps_loss_and_grads(mode):
     assert calls == {"attention": 2, "experts": 4}  # 2 layers, no recompute
     apply_activation_checkpoint(model, mode)
     loss, grads = loss_and_grads(model, x, y, saved)
-    recomputed = {"attention": 2 if mode == "full" else 0, "experts": 4}
+    recomputed = {"full": {"attention": 2, "experts": 4}, "selective": {"attention": 0, "experts": 4},
+                  "cheap": {"attention": 2, "experts": 2}}[mode]
     assert calls == {k: 2 * v + recomputed[k] for k, v in {"attention": 2, "experts": 4}.items()}, calls
     cfg = model.cfg
-    hidden = cfg.num_layers * x.numel() * cfg.top_k * 3 * cfg.moe_intermediate_size * 4  # float32 bytes
+    width = 3 if mode != "cheap" else 1  # selective: [gate | up] and the activation; cheap: the activation
+    hidden = cfg.num_layers * x.numel() * cfg.top_k * width * cfg.moe_intermediate_size * 4  # float32 bytes
     assert ref_saved[0] - saved[0] >= hidden, (mode, ref_saved, saved)
     assert (saved[0] < ref_saved[0] / 4) == (mode == "full"), (mode, ref_saved, saved)
     torch.testing.assert_close(loss, ref_loss)
@@ -237,10 +242,42 @@ def test_activation_checkpoint_recomputes_and_keeps_loss_and_grads(mode):
         torch.testing.assert_close(grads[n], ref_grads[n], msg=lambda m: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_every_family_compiles_without_graph_breaks(family):
+def test_cheap_reruns_no_gemm_and_no_attention_kernel():
+    """The witness of "cheap": its backward runs the same GEMMs and attention kernels as the
+    backward without checkpointing (pithtrain/compile.py's KEPT_OPS, counted under a dispatch mode: none
+    is run again to recompute), and more pointwise work (the norms' rsqrt: recomputed)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pithtrain.compile import KEPT_OPS
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.kept, self.rsqrt = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.kept += func in KEPT_OPS
+            self.rsqrt += func is torch.ops.aten.rsqrt.default
+            return func(*args, **(kwargs or {}))
+    counts = {}
+    x = torch.randint(0, 64, (2, 12))
+    for mode in ("none", "cheap"):
+        model = tiny_qwen()
+        apply_activation_checkpoint(model, mode)
+        loss = model(x, labels_BS=x)
+        with Count() as counts[mode]:
+            loss.backward()
+    assert counts["cheap"].kept == counts["none"].kept > 0
+    assert counts["cheap"].rsqrt > counts["none"].rsqrt
+
+
+@pytest.mark.parametrize("family,mode", [(f, m) for f in sorted(FAMILIES) for m in ("none", "cheap")])
+def test_every_family_compiles_without_graph_breaks(family, mode):
     """fullgraph=True turns any graph break in the compiled parts into an error; the 'eager'
-    backend makes this a tracing check that needs no compiler on CPU."""
+    backend makes this a tracing check that needs no compiler on CPU. "cheap" activation
+    checkpointing (its selective checkpoint traced inside the attention phase and the dense and
+    shared-expert MLPs, before compile) compiles whole too, with every family's gradients those of
+    the eager run without it."""
     import dataclasses
 
     cfg_cls, model_cls = FAMILIES[family][0], FAMILIES[family][1]
@@ -264,6 +301,8 @@ def test_every_family_compiles_without_graph_breaks(family):
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
+    apply_activation_checkpoint(model, mode)
+    apply_activation_checkpoint(model, mode)
     apply_compile(model, backend="eager")
     loss, grads = loss_and_grads(model, x, y)
     # compiled for real: graphs for the attention phase, the router with its balancing unit and

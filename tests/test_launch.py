@@ -157,7 +157,7 @@ def test_plan_refusal_names_nproc(capsys):
     from pithtrain.plan import main as plan
 
     assert plan(["--model", "deepseek-v2-lite", "--gpu", "h100", "--gpus", "1"]) == 1
-    assert "or more GPUs than 1 (invoke train --nproc N: one process per GPU)" in capsys.readouterr().err
+    assert "more GPUs than 1 (invoke train --nproc N: one process per GPU)" in capsys.readouterr().err
 
 
 def _maps(pid: int) -> str:

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 TINY = ["model.num_layers=4", "model.hidden_size=256", "model.num_heads=4", "model.num_kv_heads=2",
         "model.head_dim=64", "model.moe_intermediate_size=256", "model.num_experts=8", "model.top_k=2",
         "model.vocab_size=1024", "train.seq_len=256", "train.micro_batch_size=2", "train.compile=false",
-        "train.activation_checkpoint=none"]
+        "train.activation_checkpoint=none", "train.global_batch_tokens="]
 ONE = {"pp": 1, "dp": 1, "fsdp": 1, "cp": 1, "ep": 1}
 
 
@@ -65,6 +65,13 @@ def test_one_gpu_step_is_the_sum_of_its_parts():
     full = load_config("qwen3-30b-a3b", TINY + ["parallel.auto=false", "train.grad_accum=3",
                                                 "train.activation_checkpoint=full"])
     assert perf.predict(full, ONE, "h200", costs)["parts_s"]["compute"] == pytest.approx(3 * (per_mb + 4e-3))
+    # selective adds the experts phase (half the forward here); cheap the attention phase's pointwise
+    # work (its GEMMs and kernel take ~0.4 us of its 0.25 ms at these widths) and the SwiGLU pass
+    compute = {mode: perf.predict(load_config("qwen3-30b-a3b", TINY + [
+        "parallel.auto=false", "train.grad_accum=3", f"train.activation_checkpoint={mode}"]), ONE, "h200",
+        costs)["parts_s"]["compute"] for mode in ("selective", "cheap")}
+    assert compute["selective"] == pytest.approx(3 * (per_mb + 4 * 0.5e-3))
+    assert compute["cheap"] == pytest.approx(3 * (per_mb + 4 * 0.25e-3), abs=3 * 4 * 1e-6)
     # on an H100 the part of a phase its FLOPs do not explain scales with memory bandwidth (4.8 / 3.35)
     slower = perf.predict(cfg, ONE, "h100", costs)["step_s"]
     assert r["step_s"] < slower < r["step_s"] * 4.8 / 3.35 + 1e-12
@@ -93,7 +100,7 @@ def test_auto_takes_the_fastest_that_fits(monkeypatch):
     monkeypatch.setattr(perf, "load_costs", lambda path=None: costs)
     planned = []
 
-    def fake_plan(c, world, gpu_gib, gpu=""):
+    def fake_plan(c, world, gpu_gib, gpu="", models=None):
         planned.append(c.parallel.ep)
         lay = {k: getattr(c.parallel, k) for k in ("pp", "dp", "fsdp", "cp", "ep")}
         peak = 10.0 * c.parallel.ep

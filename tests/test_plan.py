@@ -70,7 +70,7 @@ CASES = {
 @pytest.mark.parametrize("recipe", list(CASES))
 def test_plan_bytes_equal_arithmetic(recipe):
     overrides, hand, stages = CASES[recipe]
-    cfg = load_config(recipe, ["parallel.auto=false", *overrides])
+    cfg = load_config(recipe, ["parallel.auto=false", "train.activation_checkpoint=none", *overrides])
     result = planner.plan(cfg, 8, GPUS["h200"].memory_gib, "h200")
     want = hand(cfg.model, stages)
     got = [(r["stage"], r["params"], r["grads"], r["optimizer"]) for r in result["ranks"]]
@@ -82,7 +82,8 @@ def test_fsdp_traffic_before_and_after_policy():
     """qwen3 fsdp=8 ep=8: experts are whole per rank (no FSDP traffic); per micro-batch the root
     (embedding, norm, head) is gathered once, each layer's dense tensors twice, all reduced once;
     a ring moves 7/8 of each buffer. float32 gathers (4 B) vs the policy's bf16 (2 B)."""
-    cfg = load_config("qwen3-30b-a3b", ["parallel.auto=false", "parallel.fsdp=8", "parallel.ep=8"])
+    cfg = load_config("qwen3-30b-a3b", ["parallel.auto=false", "parallel.fsdp=8", "parallel.ep=8",
+                                        "train.activation_checkpoint=full"])
     m = cfg.model
     D, H, K, hd, E = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_experts
     root, layers = 2 * m.vocab_size * D + D, m.num_layers * (2 * D * H * hd + 2 * D * K * hd + 2 * hd + 2 * D + D * E)
@@ -106,10 +107,12 @@ def test_plan_cli_fits_on_eight_not_on_one(recipe, gpu, capsys):
         assert out["fits"] is fits and out["gpu_gib"] == GPUS[gpu].memory_gib
         assert (out["peak_gib"] <= planner.FIT_FRACTION * out["gpu_gib"]) is fits
         ranked = [c["prediction"]["tokens_per_s_per_gpu"] for c in out["candidates"]]
-        assert ranked == sorted(ranked, reverse=True)
+        assert all(b <= a * (1 + planner.TIE) for a, b in zip(ranked, ranked[1:]))  # fastest first, but ties
         if fits:
             assert out["layout"]["fsdp"] * out["layout"]["pp"] * out["layout"]["dp"] == 8
             assert out["prediction"]["tokens_per_s_per_gpu"] > 0 and cap.err == ""
+            c, dp = out["choice"], out["layout"]["dp"] * out["layout"]["fsdp"]  # the recipe's step, as chosen
+            assert c["micro_batch_size"] * c["grad_accum"] * dp * 4096 == out["global_batch_tokens"] == 524288
         else:
             assert out["peak_gib"] > 100  # params + grads + AdamW alone: 16 B x >= 15.7B parameters
             assert "does not fit" in cap.err
@@ -120,8 +123,9 @@ def test_invoke_plan_prints_the_table():
     r = subprocess.run([sys.executable, "-m", "invoke", "plan", "--model=deepseek-v2-lite", "--gpu=h100",
                         "--gpus=8"], cwd=REPO, text=True, capture_output=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "pp=1 dp=1 fsdp=8 cp=1 ep=8" in r.stdout and "fits: yes" in r.stdout
-    assert "FSDP traffic per step" in r.stdout
+    assert "pp=8 dp=1 fsdp=1 cp=1 ep=1" in r.stdout and "fits: yes" in r.stdout
+    assert "choice: the fastest of" in r.stdout and re.search(r"^> pp=8 dualpipev +none +1 x 128 .* chosen$",
+                                                              r.stdout, re.M)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,18 +140,76 @@ def test_auto_fills_unset_sizes_and_keeps_given_ones():
     assert cfg.parallel.auto and cfg.parallel.fsdp is None
     fastest = planner.ranked(cfg, 8, "h200")[0]
     lay, result = planner.auto_layout(cfg, 8, None)  # no GPU memory: nothing planned, the fastest taken
-    assert result is None and lay == planner.layout_of(fastest)
+    assert result is None and lay == planner.choice_of(fastest)
     resolved, result = planner.resolve(cfg, 8)
-    assert result is None and planner.layout_of(vars(resolved.parallel)) == lay and resolved.model is cfg.model
+    assert result is None and resolved.model is cfg.model
+    assert planner.choice_of({**vars(resolved.parallel), **vars(resolved.train)}) == lay
     assert cfg.parallel.fsdp is None  # ranking and resolving leave the recipe's sizes as they were
 
     def sizes(c, world=8):
         return [getattr(planner.resolve(c, world)[0].parallel, k) for k in ("pp", "dp", "fsdp", "cp", "ep")]
     assert sizes(load_config("qwen3-30b-a3b", ["parallel.ep=2", "parallel.cp=2", "train.compile=false"]))[3:] == [2, 2]
-    assert sizes(load_config("deepseek-v2-lite", ["parallel.fsdp=4"]))[:3] == [1, 2, 4]  # fsdp given: dp the rest
+    pp, dp, fsdp = sizes(load_config("deepseek-v2-lite", ["parallel.fsdp=4"]))[:3]
+    assert fsdp == 4 and pp * dp == 2  # fsdp given: pp and dp the rest
     cfg = load_config("gpt-oss-20b", ["parallel.ep=3"])  # a given size that cannot work
     with pytest.raises(ConfigError, match="parallel: auto found no valid layout"):
         planner.auto_layout(cfg, 8, None)
+
+
+def test_auto_chooses_recomputation_and_batch_for_the_global_batch():
+    """With train.global_batch_tokens and activation_checkpoint: auto, auto chooses the layout, the
+    recomputation, the micro-batch and the accumulation together: the chosen one fits and makes the
+    recipe's step; every candidate ranked faster does not fit (planned, or its bound over the GPU);
+    the recipe's Config is left as it was."""
+    cfg = load_config("deepseek-v2-lite", ["parallel.pp=1"])
+    resolved, result = planner.resolve(cfg, 8, "h100", GPUS["h100"].memory_gib)
+    t, usable = resolved.train, result["usable_gib"]
+    assert cfg.train.activation_checkpoint == "auto" and cfg.train.micro_batch_size == 2 and cfg.parallel.fsdp is None
+    assert t.activation_checkpoint in planner.POLICIES and result["fits"]
+    dp = resolved.parallel.dp * resolved.parallel.fsdp
+    assert t.micro_batch_size * t.grad_accum * dp * t.seq_len == t.global_batch_tokens == 524288
+    options = result["candidates"]
+    at = next(i for i, c in enumerate(options) if planner.choice_of(c) == result["choice"])
+    assert {(c["activation_checkpoint"], c["micro_batch_size"]) for c in options} >= {("full", 1), ("none", 16)}
+    for c in options[:at]:
+        assert c["fits"] is False and max(c.get("peak_gib", 0), c.get("peak_floor_gib", 0)) > usable, c
+    assert planner.choice_of({**vars(resolved.parallel), **vars(t)}) == result["choice"]
+
+
+def test_the_bound_is_below_the_plan():
+    """floor_gib, which skips a candidate without building its model, is a lower bound of its plan:
+    every policy, a pipeline (each stage) and FSDP layouts, several micro-batches."""
+    from pithtrain.models import build_model
+    from pithtrain.models.common import decoder_layers
+
+    cfg = load_config("deepseek-v2-lite", ["parallel.auto=false", "train.global_batch_tokens="])
+    layers = decoder_layers(build_model(cfg.model, init=False))
+    per_token = {p: {i: sum(planner.layer_activations(x, i, cfg, 2, p)) for i, x in enumerate(layers)}
+                 for p in planner.POLICIES}
+    models = {}
+    for lay in (["parallel.fsdp=8", "parallel.ep=8"], ["parallel.pp=2", "parallel.fsdp=4", "parallel.ep=4"]):
+        for policy, mb in (("none", 2), ("cheap", 1), ("selective", 4), ("full", 8)):
+            c = load_config("deepseek-v2-lite", [
+                "parallel.auto=false", "train.global_batch_tokens=", *lay, f"train.activation_checkpoint={policy}",
+                f"train.micro_batch_size={mb}", "train.grad_accum=4"])
+            peak = planner.plan(c, 8, 80.0, "h100", models=models)["peak_gib"]
+            assert 0.5 * peak < planner.floor_gib(c, 8, per_token) <= peak, (lay, policy, mb)
+
+
+def test_a_given_layout_must_make_the_global_batch():
+    """train.global_batch_tokens with the layout given: micro-batch x accumulation x data-parallel
+    ranks x sequence must be it, else one line that says which accumulation would be; the field
+    itself must be a multiple of the sequence."""
+    base = ["parallel.auto=false", "parallel.fsdp=8", "parallel.ep=8", "train.activation_checkpoint=full"]
+    with pytest.raises(ConfigError) as e:
+        planner.resolve(load_config("qwen3-30b-a3b", base), 8)
+    msg = str(e.value)
+    assert "\n" not in msg and "train.global_batch_tokens: 524288 is not micro_batch_size x grad_accum x " \
+        "data-parallel ranks x seq_len = 2 x 1 x 8 x 4096 = 65536; set train.grad_accum=8" in msg
+    cfg = load_config("qwen3-30b-a3b", [*base, "train.grad_accum=8"])
+    assert planner.resolve(cfg, 8)[0] is cfg
+    with pytest.raises(ConfigError, match="train.global_batch_tokens: must be a positive multiple of train.seq_len"):
+        load_config("qwen3-30b-a3b", ["train.global_batch_tokens=1000"])
 
 
 def test_auto_without_costs_for_the_family_chooses_by_memory_and_says_so(monkeypatch, capsys, tmp_path):
@@ -165,7 +227,7 @@ def test_auto_without_costs_for_the_family_chooses_by_memory_and_says_so(monkeyp
     params = [perf.local_params(cfg, c) for c in options]
     assert params == sorted(params) and params[0] < params[-1]
     lay, _ = planner.auto_layout(cfg, 4, None)
-    assert lay == planner.layout_of(options[0]) and lay["fsdp"] * lay["ep"] > 1
+    assert lay == planner.choice_of(options[0]) and lay["fsdp"] * lay["ep"] > 1
     line = planner.launch_line(planner.resolve(cfg, 4)[0], None)
     assert "\n" not in line and "chosen by memory alone" in line and "'qwen3_moe'" in line
     cfg = load_config(None, ["parallel.auto=true", "train.steps=1", "checkpoint.final=false", "model.num_layers=1",
@@ -196,7 +258,8 @@ def test_cuda_launch_refuses_a_plan_that_does_not_fit(monkeypatch):
                         lambda d: SimpleNamespace(total_memory=int(79.6 * planner.GIB)))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
     cuda = torch.device("cuda", 0)
-    cfg, result = planner.resolve_launch(load_config("qwen3-30b-a3b", ["parallel.auto=false"]), cuda, 1)
+    cfg, result = planner.resolve_launch(load_config("qwen3-30b-a3b", ["parallel.auto=false",
+                                                                       "train.global_batch_tokens="]), cuda, 1)
     with pytest.raises(ConfigError) as e:
         check_run(cfg, cuda, 1, 0, result)
     msg = str(e.value)
@@ -205,8 +268,10 @@ def test_cuda_launch_refuses_a_plan_that_does_not_fit(monkeypatch):
     cfg, result = planner.resolve_launch(load_config("qwen3-30b-a3b"), cuda, 8)
     assert result["fits"]
     lay = " ".join(f"{k}={getattr(cfg.parallel, k)}" for k in ("pp", "dp", "fsdp", "cp", "ep"))
+    t = cfg.train
     line = planner.launch_line(cfg, result)
-    assert line.startswith(f"pithtrain: parallel auto: {lay} (memory plan: peak")
+    assert line.startswith(f"pithtrain: parallel auto: {lay}, activation_checkpoint={t.activation_checkpoint} "
+                           f"micro_batch_size={t.micro_batch_size} grad_accum={t.grad_accum} (memory plan: peak")
     assert "tokens/s per GPU (pithtrain/perf.py), the fastest of" in line
 
 
@@ -294,7 +359,8 @@ def trained_layout(cfg):
 
 def small_cfg(recipe: str, run_dir: str, grad_accum: int = 1):
     return load_config(recipe, [*SMALL[recipe], "train.steps=3", "train.micro_batch_size=2", "train.seq_len=16",
-                                f"train.grad_accum={grad_accum}", "train.warmup_steps=1", "train.device=cpu",
+                                f"train.grad_accum={grad_accum}", "train.global_batch_tokens=",
+                                "train.activation_checkpoint=none", "train.warmup_steps=1", "train.device=cpu",
                                 "data.max_bytes=20000", "checkpoint.final=false", "log.every=1",
                                 f"log.run_dir={run_dir}"])
 
@@ -373,20 +439,24 @@ GPU_RUNS = ["qwen3-30b-a3b", "deepseek-v2-lite", "gpt-oss-20b", "default"]
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_planned_peak_within_10_percent_of_measured(tmp_path):
-    """The three 4-layer bench configurations (real widths, micro-batch 2 x 4096, the recipe's
-    own settings: compile, Qwen3's full activation checkpointing) and the default recipe, 3 steps
-    of train.py on one GPU each. Prints planned vs measured; the lead runs it on the H200:
+    """The three 4-layer bench configurations (real widths, micro-batch 2 x 4096, one per step, the
+    recipe's own settings (compile) but the recomputation: Qwen3 cheap, DeepSeek selective,
+    GPT-OSS none) and the default recipe, 3 steps of train.py on one GPU each. Prints planned vs
+    measured; the lead runs it on the H200:
         python -m pytest -m gpu tests/test_plan.py -s -p no:cacheprovider"""
     import gc
 
     from pithtrain.train import train
     gpu_gib = torch.cuda.get_device_properties(0).total_memory / planner.GIB
-    bench = ["model.num_layers=4", "train.micro_batch_size=2", "train.seq_len=4096"]  # the 4-layer bench line
+    bench = ["model.num_layers=4", "train.micro_batch_size=2", "train.seq_len=4096",  # the 4-layer bench line
+             "train.global_batch_tokens=", "train.grad_accum=1"]
+    policy = {"qwen3-30b-a3b": "cheap", "deepseek-v2-lite": "selective", "gpt-oss-20b": "none"}
     rows = []
     for name in GPU_RUNS:
+        own = [] if name == "default" else [*bench, f"train.activation_checkpoint={policy[name]}"]
         cfg = load_config(None if name == "default" else name, [
-            *([] if name == "default" else bench), "train.steps=3", "train.warmup_steps=1", "log.every=1",
-            "checkpoint.final=false", f"log.run_dir={tmp_path / name}", "train.device=cuda"])
+            *own, "train.steps=3", "train.warmup_steps=1", "log.every=1", "checkpoint.final=false",
+            f"log.run_dir={tmp_path / name}", "train.device=cuda"])
         torch._dynamo.reset()
         gc.collect()
         torch.cuda.empty_cache()
@@ -428,3 +498,115 @@ def test_plan_and_train_reject_a_recipe_with_the_same_line(bad, monkeypatch, cap
     assert train.main([*sets, "train.device=cpu"]) == 2
     trained = capsys.readouterr().err.strip()
     assert planned.startswith("error: ") and "\n" not in planned and planned == trained
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations: the plan's per-layer count against what autograd saves
+
+
+# Tiny widths of each family, every width distinct enough to tell the terms apart (Qwen3 with a
+# dense first layer; DeepSeek's d_qk = d_v, which CPU SDPA's flash kernel needs).
+TINY = {
+    "qwen3-30b-a3b": ["model.hidden_size=48", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16",
+                      "model.moe_intermediate_size=24", "model.intermediate_size=40", "model.mlp_only_layers=[0]"],
+    "deepseek-v2-lite": ["model.hidden_size=48", "model.num_heads=4", "model.kv_lora_rank=16",
+                         "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=16",
+                         "model.intermediate_size=40", "model.moe_intermediate_size=24"],
+    "gpt-oss-20b": ["model.hidden_size=48", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16",
+                    "model.intermediate_size=24", "model.sliding_window=8"],
+}
+
+
+def cuda_like(model):
+    """Bind CPU stand-ins for the CUDA kernels that save what those kernels save: the attention
+    kernel (SDPA's CPU flash kernel: q, k, v, output, log-sum-exp, as flash-attn-4 and FlexAttention;
+    GPT-OSS's sinks and window are left out, which changes no shape), the fused SwiGLU (its input
+    alone: kernels/swiglu.py) and the fused combine (the rows, weights and order: kernels/permute.py)
+    in place of the references, which keep more (the activation's parts; index_add's source)."""
+    import functools
+
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    from pithtrain.models.common import GroupedExperts, LocalDispatcher, swiglu
+
+    def kept(fn, *args):  # saves its tensor arguments only
+        return checkpoint(fn, *args, use_reentrant=False)
+
+    def sdpa(q, k, v, *, scale, window=None, sinks_H=None, docs=None):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    for mod in model.modules():
+        if type(mod).__name__ == "Attention":
+            mod.attention = sdpa
+        if isinstance(mod, GroupedExperts):
+            mod.swiglu = functools.partial(kept, swiglu)
+        if isinstance(getattr(mod, "dispatcher", None), LocalDispatcher):
+            combine = mod.dispatcher.combine
+            mod.dispatcher.combine = lambda y, w, info, ref=combine: kept(
+                lambda y, w, order: ref(y, w, (order, info[1], None)), y, w, info[0])
+
+
+def saved_per_token(cfg, mode: str, B: int = 2, S: int = 32) -> dict:
+    """{(layer, "attn" | "mlp"): bytes per token} that autograd keeps for backward, counted with
+    torch's saved-tensor hooks (each storage once; parameters and the shared RoPE tables left out)
+    inside each layer's attention phase and the rest of it; bf16 weights under bf16 autocast, the
+    compiled parts compiled as on CUDA (AOTAutograd's partitioner decides what a graph keeps)."""
+    from pithtrain import compile as ac
+    from pithtrain.models import build_model
+    from pithtrain.models.common import decoder_layers
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = build_model(cfg.model, init=True).to(torch.bfloat16)
+    cuda_like(model)
+    ac.apply_activation_checkpoint(model, mode)
+    ac.apply_compile(model, backend="aot_eager")
+    where, got = [None], {}
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        if where[0] is not None and t.untyped_storage().data_ptr() not in skip:
+            got.setdefault(where[0], {})[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def within(fn, key, after=None):
+        def call(*args, **kwargs):
+            where[0] = key
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                where[0] = after
+        return call
+    rotary = model.rotary.forward
+
+    def rope(*args):
+        out = rotary(*args)
+        skip.update(t.untyped_storage().data_ptr() for t in out if isinstance(t, torch.Tensor))
+        return out
+    model.rotary.forward = rope
+    for i, layer in enumerate(decoder_layers(model)):
+        layer.forward = within(layer.forward, (i, "mlp"))
+        layer.attend = within(layer.attend, (i, "attn"), (i, "mlp"))
+    ids = torch.randint(0, cfg.model.vocab_size, (B, S))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids, labels_BS=ids)
+    torch._dynamo.reset()
+    return {k: sum(v.values()) / (B * S) for k, v in got.items()}, model
+
+
+@pytest.mark.parametrize("recipe", list(TINY))
+@pytest.mark.parametrize("mode", ["none", "cheap", "selective", "full"])
+def test_planned_activations_are_what_autograd_saves(recipe, mode):
+    """plan.layer_activations, per layer and part, against the bytes autograd keeps (saved_per_token)
+    at tiny widths, within 3% (what the count leaves out: the router's and the balancing unit's few
+    small tensors, a bf16 copy of the router's weight)."""
+    from pithtrain.models.common import decoder_layers
+
+    cfg = load_config(recipe, [*TINY[recipe], "model.num_layers=2", "model.num_experts=8", "model.top_k=3",
+                               "model.vocab_size=300", f"train.activation_checkpoint={mode}"])
+    got, model = saved_per_token(cfg, mode)
+    for i, layer in enumerate(decoder_layers(model)):
+        want = planner.layer_activations(layer, i, cfg, 2, mode)
+        for part, w in zip(("attn", "mlp"), want):
+            g = got.get((i, part), 0)
+            assert w == pytest.approx(g, rel=0.03, abs=1), (recipe, mode, i, part, g, w)

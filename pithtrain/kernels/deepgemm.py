@@ -167,8 +167,7 @@ class _DeepGEMMFP8(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ops, lay, x_MK, w_GKN, offs_G, wq_GKN, wqt_GNK, ws_GKN, wst_GNK, param):
-        y = _gemm(ops, x_MK, wqt_GNK, wst_GNK, lay)
-        ctx.save_for_backward(x_MK, offs_G, wq_GKN, ws_GKN)
+        ctx.save_for_backward(x_MK, offs_G, wq_GKN, ws_GKN)  # before the GEMM: as fp8_linear's
         ctx.ops, ctx.lay, ctx.w_dtype, ctx.G = ops, lay, w_GKN.dtype, len(w_GKN)
         # In place (param given, x and w views made for this call, as wgrad's _GroupedMM): which
         # gradients this backward wants (the pipeline's input-only and weight-only passes).
@@ -177,7 +176,7 @@ class _DeepGEMMFP8(torch.autograd.Function):
         if ctx.w is not None:
             ctx.x_node = wgrad.grad_nodes(x_MK, ctx.w)[0]
             ctx.nodes = wgrad.grad_nodes(w_GKN, ctx.w)
-        return y
+        return _gemm(ops, x_MK, wqt_GNK, wst_GNK, lay)
 
     @staticmethod
     def backward(ctx, dy_MN):

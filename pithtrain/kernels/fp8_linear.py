@@ -174,12 +174,13 @@ class _FP8GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_MK, w_GKN, offs_G, wq_GKN, wqt_GNK, ws_GKN):
-        ops = _ops(x_MK)
-        xq, xs = ops.quant_rows(x_MK)
-        y = ops.mgrouped_mm(xq, xs, wqt_GNK, ws_GKN, offs_G, out_dtype=x_MK.dtype)
+        # Saved before the GEMM runs: activation checkpointing's "cheap" recompute stops at the
+        # last save (pithtrain/compile.py), so this GEMM is not run again.
         ctx.save_for_backward(x_MK, offs_G, wq_GKN, ws_GKN)
         ctx.w_dtype = w_GKN.dtype
-        return y
+        ops = _ops(x_MK)
+        xq, xs = ops.quant_rows(x_MK)
+        return ops.mgrouped_mm(xq, xs, wqt_GNK, ws_GKN, offs_G, out_dtype=x_MK.dtype)
 
     @staticmethod
     def backward(ctx, dy_MN):

@@ -353,10 +353,16 @@ class GroupedExperts(nn.Module):
             expert_X = torch.repeat_interleave(torch.arange(len(counts_E), device=x_XD.device),
                                                counts_E, output_size=x_XD.shape[0])
             h_XF2 = self.bias_add(h_XF2, local(self.b13_EF2).to(x_XD.dtype), expert_X, offs_E)
-        y_XD = self.mm(self.swiglu(h_XF2, self.alpha, self.limit), self.w2_EFD, offs_E)
+        y_XD = self.down(h_XF2, offs_E)
         if self.b2_ED is not None:
             y_XD = self.bias_add(y_XD, local(self.b2_ED).to(x_XD.dtype), expert_X, offs_E)
         return y_XD
+
+    def down(self, h_XF2, offs_E):
+        """The activation and the second GEMM. Its own method so that activation checkpointing's
+        "cheap" policy (pithtrain/compile.py) can recompute the activation from h in backward
+        instead of keeping it: the GEMM saves its input before it runs, where the recompute stops."""
+        return self.mm(self.swiglu(h_XF2, self.alpha, self.limit), self.w2_EFD, offs_E)
 
 
 def expert_counts(idx_X, num_experts):
