@@ -71,7 +71,8 @@ TORCHTITAN = {"deepseek_v2": ("deepseek_v3", "deepseekv3_args", "16B", "DeepSeek
 def bench_config(name: str, layers: int, batch: int, seq: int, grad_accum: int = 1, extra: list = ()):
     one_gpu = [f"parallel.{k}=1" for k in ("pp", "dp", "fsdp", "cp", "ep")]
     cfg = load_config(name, [f"model.num_layers={layers}", f"train.micro_batch_size={batch}",
-                             f"train.seq_len={seq}", f"train.grad_accum={grad_accum}", *one_gpu, *extra])
+                             f"train.seq_len={seq}", f"train.grad_accum={grad_accum}", *one_gpu,
+                             "train.global_batch_tokens=null", "train.activation_checkpoint=none", *extra])
     if hasattr(cfg.model, "max_position_embeddings"):
         cfg.model.max_position_embeddings = max(cfg.model.max_position_embeddings, seq)
     return cfg

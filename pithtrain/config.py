@@ -324,7 +324,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         apply_override(raw, o)
         by_key[o.split("=", 1)[0]] = o
     try:
-        return config_from_dict(raw, source=str(path))
+        cfg = config_from_dict(raw, source=str(path))
     except ConfigError as e:  # a value that came from the command line: name the override
         key = getattr(e, "key", None)
         o = key and next((o for k, o in by_key.items() if k == key or k.startswith(key + ".")), None)
@@ -336,6 +336,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         near = [o for k, o in by_key.items() if k.split(".")[0] == key.split(".")[0]] or list(by_key.values())
         raise ConfigError(f"{path} with command-line override{'s' * (len(near) > 1)} "
                           f"{', '.join(map(repr, near))}: {e.key}: {e.detail}") from None
+    chosen = [o for k, o in by_key.items() if k in ("train.micro_batch_size", "train.grad_accum")]
+    if chosen and cfg.parallel.auto and cfg.train.global_batch_tokens is not None:  # not dropped silently
+        raise ConfigError(f"command-line override {chosen[0]!r}: parallel: auto chooses train.micro_batch_size "
+                          f"and train.grad_accum for train.global_batch_tokens={cfg.train.global_batch_tokens}; "
+                          "add train.global_batch_tokens=null to keep yours")
+    return cfg
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

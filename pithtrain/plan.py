@@ -32,7 +32,9 @@ MLP block, D wide, a MoE block of top-k A over E routed experts of width F:
     all but full     its input (c D); the router's logits (c E), ids, weights; unpermute's
                      weights and indices (and the expert ids of biased experts)
     routed experts   dispatched rows and expert outputs (2 c A D), plus [gate | up] (2 c A F,
-                     none and cheap) and the activation (c A F, none)
+                     none and cheap) and the activation (c A F, none); with ep > 1 these are the
+                     busiest rank's (times the calibration routing's busiest-over-mean, `busiest`),
+                     and the combine keeps the rows it receives back (c A D, none and cheap)
     dense SwiGLU     (a dense layer's MLP; shared experts also keep their own input, c D) width
                      F: gate, up, their product (3 c F, none), gate and up (cheap), nothing
                      (selective)
@@ -45,7 +47,8 @@ Communication buffers. FSDP2: the root's unsharded parameters (embedding, final 
 FSDP keeps the root gathered between forward and backward), the current and the prefetched
 layer gathered (param dtype), and one layer's unsharded gradients in the compute and reduce
 dtypes (the reduce-scatter input). Where the run keeps the layers gathered across the step
-(precision.keep: no pipeline), every layer's dense part gathered instead ("keep_bytes"); a plan
+(precision.keep: no pipeline), every layer's dense part gathered instead, and the root's all-gather
+buffer, which FSDP2 holds until its next gather and no layer issues one ("keep_bytes"); a plan
 that does not fit that way drops it first ("keep": false, and the run gathers per micro-batch).
 Expert parallel: one layer's all-to-all send and receive buffers (2 c A T D).
 
@@ -70,6 +73,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -164,10 +168,24 @@ def layer_activations(layer: nn.Module, i: int, cfg: Config, c: int, mode: str) 
     ex, A = mlp.experts, m.top_k
     routing = c * mlp.balance.num_experts + 8 * A + 4 * A + 4  # logits (router's width), ids, weights, their sum
     rows = {"none": 2 * D + 3 * ex.hidden, "cheap": 2 * D + 2 * ex.hidden, "selective": 2 * D}[mode]
+    if cfg.parallel.ep and cfg.parallel.ep > 1:  # the busiest rank's rows; the combine's received rows
+        rows = rows * busiest(cfg) + (D if mode != "selective" else 0)
     combine = c * A + 2 * 8 * A + (8 * A if ex.b13_EF2 is not None else 0)  # unpermute's weights and
     shared = getattr(mlp, "shared_experts", None)  # indices; the rows' expert ids for the biases
     shared = c * D + swiglu_mlp(shared, c, mode) if shared is not None else 0  # its input: its compiled
-    return a, c * D + routing + c * A * rows + combine + shared  # graph keeps its own
+    return a, c * D + routing + round(c * A * rows) + combine + shared  # graph keeps its own
+
+
+def busiest(cfg: Config) -> float:
+    """The busiest expert-parallel rank's rows over the mean under the calibration's routing (the
+    cost file's balance at cfg's ep; 1 for a family it has not measured)."""
+    return busiest_at(cfg.model.family, cfg.parallel.ep)
+
+
+@functools.lru_cache(maxsize=None)
+def busiest_at(family: str, ep: int) -> float:
+    fam = perf.load_costs()["families"].get(family)
+    return perf.measured_at(fam["balance"]["group_max_mean"], ep) if fam else 1.0
 
 
 def swiglu_mlp(mlp: nn.Module, c: int, mode: str) -> int:
@@ -243,8 +261,8 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks, precisi
     comm = keep = 0  # keep: the bytes precision.keep adds (every layer's dense part gathered for the step)
     if fsdp:  # the root, the current and the prefetched layer, one layer's gradients
         comm += root_full * pbytes + 2 * layer_full * pbytes + layer_full * (pbytes + rbytes)
-        if precision.keep:
-            keep = max(sum(dense) - 2 * max(dense), 0) * pbytes
+        if precision.keep:  # and the root's all-gather buffer, which FSDP frees at the next gather
+            keep = (max(sum(dense) - 2 * max(dense), 0) + root_full) * pbytes
     if dims.ep_enabled:
         comm += 2 * c * m.top_k * T * D
     # train.fp8: each expert weight's unsharded FP8 copies (q and q^T, 1 B each) live for the step.

@@ -244,7 +244,7 @@ def model_costs(name: str, cfg, device, args, old: dict) -> dict:
             flush=True)
     fam["experts"] = experts_curve(cfg, device, args, fp8=False)
     fam["experts_fp8"] = fam["experts"] if args.cpu else experts_curve(cfg, device, args, fp8=True)
-    fam["balance"] = balance(cfg, routes)
+    fam["balance"] = balance(cfg, routes) if routes else old["balance"]  # no path measured: the old one
     return fam
 
 

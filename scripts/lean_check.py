@@ -31,7 +31,8 @@ from pithtrain.config import load_config
 from pithtrain.data import build_batches
 from pithtrain.train import micro_batches, train_step
 
-GPU_SET = ["train.compile=false", "train.activation_checkpoint=none", "log.every=1000000"]
+GPU_SET = ["train.compile=false", "train.activation_checkpoint=none", "log.every=1000000",
+           "train.global_batch_tokens=16384"]
 
 
 def run(cfg, device: torch.device) -> dict:
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.recipe, over)
     if cfg.parallel.auto:
         cfg, _ = plan.resolve(cfg, 1)
+    if device.type == "cuda":  # two micro-batches of 2 x 4096 a step: the lean state's float32 accumulation runs
+        cfg.train.micro_batch_size, cfg.train.grad_accum = 2, 2
     seed = cfg.train.seed
     print(f"lean_check: {args.recipe} {cfg.model.num_layers} layers, {args.steps} steps of "
           f"{cfg.train.micro_batch_size * cfg.train.grad_accum} x {cfg.train.seq_len} tokens on {device}", flush=True)
@@ -83,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, state, s in (("float32", "float32", seed), (f"float32 seed {seed + 1}", "float32", seed + 1),
                            ("lean", "lean", seed)):
         one = load_config(args.recipe, over + [f"train.state={state}", f"train.seed={s}"])
-        one.parallel = cfg.parallel
+        one.parallel, one.train.micro_batch_size, one.train.grad_accum = (
+            cfg.parallel, cfg.train.micro_batch_size, cfg.train.grad_accum)
         runs[name] = r = run(one, device)
         print(f"  {name:<20} loss {r['loss'][0]:.4f} -> {statistics.mean(r['loss'][-args.window:]):.4f} "
               f"(last {args.window}), step {r['step_s'] * 1e3:.1f} ms, peak {r['peak_gib']:.1f} GiB"

@@ -30,7 +30,7 @@ from pathlib import Path
 from multi_gpu_parity import launch, overlap_as_labelled  # the sibling script (python puts scripts/ on the path)
 
 LAYOUT = ("parallel.pp=4 parallel.fsdp=2 parallel.ep=2 train.seq_len=2048 train.micro_batch_size=4 "
-          "train.grad_accum=128 "
+          "train.grad_accum=128 train.global_batch_tokens=null "
           "train.dtype=bfloat16 train.lr=3e-4 train.warmup_steps=10 log.every=1 checkpoint.final=false").split()
 # --smoke: the same layout and schedules with tiny widths (8 layers: 2 per stage), on CPU.
 SMOKE = ("model.num_layers=8 model.hidden_size=64 model.num_heads=2 model.kv_lora_rank=32 model.qk_nope_head_dim=16 "

@@ -388,13 +388,14 @@ def test_the_plan_counts_the_lean_bytes_and_keeps_layers_gathered_only_where_tha
     from test_plan import qwen3_rank
 
     from pithtrain import plan as planner
-    cfg = load_config("qwen3-30b-a3b", ["parallel.auto=false", "parallel.fsdp=8", "parallel.ep=8", "train.state=lean"])
+    one = ["parallel.auto=false", "parallel.fsdp=8", "parallel.ep=8", "train.activation_checkpoint=full",
+           "train.global_batch_tokens=null"]
+    cfg = load_config("qwen3-30b-a3b", one + ["train.state=lean"])
     n = qwen3_rank(cfg.model, 1)[0]
     r = (result := planner.plan(cfg, 8, 1000.0, "h200"))["ranks"][0]
     assert (r["params"], r["grads"], r["optimizer"], r["bf16_copy"]) == (4 * n, 2 * n, 4 * n, 0)
     assert result["keep"] and r["keep"] and r["keep_bytes"] > 0
-    f32 = planner.plan(load_config("qwen3-30b-a3b", ["parallel.auto=false", "parallel.fsdp=8", "parallel.ep=8"]),
-                       8, 1000.0, "h200")["ranks"][0]
+    f32 = planner.plan(load_config("qwen3-30b-a3b", one), 8, 1000.0, "h200")["ranks"][0]
     assert (f32["grads"], f32["optimizer"]) == (4 * n, 8 * n) and f32["bf16_copy"] > 0
     tight = (r["peak"] - r["keep_bytes"] / 2) / 2**30 / planner.FIT_FRACTION
     dropped = planner.plan(cfg, 8, tight, "h200")

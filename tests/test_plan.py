@@ -9,6 +9,7 @@ peak with torch.cuda.max_memory_allocated (within 10%): `python -m pytest -m gpu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -19,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pithtrain import perf
 from pithtrain import plan as planner
 from pithtrain.config import ConfigError, load_config
 from pithtrain.gpus import GPUS
@@ -610,3 +612,32 @@ def test_planned_activations_are_what_autograd_saves(recipe, mode):
         for part, w in zip(("attn", "mlp"), want):
             g = got.get((i, part), 0)
             assert w == pytest.approx(g, rel=0.03, abs=1), (recipe, mode, i, part, g, w)
+
+
+def test_expert_parallel_rows_are_the_busiest_ranks_and_the_combine_keeps_its_received_rows():
+    """With ep > 1 a MoE layer's routed-expert rows are counted at the calibration routing's
+    busiest-over-mean (the emulated GPT-OSS rank at fsdp=8 ep=8 measured 2.3% over the plan with
+    it, docs/perf-notes.md) and the combine keeps the c A D rows it receives back; one process
+    (ep = 1) is the balanced count."""
+    from pithtrain.models import build_model
+    cfg = load_config("gpt-oss-20b", ["parallel.auto=false", "parallel.fsdp=8", "parallel.ep=8",
+                                      "train.activation_checkpoint=none", "train.global_batch_tokens=null"])
+    model = build_model(cfg.model, torch.device("meta"))
+    layer, m = model.layers[0], cfg.model
+    b = planner.busiest(cfg)
+    assert b == perf.load_costs()["families"]["gpt_oss"]["balance"]["group_max_mean"]["8"] > 1
+    ep8 = planner.layer_activations(layer, 0, cfg, 2, "none")[1]
+    one = planner.layer_activations(layer, 0, dataclasses.replace(cfg, parallel=dataclasses.replace(
+        cfg.parallel, fsdp=1, ep=1)), 2, "none")[1]
+    rows = 2 * m.hidden_size + 3 * layer.mlp.experts.hidden
+    assert ep8 - one == round(2 * m.top_k * (rows * b + m.hidden_size)) - 2 * m.top_k * rows
+
+
+def test_an_override_auto_would_replace_is_refused_in_one_line():
+    """Under parallel: auto with train.global_batch_tokens the planner chooses micro_batch_size and
+    grad_accum: a command-line value for either would be dropped, so it is refused, naming the way
+    to keep it; with global_batch_tokens=null it is kept."""
+    with pytest.raises(ConfigError, match=r"^command-line override 'train.grad_accum=4': parallel: auto "
+                                          r"chooses .*add train.global_batch_tokens=null to keep yours$"):
+        load_config("qwen3-30b-a3b", ["train.grad_accum=4"])
+    assert load_config("qwen3-30b-a3b", ["train.grad_accum=4", "train.global_batch_tokens=null"]).train.grad_accum == 4

@@ -2,7 +2,8 @@
 
     python skills/benchmark-throughput/scripts/throughput.py                              # tiny default (CPU ok)
     python skills/benchmark-throughput/scripts/throughput.py deepseek-v2-lite model.num_layers=4 \\
-        train.micro_batch_size=2 train.seq_len=4096 train.device=cuda --steps 12 --save runs/bench/before.json
+        train.global_batch_tokens=null train.micro_batch_size=2 train.seq_len=4096 train.device=cuda \\
+        --steps 12 --save runs/bench/before.json
     python skills/benchmark-throughput/scripts/throughput.py ... --baseline runs/bench/before.json --tolerance 0.03
 
 Runs `--steps` optimizer steps of the trainer (log.every=1, no checkpoints), drops the first
