@@ -1,7 +1,7 @@
 """One rank of an N-GPU layout, measured on the one GPU at hand: what a user runs before renting eight.
 
-    python -m pithtrain.emulate qwen3-30b-a3b --gpus 8 --gpu h100 --set parallel.fsdp=8 --set parallel.ep=8
-    invoke emulate --model deepseek-v2-lite --gpus 8 --gpu h100      # parallel: auto's pick for 8 x H100
+    python -m pithtrain.emulate gpt-oss-20b --gpus 8 --gpu h100 --set parallel.fsdp=8 --set parallel.ep=8
+    invoke emulate --model deepseek-v2-lite --gpus 8 --gpu h100 --set parallel.pp=1   # auto's pick without a pipeline
 
 Rank 0's exact program of the layout a launch of N processes on `--gpu` would run (plan.resolve
 with that GPU's name and memory, `parallel: auto` included; where this machine has a GPU, the
