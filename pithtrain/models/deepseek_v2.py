@@ -27,11 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
-from pithtrain.models.common import (DecoderLayer, Embedding, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
-                                     SwiGLUMLP, apply_rope, attention, causal_lm_forward, cross_entropy_sum,
-                                     init_normal)
+from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, RMSNorm, Rotary, SwiGLUMLP,
+                                     apply_rope, attention)
 from pithtrain.models.hub import hub_name, native_name, per_expert_to_stacked, stacked_to_per_expert
-from pithtrain.models.init import init_by_block
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -307,37 +305,18 @@ class MoE(nn.Module):
 # Model
 
 
-class DeepseekV2ForCausalLM(nn.Module):
-    """forward(input_ids) -> logits (B, S, V); forward(input_ids, labels=...) -> summed token loss."""
+class DeepseekV2ForCausalLM(CausalLM):
+    """common.CausalLM over DeepSeek-V2's blocks (dense SwiGLU in the first first_k_dense_replace
+    layers), initialised by DeepSeek's / Hugging Face's scheme (common.init_normal): normal(0,
+    initializer_range) for linears (zero biases), embeddings, router and experts; ones for norms.
+    RoPE covers only the R decoupled dims; YaRN's cos/sin factor (mscale / mscale_all_dim, 1.0 for
+    V2's published 0.707 / 0.707) is applied inside Rotary, the softmax-scale correction in
+    Attention.scale."""
 
     def __init__(self, cfg: DeepseekV2Config):
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        # RoPE covers only the R decoupled dims; YaRN's cos/sin factor (mscale / mscale_all_dim,
-        # 1.0 for V2's published 0.707 / 0.707) is applied inside Rotary, the softmax-scale
-        # correction in Attention.scale.
-        self.rotary = Rotary(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(Attention(cfg), MoE(cfg) if cfg.is_moe_layer(i) else
-                                                 SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size),
-                                                 cfg.hidden_size, cfg.rms_norm_eps)
-                                    for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.cross_entropy = cross_entropy_sum  # the head's loss; common.use_kernels may bind the fused one
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def init_weights(self):
-        init_by_block(self, self.init_block)
-
-    def init_block(self, block):
-        """DeepSeek's / Hugging Face's scheme (common.init_normal): normal(0, initializer_range)
-        for linears (zero biases), embeddings, router and experts; ones for norms."""
-        init_normal(block, self.cfg.init_std)
-
-    def forward(self, input_ids_BS, positions_BS=None, labels_BS=None, docs_BS=None):
-        return causal_lm_forward(self, input_ids_BS, positions_BS, labels_BS, docs_BS)
+        super().__init__(cfg, Rotary(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling),
+                         ((Attention(cfg), MoE(cfg) if cfg.is_moe_layer(i) else
+                           SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)) for i in range(cfg.num_layers)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,10 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
-from pithtrain.models.common import (DecoderLayer, Embedding, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
-                                     apply_rope, attention, causal_lm_forward, cross_entropy_sum, init_normal)
+from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, Rotary, apply_rope,
+                                     attention, init_normal)
 from pithtrain.models.hub import hub_name, native_name
-from pithtrain.models.init import init_by_block
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -269,25 +268,12 @@ class MoE(nn.Module):
 # Model
 
 
-class GptOssForCausalLM(nn.Module):
-    """forward(input_ids) -> logits (B, S, V); forward(input_ids, labels=...) -> summed token loss."""
+class GptOssForCausalLM(CausalLM):
+    """common.CausalLM over GPT-OSS's blocks (every layer MoE; sliding or full attention by layer_type)."""
 
     def __init__(self, cfg: GptOssConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling())
-        self.layers = nn.ModuleList(DecoderLayer(Attention(cfg, i), MoE(cfg), cfg.hidden_size, cfg.rms_norm_eps)
-                                    for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.cross_entropy = cross_entropy_sum  # the head's loss; common.use_kernels may bind the fused one
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    @torch.no_grad()
-    def init_weights(self):
-        init_by_block(self, self.init_block)
+        super().__init__(cfg, Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling()),
+                         ((Attention(cfg, i), MoE(cfg)) for i in range(cfg.num_layers)))
 
     @torch.no_grad()
     def init_block(self, block):
@@ -301,9 +287,6 @@ class GptOssForCausalLM(nn.Module):
                 nn.init.normal_(m.sinks_H, std=std)
             elif isinstance(m, MoE):
                 nn.init.normal_(m.router.bias, std=std)
-
-    def forward(self, input_ids_BS, positions_BS=None, labels_BS=None, docs_BS=None):
-        return causal_lm_forward(self, input_ids_BS, positions_BS, labels_BS, docs_BS)
 
 
 # ---------------------------------------------------------------------------------------------
