@@ -102,6 +102,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from pithtrain.config import field_default
 from pithtrain.data import TOKENIZER_FILES, tokenizer_of
 from pithtrain.kernels.adamw import join_, split
 from pithtrain.models.common import local
@@ -915,8 +916,8 @@ class Checkpointer:
         saved = yaml.safe_load((ckpt / RECIPE).read_text())
         now = self.cfg.to_dict()
         saved["model"] = saved_model = saved.get("model") or {}
-        added = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-                 for f in dataclasses.fields(self.cfg.model) if f.name in now["model"] and f.name not in saved_model}
+        added = {f.name: field_default(f) for f in dataclasses.fields(self.cfg.model)
+                 if f.name in now["model"] and f.name not in saved_model}
         if added:
             saved_model.update(added)
             self.say(f"{ckpt} was saved before these model fields existed; read as their defaults: "
