@@ -29,7 +29,8 @@ from torch import nn
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, RMSNorm, Rotary, SwiGLUMLP,
                                      apply_rope, attention)
-from pithtrain.models.hub import hub_name, native_name, per_expert_to_stacked, stacked_to_per_expert
+from pithtrain.models.hub import (common_from_hf, common_to_hf, hub_name, native_name, per_expert_to_stacked,
+                                  stacked_to_per_expert)
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -156,9 +157,7 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
             if hf.get(key, ok) != ok:
                 raise ValueError(f"{key}={hf[key]!r} is not supported (only {ok!r})")
         return cls(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-            q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+            **common_from_hf(hf), q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
             qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
             v_head_dim=hf["v_head_dim"], first_k_dense_replace=hf.get("first_k_dense_replace", 0),
             intermediate_size=hf["intermediate_size"],
@@ -169,11 +168,7 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
             topk_group=hf.get("topk_group") or 1,
             routed_scaling_factor=hf.get("routed_scaling_factor", 1.0),
             rope_theta=theta, rope_scaling=None if kind == "default" else {"rope_type": kind, **rope},
-            rms_norm_eps=hf["rms_norm_eps"], max_position_embeddings=hf["max_position_embeddings"],
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            attention_bias=hf.get("attention_bias", False),
-            init_std=hf.get("initializer_range", 0.02),
-            aux_loss_coeff=hf.get("aux_loss_alpha", 0.001))
+            attention_bias=hf.get("attention_bias", False), aux_loss_coeff=hf.get("aux_loss_alpha", 0.001))
 
     # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it). Any other field
     # that shapes the forward is lost in config.json: export refuses it unless at its default (checkpoint/hf.py).
@@ -187,10 +182,7 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
     def to_hf(self) -> dict:
         rope = {"rope_type": "default"} if self.rope_scaling is None else dict(self.rope_scaling)
         return {
-            "architectures": [self.hf_architecture], "model_type": "deepseek_v2",
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_heads, "q_lora_rank": self.q_lora_rank,
+            **common_to_hf(self), "num_key_value_heads": self.num_heads, "q_lora_rank": self.q_lora_rank,
             "kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.qk_nope_head_dim,
             "qk_rope_head_dim": self.qk_rope_head_dim, "v_head_dim": self.v_head_dim,
             "first_k_dense_replace": self.first_k_dense_replace,
@@ -200,12 +192,8 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
             "num_experts_per_tok": self.top_k, "topk_method": self.topk_method,
             "n_group": self.n_group, "topk_group": self.topk_group,
             "routed_scaling_factor": self.routed_scaling_factor, "norm_topk_prob": False,
-            "hidden_act": "silu", "rope_parameters": {**rope, "rope_theta": self.rope_theta},
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias, "mlp_bias": False,
-            "initializer_range": self.init_std, "aux_loss_alpha": self.aux_loss_coeff,
+            "rope_parameters": {**rope, "rope_theta": self.rope_theta},
+            "attention_bias": self.attention_bias, "mlp_bias": False, "aux_loss_alpha": self.aux_loss_coeff,
         }
 
 

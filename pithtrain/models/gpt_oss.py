@@ -23,7 +23,7 @@ from torch import nn
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, Rotary, apply_rope,
                                      attention, init_normal)
-from pithtrain.models.hub import hub_name, native_name
+from pithtrain.models.hub import common_from_hf, common_to_hf, hub_name, native_name
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -137,8 +137,7 @@ class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rat
             raise ValueError(f"unsupported YaRN parameters {sorted(unknown)}")
         n = hf["num_hidden_layers"]
         return cls(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=n,
-            num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
+            **common_from_hf(hf), num_kv_heads=hf["num_key_value_heads"],
             head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
             intermediate_size=hf["intermediate_size"],
             num_experts=hf.get("num_local_experts", hf.get("num_experts")),
@@ -152,9 +151,6 @@ class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rat
             yarn_original_max_position=rope.get("original_max_position_embeddings", 4096),
             yarn_beta_fast=rope.get("beta_fast") or 32.0, yarn_beta_slow=rope.get("beta_slow") or 1.0,
             yarn_truncate=rope.get("truncate", True),
-            rms_norm_eps=hf["rms_norm_eps"], max_position_embeddings=hf["max_position_embeddings"],
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            init_std=hf.get("initializer_range", 0.02),
             # HF adds the load-balancing loss only with output_router_logits; the published configs
             # carry an inert router_aux_loss_coef of 0.9 with it off, so take the hub-scale 0.001 then
             aux_loss_coeff=hf.get("router_aux_loss_coef", 0.001) if hf.get("output_router_logits") else 0.001)
@@ -172,18 +168,12 @@ class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rat
         if self.yarn_factor is not None:
             rope = {**self.rope_scaling(), "rope_theta": self.rope_theta}
         return {
-            "architectures": [self.hf_architecture], "model_type": "gpt_oss",
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            **common_to_hf(self), "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
             "intermediate_size": self.intermediate_size, "num_local_experts": self.num_experts,
             "num_experts_per_tok": self.top_k, "sliding_window": self.sliding_window,
             "layer_types": [self.layer_type(i) for i in range(self.num_layers)],
             "attention_bias": self.attention_bias, "swiglu_limit": self.swiglu_limit,
-            "hidden_act": "silu", "rope_parameters": rope, "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings, "initializer_range": self.init_std,
-            "router_aux_loss_coef": self.aux_loss_coeff,
+            "rope_parameters": rope, "router_aux_loss_coef": self.aux_loss_coeff,
         }
 
 

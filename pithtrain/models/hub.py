@@ -11,6 +11,22 @@ import re
 import torch
 
 
+def common_from_hf(hf: dict) -> dict:
+    """The config fields every family reads alike from a hub config.json (common_to_hf writes them)."""
+    return dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+                num_heads=hf["num_attention_heads"], rms_norm_eps=hf["rms_norm_eps"],
+                max_position_embeddings=hf["max_position_embeddings"],
+                tie_word_embeddings=hf.get("tie_word_embeddings", False), init_std=hf.get("initializer_range", 0.02))
+
+
+def common_to_hf(cfg) -> dict:
+    """The config.json keys every family writes alike (its to_hf adds its own)."""
+    return {"architectures": [cfg.hf_architecture], "model_type": cfg.family, "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+            "rms_norm_eps": cfg.rms_norm_eps, "max_position_embeddings": cfg.max_position_embeddings,
+            "tie_word_embeddings": cfg.tie_word_embeddings, "initializer_range": cfg.init_std, "hidden_act": "silu"}
+
+
 def hub_name(native: str) -> str:
     return native if native.startswith("lm_head.") else "model." + native
 

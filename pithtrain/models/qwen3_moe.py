@@ -17,7 +17,8 @@ from torch import nn
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, RMSNorm, Rotary, SwiGLUMLP,
                                      apply_rope, attention)
-from pithtrain.models.hub import hub_name, native_name, per_expert_to_stacked, stacked_to_per_expert
+from pithtrain.models.hub import (common_from_hf, common_to_hf, hub_name, native_name, per_expert_to_stacked,
+                                  stacked_to_per_expert)
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -92,9 +93,7 @@ class Qwen3MoeConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_r
             if hf.get(key, ok) != ok:
                 raise ValueError(f"{key}={hf[key]!r} is not supported (only {ok!r})")
         return cls(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-            num_kv_heads=hf["num_key_value_heads"],
+            **common_from_hf(hf), num_kv_heads=hf["num_key_value_heads"],
             head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
             intermediate_size=hf["intermediate_size"],
             moe_intermediate_size=hf["moe_intermediate_size"],
@@ -103,11 +102,7 @@ class Qwen3MoeConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_r
             decoder_sparse_step=hf.get("decoder_sparse_step", 1),
             mlp_only_layers=list(hf.get("mlp_only_layers") or []),
             rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
-            rms_norm_eps=hf["rms_norm_eps"],
-            max_position_embeddings=hf["max_position_embeddings"],
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=hf.get("attention_bias", False),
-            init_std=hf.get("initializer_range", 0.02),
             aux_loss_coeff=hf.get("router_aux_loss_coef", 0.001))
 
     # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it). Any other field
@@ -120,21 +115,15 @@ class Qwen3MoeConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_r
 
     def to_hf(self) -> dict:
         return {
-            "architectures": [self.hf_architecture], "model_type": "qwen3_moe",
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            **common_to_hf(self), "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
             "intermediate_size": self.intermediate_size,
             "moe_intermediate_size": self.moe_intermediate_size, "num_experts": self.num_experts,
             "num_experts_per_tok": self.top_k, "norm_topk_prob": self.norm_topk_prob,
             "decoder_sparse_step": self.decoder_sparse_step,
-            "mlp_only_layers": list(self.mlp_only_layers), "hidden_act": "silu",
+            "mlp_only_layers": list(self.mlp_only_layers),
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias, "initializer_range": self.init_std,
-            "router_aux_loss_coef": self.aux_loss_coeff, "use_sliding_window": False,
+            "attention_bias": self.attention_bias, "router_aux_loss_coef": self.aux_loss_coeff,
+            "use_sliding_window": False,
         }
 
 
