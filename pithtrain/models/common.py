@@ -34,9 +34,6 @@ class Embedding(nn.Embedding):
 
     lookup = staticmethod(F.embedding)
 
-    def __init__(self, num_embeddings: int, embedding_dim: int):
-        super().__init__(num_embeddings, embedding_dim)
-
     def forward(self, ids):
         return self.lookup(ids, self.weight)
 
@@ -410,6 +407,15 @@ def local(w):
     """Expert parallel makes the stacked weights DTensors split by expert (distributed/
     parallelize.py); the rows a rank receives are for its own experts, so it computes on its block."""
     return w.to_local() if hasattr(w, "to_local") else w
+
+
+def placed_like(t: torch.Tensor, local_value: torch.Tensor) -> torch.Tensor:
+    """local_value as t is: a DTensor with t's mesh, placements and global shape when t is one (this
+    rank's block of it), else local_value itself."""
+    if hasattr(t, "to_local"):
+        return type(t).from_local(local_value, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride())
+    return local_value
 
 
 # ---------------------------------------------------------------------------------------------
