@@ -29,8 +29,7 @@ from torch import nn
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, RMSNorm, Rotary, SwiGLUMLP,
                                      apply_rope, attention)
-from pithtrain.models.hub import (common_from_hf, common_to_hf, hub_name, native_name, per_expert_to_stacked,
-                                  stacked_to_per_expert)
+from pithtrain.models.hub import common_from_hf, common_to_hf, per_expert_to_stacked, stacked_to_per_expert
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -315,10 +314,8 @@ def hf_to_native(cfg: DeepseekV2Config, hf_key: str, get) -> list[tuple[str, tup
     the stacked experts; every other name is the hub name without "model."."""
     if hf_key.endswith("rotary_emb.inv_freq"):  # old remote-code checkpoints store the rope table
         return []
-    experts = per_expert_to_stacked(hf_key, get, cfg.moe_intermediate_size)
-    return experts if experts is not None else [(native_name(hf_key), (), get(hf_key))]
+    return per_expert_to_stacked(hf_key, get, cfg.moe_intermediate_size)
 
 
 def native_to_hf(cfg: DeepseekV2Config, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    experts = stacked_to_per_expert(name, t, cfg.moe_intermediate_size)
-    return experts if experts is not None else [(hub_name(name), t)]
+    return stacked_to_per_expert(name, t, cfg.moe_intermediate_size)

@@ -17,8 +17,7 @@ from torch import nn
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, RMSNorm, Rotary, SwiGLUMLP,
                                      apply_rope, attention)
-from pithtrain.models.hub import (common_from_hf, common_to_hf, hub_name, native_name, per_expert_to_stacked,
-                                  stacked_to_per_expert)
+from pithtrain.models.hub import common_from_hf, common_to_hf, per_expert_to_stacked, stacked_to_per_expert
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -201,10 +200,8 @@ class Qwen3MoeForCausalLM(CausalLM):
 def hf_to_native(cfg: Qwen3MoeConfig, hf_key: str, get) -> list[tuple[str, tuple, torch.Tensor]]:
     """(native name, index into it, value) for one hub tensor: per-expert weights fill slices of
     the stacked experts; every other name is the hub name without "model."."""
-    experts = per_expert_to_stacked(hf_key, get, cfg.moe_intermediate_size)
-    return experts if experts is not None else [(native_name(hf_key), (), get(hf_key))]
+    return per_expert_to_stacked(hf_key, get, cfg.moe_intermediate_size)
 
 
 def native_to_hf(cfg: Qwen3MoeConfig, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    experts = stacked_to_per_expert(name, t, cfg.moe_intermediate_size)
-    return experts if experts is not None else [(hub_name(name), t)]
+    return stacked_to_per_expert(name, t, cfg.moe_intermediate_size)
