@@ -38,11 +38,15 @@ DEFAULT_RECIPE = RECIPES_DIR / "default.yaml"
 RECIPE_MODEL_FIELDS = ("aux_loss_coeff", "balance", "bias_update_rate", "z_loss_coeff", "swiglu_alpha")
 
 
+def field_default(f: dataclasses.Field):
+    """A dataclass field's default value (a fresh one where it has a default_factory)."""
+    return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+
+
 def changed_fields(model) -> list[tuple[str, Any]]:
     """(field, value) of each field of a dataclass that is not at its default."""
-    def default(f):
-        return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-    return [(f.name, getattr(model, f.name)) for f in dataclasses.fields(model) if getattr(model, f.name) != default(f)]
+    return [(f.name, getattr(model, f.name)) for f in dataclasses.fields(model)
+            if getattr(model, f.name) != field_default(f)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,17 +104,16 @@ class TrainConfig:
     max_skips: int = 3
 
     def validate(self, err):
-        for k in ("steps", "micro_batch_size", "seq_len", "grad_accum", "eval_batches"):
+        for k in ("steps", "micro_batch_size", "seq_len", "grad_accum", "eval_batches", "max_skips"):
             if getattr(self, k) < 1:
                 err(k, f"must be >= 1, got {getattr(self, k)}")
         # Written so that nan fails too (every comparison with nan is false); inf is no setting either.
         for k in ("lr", "eps"):
             if not 0 < getattr(self, k) < math.inf:
                 err(k, f"must be a finite number > 0, got {getattr(self, k)}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            err("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        if not 0 <= self.decay_ratio <= 1:
-            err("decay_ratio", f"must be in [0, 1], got {self.decay_ratio}")
+        for k in ("min_lr_ratio", "decay_ratio"):
+            if not 0 <= getattr(self, k) <= 1:
+                err(k, f"must be in [0, 1], got {getattr(self, k)}")
         if self.lr_schedule != "wsd" and (self.decay_ratio, self.decay_type) != (0.2, "linear"):
             err("decay_ratio" if self.decay_ratio != 0.2 else "decay_type",
                 f"applies to train.lr_schedule=wsd only (it is {self.lr_schedule!r})")
@@ -118,8 +121,6 @@ class TrainConfig:
                                                      or self.global_batch_tokens % self.seq_len):
             err("global_batch_tokens", f"must be a positive multiple of train.seq_len ({self.seq_len}), got "
                                        f"{self.global_batch_tokens}")
-        if self.max_skips < 1:
-            err("max_skips", f"must be >= 1, got {self.max_skips}")
         if self.eval_every < 0:
             err("eval_every", f"must be >= 0 (0: no evaluation), got {self.eval_every}")
         if self.warmup_steps < 0:
@@ -159,15 +160,12 @@ class DataConfig:
         if self.source == "stdlib" and self.path is not None:
             err("path", f"{self.path!r} is given but data.source is 'stdlib' (the interpreter's own bytes); "
                         "set data.source=shards to train on it")
-        if self.val_path is not None and not (Path(self.val_path) / "meta.json").is_file():
-            err("val_path", f"{self.val_path!r} is not a token-shard directory (no meta.json); "
-                            "create one with `invoke prepare-data`")
-        if self.source == "shards":
-            if self.path is None:
-                err("path", "data.source is 'shards' but no data.path is given")
-            elif not (Path(self.path) / "meta.json").is_file():
-                err("path", f"{self.path!r} is not a token-shard directory (no meta.json); "
-                            "create one with `invoke prepare-data`")
+        for k in ("val_path", "path") if self.source == "shards" else ("val_path",):
+            if getattr(self, k) is not None and not (Path(getattr(self, k)) / "meta.json").is_file():
+                err(k, f"{getattr(self, k)!r} is not a token-shard directory (no meta.json); "
+                       "create one with `invoke prepare-data`")
+        if self.source == "shards" and self.path is None:
+            err("path", "data.source is 'shards' but no data.path is given")
         if self.max_bytes < 10_000:
             err("max_bytes", f"must be >= 10000, got {self.max_bytes}")
 
@@ -604,7 +602,7 @@ def keys_table(cfg: Config) -> str:
         obj = getattr(cfg, name)
         hints = typing.get_type_hints(type(obj))
         for f in dataclasses.fields(obj):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = field_default(f)
             tp = _type_name(hints[f.name]) + (" | 'auto'" if (name, f.name) == ("model", "vocab_size") else "")
             value = getattr(obj, f.name)
             rows.append((f"{name}.{f.name}", tp, repr(default), "" if value == default else f"recipe: {value!r}"))

@@ -57,7 +57,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pithtrain.kernels.adamw import split
-from pithtrain.models.common import GroupedExperts, local
+from pithtrain.models.common import GroupedExperts, local, placed_like
 
 # Bytes per parameter of a training state: weights (the masters), gradients, optimizer moments
 # (lean's gradients: 2 with one micro-batch a step, 4 with several: bytes_per_param).
@@ -161,14 +161,6 @@ class Precision:
 # The lean state: float32 masters as a bf16 high half (the parameter) and an int16 low half
 
 
-def _like(t: torch.Tensor, local_value: torch.Tensor) -> torch.Tensor:
-    """local_value as t is: a DTensor with t's mesh and placements when t is one."""
-    if isinstance(t, DTensor):
-        return DTensor.from_local(local_value, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                  stride=t.stride())
-    return local_value
-
-
 class LeanState:
     """The lean state's pieces beside the parameters: each parameter's int16 low half (`lo`: with the
     parameter, the float32 master), and where a step has several micro-batches (`accumulate`) each
@@ -195,8 +187,8 @@ class LeanState:
             if id(t) not in todo or t.dtype != torch.float32:
                 return t
             hi, lo = split(local(t))
-            lows[id(t)] = _like(t, lo)
-            return _like(t, hi)
+            lows[id(t)] = placed_like(t, lo)
+            return placed_like(t, hi)
 
         model._apply(halve)
         for p in model.parameters():
@@ -328,8 +320,7 @@ class WeightCopies:
             if (type(p) is not nn.Parameter and not dtensor) or p.device != w.device:
                 return None
             block = torch.empty_like(local(p), memory_format=torch.contiguous_format)
-            p.grad = (DTensor.from_local(block, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                         stride=p.stride()) if dtensor else block)
+            p.grad = placed_like(p, block)
             return block, True
         g = local(g)
         ok = (type(g) is torch.Tensor and g.device == w.device and g.is_contiguous() and g.shape == w.shape
@@ -355,10 +346,7 @@ def _into_master(ref: weakref.ref, b: torch.Tensor) -> None:
         return
     master = ref()
     if master.grad is None:
-        g = b.grad.to(master.dtype)
-        master.grad = (DTensor.from_local(g, master.device_mesh, master.placements, run_check=False,
-                                          shape=master.shape, stride=master.stride())
-                       if isinstance(master, DTensor) else g)
+        master.grad = placed_like(master, b.grad.to(master.dtype))
     else:
         local(master.grad).add_(b.grad)
     b.grad = None

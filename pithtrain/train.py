@@ -415,7 +415,6 @@ def export_final(cfg: Config):
     """checkpoint.export_hf: the final checkpoint, as <run_dir>/hf (every rank writes its shards)."""
     from pathlib import Path
 
-    from pithtrain.checkpoint.dcp import checkpoints_dir
     from pithtrain.checkpoint.export import export
     final = checkpoints_dir(cfg.log.run_dir) / f"step_{cfg.train.steps}"
     export(final, Path(cfg.log.run_dir) / "hf", getattr(torch, cfg.checkpoint.export_dtype))

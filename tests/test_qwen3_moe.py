@@ -50,7 +50,9 @@ def test_hub_names_and_per_expert_weights_round_trip():
             back[name][index] = t
     assert torch.equal(back["layers.1.mlp.experts.w13_EDF2"], w13)
     assert torch.equal(back["layers.1.mlp.experts.w2_EFD"], w2)
-    assert per_expert_to_stacked("model.norm.weight", hub.get, 5) is None
+    hub["model.norm.weight"] = torch.ones(4)  # any other tensor: itself, under its native / hub name
+    assert per_expert_to_stacked("model.norm.weight", hub.get, 5) == [("norm.weight", (), hub["model.norm.weight"])]
+    assert stacked_to_per_expert("norm.weight", w2, 5) == [("model.norm.weight", w2)]
 
 
 @pytest.mark.quick

@@ -158,18 +158,17 @@ def _ep_worker(rank: int, world: int, port: int, tmp: str):
     mine = slice(rank * T, (rank + 1) * T)
     out = {"pairs": int(sum(((computed_slots(idx[mine], E) & (idx[mine] // El == r)).any(1)).sum()
                              for r in range(world)))}
-    for dedup in (True, False):
-        local = GroupedExperts(El, D, F).train()
-        with torch.no_grad():
-            local.w13_EDF2.copy_(full.w13_EDF2[rank * El:(rank + 1) * El])
-            local.w2_EFD.copy_(full.w2_EFD[rank * El:(rank + 1) * El])
-        d = ExpertParallelDispatcher(dist.group.WORLD, rank, world, E, dedup=dedup)
-        xl, wl = x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
-        y = dispatched(d, xl, idx[mine], wl, local)
-        (y * g[mine]).sum().backward()
-        torch.testing.assert_close(y, ref[mine], rtol=1e-5, atol=1e-5)
-        assert not wl.grad[~computed_slots(idx[mine], E)].any()
-        out["dedup" if dedup else "naive"] = [d.rows_sent, local.rows_computed]
+    local = GroupedExperts(El, D, F).train()
+    with torch.no_grad():
+        local.w13_EDF2.copy_(full.w13_EDF2[rank * El:(rank + 1) * El])
+        local.w2_EFD.copy_(full.w2_EFD[rank * El:(rank + 1) * El])
+    d = ExpertParallelDispatcher(dist.group.WORLD, rank, world, E)
+    xl, wl = x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
+    y = dispatched(d, xl, idx[mine], wl, local)
+    (y * g[mine]).sum().backward()
+    torch.testing.assert_close(y, ref[mine], rtol=1e-5, atol=1e-5)
+    assert not wl.grad[~computed_slots(idx[mine], E)].any()
+    out["dedup"] = [d.rows_sent, local.rows_computed]
     with open(os.path.join(tmp, f"ep-{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
@@ -183,10 +182,9 @@ def test_expert_parallel_sends_and_computes_no_dropped_slot(tmp_path):
     out = [json.loads((tmp_path / f"ep-{r}.json").read_text()) for r in range(2)]
     idx, _ = routing(48)
     n = int(computed_slots(idx, E).sum())
-    for r in out:  # dedup: one row per (token, rank) with a slot there to compute; naive: one per slot
+    for r in out:  # one row per (token, rank) with a slot there to compute
         assert r["dedup"][0] == r["pairs"]
-    assert sum(r["naive"][0] for r in out) == n
-    assert sum(r["dedup"][1] for r in out) == sum(r["naive"][1] for r in out) == n  # computed: once each
+    assert sum(r["dedup"][1] for r in out) == n  # computed: once each
 
 
 @pytest.mark.gpu

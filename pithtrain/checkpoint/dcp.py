@@ -100,11 +100,11 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
+from pithtrain.config import field_default
 from pithtrain.data import TOKENIZER_FILES, tokenizer_of
 from pithtrain.kernels.adamw import join_, split
-from pithtrain.models.common import local
+from pithtrain.models.common import local, placed_like
 
 FORMAT = 1
 MANIFEST, TRAINER, RECIPE, LATEST = "manifest.json", "trainer.json", "recipe.yaml", "latest"
@@ -915,8 +915,8 @@ class Checkpointer:
         saved = yaml.safe_load((ckpt / RECIPE).read_text())
         now = self.cfg.to_dict()
         saved["model"] = saved_model = saved.get("model") or {}
-        added = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-                 for f in dataclasses.fields(self.cfg.model) if f.name in now["model"] and f.name not in saved_model}
+        added = {f.name: field_default(f) for f in dataclasses.fields(self.cfg.model)
+                 if f.name in now["model"] and f.name not in saved_model}
         if added:
             saved_model.update(added)
             self.say(f"{ckpt} was saved before these model fields existed; read as their defaults: "
@@ -965,11 +965,7 @@ def lean_checkpoint(ckpt: Path) -> bool:
 def _host_like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An empty host tensor of p's local shape in `dtype`, a DTensor placed as p where p is one (a load
     target DCP reads this rank's chunks into)."""
-    block = torch.empty(local(p).shape, dtype=dtype)
-    if isinstance(p, DTensor):
-        return DTensor.from_local(block, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride())
-    return block
+    return placed_like(p, torch.empty(local(p).shape, dtype=dtype))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from pithtrain.checkpoint.dcp import (
     TRAINER,
     CheckpointError,
     SafeReader,
+    agree,
     check_index,
     lean_checkpoint,
     no_dist_warnings,
@@ -161,7 +162,7 @@ def special_token_ids(ckpt: Path, saved_recipe: dict) -> dict:
 def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SHARD_BYTES) -> Path:
     """Write `ckpt` (verified) as a Hugging Face checkpoint into `out`; every rank calls it."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    path = resolve(ckpt, check=lambda c: _verify_shared(c, rank, world))
+    path = resolve(ckpt, check=lambda c: agree(None, c, verify, c, rank, world))  # every rank a share
     cfg, saved = checkpoint_recipe(path)
     refuse_hub_losses(cfg.model, f"{path / RECIPE}")  # a model field config.json cannot carry
     checkpoint_tokenizer(path, saved)  # before any file is written
@@ -232,21 +233,6 @@ def refuse_trained_bias(path: Path, model: torch.nn.Module):
         raise ConfigError(f"{path}: {trained[0]}: the trained routing bias (model.balance=bias) has no place in "
                           f"{model.cfg.hf_architecture}'s hub format; transformers would route without it. Keep "
                           "the native checkpoint (invoke sample), or train with another model.balance")
-
-
-def _verify_shared(ckpt: Path, rank: int, world: int):
-    """Every rank hashes its share; the first problem any rank found is raised on all."""
-    error = None
-    try:
-        verify(ckpt, rank, world)
-    except (CheckpointError, OSError) as e:
-        error = str(e)
-    if world > 1:
-        errors = [None] * world
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e), None)
-    if error:
-        raise CheckpointError(error)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ from pithtrain.checkpoint.dcp import TRAINING_ONLY
 from pithtrain.config import ConfigError, changed_fields
 from pithtrain.models import FAMILIES, build_model, read_config, to_empty
 from pithtrain.models.balance import Balance, BalanceConfig
-from pithtrain.models.common import Rotary
+from pithtrain.models.common import Rotary, local
 
 SHARD_BYTES = 4 << 30  # export shard size
 READ_BYTES = 8 << 20  # import: rows of a hub tensor read and converted at a time (float32 size)
@@ -148,7 +148,7 @@ def load_hf_into(model: torch.nn.Module, path: str | Path, device: str | torch.d
     fam = FAMILIES[cfg.family]
     whole = build_model(cfg, init=False)  # meta: names and full shapes (a pipeline stage has a subset)
     whole_targets = {**dict(whole.named_parameters()), **dict(whole.named_buffers())}
-    _check_fits(path, sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+    _check_fits(path, sum(local(p).numel() * p.element_size()
                           for p in model.parameters()), torch.device(device))  # this rank's shards
     to_empty(model, device)
     for m in model.modules():  # buffers that are not in checkpoints; RoPE's table stays float32
@@ -194,7 +194,7 @@ def load_hf_into(model: torch.nn.Module, path: str | Path, device: str | torch.d
                                      f"expected {tuple(full[index].shape)} for {name}")
                 if name not in targets:  # another pipeline stage's
                     continue
-                owned, local = targets[name]
+                owned, block = targets[name]
                 inter = [(max(a, o), min(b, p)) for (a, b), (o, p) in zip(region, owned)]
                 if any(a >= b for a, b in inter):
                     continue  # another rank's slice: not read
@@ -202,7 +202,7 @@ def load_hf_into(model: torch.nn.Module, path: str | Path, device: str | torch.d
                     value = _mapped(fam, cfg, key, name, index, lambda k: handle(k).get_tensor(k))
                     for d in dropped:
                         value = value.unsqueeze(d)
-                    written[name] = written.get(name, 0) + _copy(local, owned, value, region, inter)
+                    written[name] = written.get(name, 0) + _copy(block, owned, value, region, inter)
                     continue
                 # A whole-parameter value keeps the hub tensor's dim 0: read the rows this rank
                 # holds, READ_BYTES of float32 at a time (one GPT-OSS-120B expert layer is 8.5 GB).
@@ -214,7 +214,7 @@ def load_hf_into(model: torch.nn.Module, path: str | Path, device: str | torch.d
                     if value.shape[0] != rows[1] - rows[0]:
                         raise AssertionError(f"{cfg.family}.hf_to_native must keep dim 0 of {key!r}")
                     part = [rows, *inter[1:]]
-                    written[name] = written.get(name, 0) + _copy(local, owned, value, [rows, *region[1:]], part)
+                    written[name] = written.get(name, 0) + _copy(block, owned, value, [rows, *region[1:]], part)
         handles.clear()  # unmaps the file: its pages leave this process
         if rank0 and (i + 1 == len(files) or time.monotonic() - last >= 10):  # minutes at 30B scale
             last = time.monotonic()

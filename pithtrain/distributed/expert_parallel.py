@@ -23,9 +23,6 @@ Gradients: AllToAll's backward is the reverse all-to-all; everything else (gathe
 masking) is ordinary autograd, so router weights receive their gradient through the sent
 weights and the experts' gradients include the tokens of every rank of the group.
 
-`dedup=False` gives the naive path (one row per (token, slot)); it exists for the test that
-shows deduplication sends fewer rows and computes the same thing.
-
 Shape legend: T local tokens, A top-k slots, D width, R ep ranks, X sent rows, N received rows,
 P received (row, slot) pairs, E local experts.
 """
@@ -62,12 +59,10 @@ class ExpertParallelDispatcher:
     Counters `rows_sent` / `rows_sent_remote` (rows leaving this rank in total / to other ranks)
     accumulate over calls, for tests and profiling."""
 
-    def __init__(self, group, ep_rank: int, ep_size: int, num_experts: int, dedup: bool = True,
-                 fused: bool = False):
+    def __init__(self, group, ep_rank: int, ep_size: int, num_experts: int, fused: bool = False):
         assert num_experts % ep_size == 0
         self.group, self.ep_rank, self.ep_size = group, ep_rank, ep_size
         self.local_experts = num_experts // ep_size
-        self.dedup = dedup
         self.rows_sent = self.rows_sent_remote = 0
         # The received rows' slots for this rank's experts, expert-contiguous, and their weighted sum
         # back per row: the one-GPU dispatcher over them (the others are DROPPED slots), with its
@@ -85,26 +80,16 @@ class ExpertParallelDispatcher:
 
         # --- send buffer, rank-major: row X goes to rank r_X and carries token t_X
         # One host read per dispatch for the split sizes (the counts go first, on the device)
-        if self.dedup:
-            need_RT = torch.zeros(R + 1, T, dtype=torch.bool, device=x_TD.device)
-            need_RT[dest_TA.reshape(-1), torch.arange(T, device=x_TD.device).repeat_interleave(A)] = True
-            send_R = need_RT[:R].sum(1)
-        else:
-            flat = dest_TA.reshape(-1)
-            send_R = torch.zeros(R + 1, dtype=torch.int64, device=x_TD.device).scatter_add_(
-                0, flat, torch.ones_like(flat))[:R]
+        need_RT = torch.zeros(R + 1, T, dtype=torch.bool, device=x_TD.device)  # token t goes to rank r
+        need_RT[dest_TA.reshape(-1), torch.arange(T, device=x_TD.device).repeat_interleave(A)] = True
+        send_R = need_RT[:R].sum(1)
         recv_R = torch.empty_like(send_R)
         dist.all_to_all_single(recv_R, send_R, group=self.group)
         splits = torch.cat([send_R, recv_R]).tolist()
         in_splits, out_splits = splits[:R], splits[R:]
-        if self.dedup:  # sorted by rank, then token; its size is known now: no second read
-            r_X, t_X = torch.nonzero_static(need_RT[:R], size=sum(in_splits)).unbind(1)
-            keep_XA = dest_TA[t_X] == r_X[:, None]  # every slot of the token bound for r_X
-        else:
-            order_X = torch.argsort(flat, stable=True)[:sum(in_splits)]
-            r_X, t_X = flat[order_X], order_X // A
-            keep_XA = torch.zeros(len(order_X), A, dtype=torch.bool, device=x_TD.device)
-            keep_XA[torch.arange(len(order_X), device=x_TD.device), order_X % A] = True
+        # the rows, sorted by rank, then token; their number is known now: no second read
+        r_X, t_X = torch.nonzero_static(need_RT[:R], size=sum(in_splits)).unbind(1)
+        keep_XA = dest_TA[t_X] == r_X[:, None]  # every slot of the token bound for r_X
         idx_XA = torch.where(keep_XA, idx_TA[t_X], -1)
         w_XA = torch.where(keep_XA, w_TA[t_X].to(x_TD.dtype), 0)
         self.rows_sent += len(t_X)

@@ -91,11 +91,7 @@ def new_pp_groups(pp_rank_lists: list[list[int]]):
     """Two process groups over each pipeline's ranks (global ranks, one list per pipeline):
     activations travel on the first, gradients on the second. Every rank must call this with the
     same lists (torch.distributed creates groups collectively). Returns this rank's pair."""
-    mine = []
-    for _ in range(2):
-        group, _ = dist.new_subgroups_by_enumeration(pp_rank_lists)
-        mine.append(group)
-    return mine[0], mine[1]
+    return tuple(dist.new_subgroups_by_enumeration(pp_rank_lists)[0] for _ in range(2))
 
 
 class PipelineRunner:
@@ -132,9 +128,6 @@ class PipelineRunner:
         self.split = not (self.fsdp and checkpointed)
 
     # --- helpers
-    def _global(self, group, pp_peer):
-        return dist.get_global_rank(group, pp_peer)
-
     def _tag(self, stage, mb):  # both ends name a message by its receiving stage
         return stage * self.M + mb
 
@@ -206,7 +199,7 @@ class PipelineRunner:
             if k in ("RECV_F", "RECV_B"):
                 buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
                 group = self.group_f if k == "RECV_F" else self.group_b
-                dist.irecv(buf, src=self._global(group, op.peer), group=group,
+                dist.irecv(buf, src=dist.get_global_rank(group, op.peer), group=group,
                            tag=self._tag(self.chunks[c].stage, mb)).wait()
                 if k == "RECV_F":
                     self.f_in[(c, mb)] = buf.requires_grad_()
@@ -219,7 +212,7 @@ class PipelineRunner:
                 else:
                     t, group, dest = self.b_out.pop((c, mb)), self.group_b, self.chunks[c].stage - 1
                 t = t.to(self.act_dtype).contiguous()
-                pending.append((dist.isend(t, dst=self._global(group, op.peer), group=group,
+                pending.append((dist.isend(t, dst=dist.get_global_rank(group, op.peer), group=group,
                                            tag=self._tag(dest, mb)), t))
                 continue
             start, n_logged = self._mark() if self.timeline is not None else None, len(self.phase_log or ())

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from pithtrain.models.balance import Balance
+from pithtrain.models.common import local
 
 
 def all_sum(values: list[float], dims) -> list[float]:
@@ -55,7 +56,7 @@ def grad_norm(grads, dims) -> float:
     the mesh dims where it is Replicate), and one all-reduce over the world (pipeline stages
     hold different parameters, so they sum too) gives the square of the global norm."""
     grads = list(grads)
-    local, weight = [], []
+    shards, weight = [], []
     for g in grads:
         w = 1.0
         if isinstance(g, DTensor):
@@ -63,12 +64,12 @@ def grad_norm(grads, dims) -> float:
                 if isinstance(pl, Replicate):
                     w /= size
             g = g.to_local()
-        local.append(g)
+        shards.append(g)
         weight.append(w)
-    total = torch.zeros((), dtype=torch.float64, device=_grad_device(grads))
-    for dtype in {g.dtype for g in local}:  # one fused norm kernel per dtype, no gradient-sized temporary
-        i = [k for k, g in enumerate(local) if g.dtype == dtype]
-        norms = torch.stack(torch._foreach_norm([local[k] for k in i])).double()
+    total = torch.zeros((), dtype=torch.float64, device=shards[0].device if shards else "cpu")
+    for dtype in {g.dtype for g in shards}:  # one fused norm kernel per dtype, no gradient-sized temporary
+        i = [k for k, g in enumerate(shards) if g.dtype == dtype]
+        norms = torch.stack(torch._foreach_norm([shards[k] for k in i])).double()
         total += (norms ** 2 * torch.tensor([weight[k] for k in i], dtype=torch.float64, device=norms.device)).sum()
     if dims.distributed:
         total = total.to(_comm_device())
@@ -85,14 +86,7 @@ def clip_coef(norm: float, max_norm: float) -> float:
 def scale_grads_(params, coef: float) -> None:
     if coef != 1.0:
         grads = [p.grad for p in params if p.grad is not None]
-        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
-
-
-def _grad_device(grads):
-    if not grads:
-        return "cpu"
-    g = grads[0]
-    return (g.to_local() if isinstance(g, DTensor) else g).device
+        torch._foreach_mul_([local(g) for g in grads], coef)
 
 
 @torch.no_grad()

@@ -249,43 +249,23 @@ def with_comm(ops: list[Op], rank: int, pp: int, schedule: str) -> list[Op]:
     V = num_virtual_stages(pp, schedule)
     out = []
 
-    def recv_f(c, mb):
-        v = stages[c]
-        if v > 0 and stage_rank(v - 1, pp, schedule) != rank:
-            out.append(Op("RECV_F", c, mb, peer=stage_rank(v - 1, pp, schedule)))
-
-    def send_f(c, mb):
-        v = stages[c]
-        if v < V - 1 and stage_rank(v + 1, pp, schedule) != rank:
-            out.append(Op("SEND_F", c, mb, peer=stage_rank(v + 1, pp, schedule)))
-
-    def recv_b(c, mb):
-        v = stages[c]
-        if v < V - 1 and stage_rank(v + 1, pp, schedule) != rank:
-            out.append(Op("RECV_B", c, mb, peer=stage_rank(v + 1, pp, schedule)))
-
-    def send_b(c, mb):
-        v = stages[c]
-        if v > 0 and stage_rank(v - 1, pp, schedule) != rank:
-            out.append(Op("SEND_B", c, mb, peer=stage_rank(v - 1, pp, schedule)))
+    def comm(kind, c, mb, dv):  # the op when the stage dv away (-1: previous, +1: next) is another rank's
+        v = stages[c] + dv
+        if 0 <= v < V and stage_rank(v, pp, schedule) != rank:
+            out.append(Op(kind, c, mb, peer=stage_rank(v, pp, schedule)))
 
     for op in ops:
-        if op.kind == "F":
-            recv_f(op.chunk, op.mb)
-            out.append(op)
-            send_f(op.chunk, op.mb)
-        elif op.kind in ("B", "BW"):
-            recv_b(op.chunk, op.mb)
-            out.append(op)
-            send_b(op.chunk, op.mb)
-        elif op.kind == "FB":
-            recv_f(op.chunk, op.mb)
-            recv_b(op.b_chunk, op.b_mb)
-            out.append(op)
-            send_f(op.chunk, op.mb)
-            send_b(op.b_chunk, op.b_mb)
-        else:
-            out.append(op)
+        f = [(op.chunk, op.mb)] if op.kind in ("F", "FB") else []  # its forward's and backward's (chunk, mb)
+        b = [(op.b_chunk, op.b_mb)] if op.kind == "FB" else [(op.chunk, op.mb)] if op.kind in ("B", "BW") else []
+        for c, mb in f:
+            comm("RECV_F", c, mb, -1)
+        for c, mb in b:
+            comm("RECV_B", c, mb, +1)
+        out.append(op)
+        for c, mb in f:
+            comm("SEND_F", c, mb, +1)
+        for c, mb in b:
+            comm("SEND_B", c, mb, -1)
     return out
 
 

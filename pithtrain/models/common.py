@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.models.balance import Balance
+from pithtrain.models.init import init_by_block
 
 # ---------------------------------------------------------------------------------------------
 # Token embedding, norm and rotary embeddings
@@ -32,9 +33,6 @@ class Embedding(nn.Embedding):
     max_norm or the other options: the lookup takes (ids, weight) only."""
 
     lookup = staticmethod(F.embedding)
-
-    def __init__(self, num_embeddings: int, embedding_dim: int):
-        super().__init__(num_embeddings, embedding_dim)
 
     def forward(self, ids):
         return self.lookup(ids, self.weight)
@@ -411,6 +409,15 @@ def local(w):
     return w.to_local() if hasattr(w, "to_local") else w
 
 
+def placed_like(t: torch.Tensor, local_value: torch.Tensor) -> torch.Tensor:
+    """local_value as t is: a DTensor with t's mesh, placements and global shape when t is one (this
+    rank's block of it), else local_value itself."""
+    if hasattr(t, "to_local"):
+        return type(t).from_local(local_value, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride())
+    return local_value
+
+
 # ---------------------------------------------------------------------------------------------
 # Token permutation (single device). Expert parallel replaces this unit: see distributed/.
 
@@ -742,6 +749,34 @@ def indexed_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's decoder layers in order (indexed_layers without the indices)."""
     return [m for _, m in indexed_layers(model)]
+
+
+class CausalLM(nn.Module):
+    """The frame every family's model is: embedding, RoPE, its decoder layers (one per (attention,
+    MLP) pair in `blocks`), final norm, LM head. forward(input_ids) -> logits (B, S, V);
+    forward(input_ids, labels=...) -> summed token loss (causal_lm_forward). `init_block` gives one
+    block its values (Hugging Face's scheme, init_normal; a family adds its extras by overriding it)."""
+
+    def __init__(self, cfg, rotary: nn.Module, blocks):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = rotary
+        self.layers = nn.ModuleList(DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps) for attn, mlp in blocks)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.cross_entropy = cross_entropy_sum  # the head's loss; use_kernels may bind the fused one
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def init_weights(self):
+        init_by_block(self, self.init_block)
+
+    def init_block(self, block):
+        init_normal(block, self.cfg.init_std)
+
+    def forward(self, input_ids_BS, positions_BS=None, labels_BS=None, docs_BS=None):
+        return causal_lm_forward(self, input_ids_BS, positions_BS, labels_BS, docs_BS)
 
 
 def causal_lm_forward(model, input_ids_BS, positions_BS=None, labels_BS=None, docs_BS=None):

@@ -27,11 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
-from pithtrain.models.common import (DecoderLayer, Embedding, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
-                                     SwiGLUMLP, apply_rope, attention, causal_lm_forward, cross_entropy_sum,
-                                     init_normal)
-from pithtrain.models.hub import hub_name, native_name, per_expert_to_stacked, stacked_to_per_expert
-from pithtrain.models.init import init_by_block
+from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, RMSNorm, Rotary, SwiGLUMLP,
+                                     apply_rope, attention)
+from pithtrain.models.hub import common_from_hf, common_to_hf, per_expert_to_stacked, stacked_to_per_expert
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -158,9 +156,7 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
             if hf.get(key, ok) != ok:
                 raise ValueError(f"{key}={hf[key]!r} is not supported (only {ok!r})")
         return cls(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-            q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+            **common_from_hf(hf), q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
             qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
             v_head_dim=hf["v_head_dim"], first_k_dense_replace=hf.get("first_k_dense_replace", 0),
             intermediate_size=hf["intermediate_size"],
@@ -171,11 +167,7 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
             topk_group=hf.get("topk_group") or 1,
             routed_scaling_factor=hf.get("routed_scaling_factor", 1.0),
             rope_theta=theta, rope_scaling=None if kind == "default" else {"rope_type": kind, **rope},
-            rms_norm_eps=hf["rms_norm_eps"], max_position_embeddings=hf["max_position_embeddings"],
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            attention_bias=hf.get("attention_bias", False),
-            init_std=hf.get("initializer_range", 0.02),
-            aux_loss_coeff=hf.get("aux_loss_alpha", 0.001))
+            attention_bias=hf.get("attention_bias", False), aux_loss_coeff=hf.get("aux_loss_alpha", 0.001))
 
     # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it). Any other field
     # that shapes the forward is lost in config.json: export refuses it unless at its default (checkpoint/hf.py).
@@ -189,10 +181,7 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
     def to_hf(self) -> dict:
         rope = {"rope_type": "default"} if self.rope_scaling is None else dict(self.rope_scaling)
         return {
-            "architectures": [self.hf_architecture], "model_type": "deepseek_v2",
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_heads, "q_lora_rank": self.q_lora_rank,
+            **common_to_hf(self), "num_key_value_heads": self.num_heads, "q_lora_rank": self.q_lora_rank,
             "kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.qk_nope_head_dim,
             "qk_rope_head_dim": self.qk_rope_head_dim, "v_head_dim": self.v_head_dim,
             "first_k_dense_replace": self.first_k_dense_replace,
@@ -202,12 +191,8 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
             "num_experts_per_tok": self.top_k, "topk_method": self.topk_method,
             "n_group": self.n_group, "topk_group": self.topk_group,
             "routed_scaling_factor": self.routed_scaling_factor, "norm_topk_prob": False,
-            "hidden_act": "silu", "rope_parameters": {**rope, "rope_theta": self.rope_theta},
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias, "mlp_bias": False,
-            "initializer_range": self.init_std, "aux_loss_alpha": self.aux_loss_coeff,
+            "rope_parameters": {**rope, "rope_theta": self.rope_theta},
+            "attention_bias": self.attention_bias, "mlp_bias": False, "aux_loss_alpha": self.aux_loss_coeff,
         }
 
 
@@ -307,37 +292,18 @@ class MoE(nn.Module):
 # Model
 
 
-class DeepseekV2ForCausalLM(nn.Module):
-    """forward(input_ids) -> logits (B, S, V); forward(input_ids, labels=...) -> summed token loss."""
+class DeepseekV2ForCausalLM(CausalLM):
+    """common.CausalLM over DeepSeek-V2's blocks (dense SwiGLU in the first first_k_dense_replace
+    layers), initialised by DeepSeek's / Hugging Face's scheme (common.init_normal): normal(0,
+    initializer_range) for linears (zero biases), embeddings, router and experts; ones for norms.
+    RoPE covers only the R decoupled dims; YaRN's cos/sin factor (mscale / mscale_all_dim, 1.0 for
+    V2's published 0.707 / 0.707) is applied inside Rotary, the softmax-scale correction in
+    Attention.scale."""
 
     def __init__(self, cfg: DeepseekV2Config):
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        # RoPE covers only the R decoupled dims; YaRN's cos/sin factor (mscale / mscale_all_dim,
-        # 1.0 for V2's published 0.707 / 0.707) is applied inside Rotary, the softmax-scale
-        # correction in Attention.scale.
-        self.rotary = Rotary(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(Attention(cfg), MoE(cfg) if cfg.is_moe_layer(i) else
-                                                 SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size),
-                                                 cfg.hidden_size, cfg.rms_norm_eps)
-                                    for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.cross_entropy = cross_entropy_sum  # the head's loss; common.use_kernels may bind the fused one
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def init_weights(self):
-        init_by_block(self, self.init_block)
-
-    def init_block(self, block):
-        """DeepSeek's / Hugging Face's scheme (common.init_normal): normal(0, initializer_range)
-        for linears (zero biases), embeddings, router and experts; ones for norms."""
-        init_normal(block, self.cfg.init_std)
-
-    def forward(self, input_ids_BS, positions_BS=None, labels_BS=None, docs_BS=None):
-        return causal_lm_forward(self, input_ids_BS, positions_BS, labels_BS, docs_BS)
+        super().__init__(cfg, Rotary(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling),
+                         ((Attention(cfg), MoE(cfg) if cfg.is_moe_layer(i) else
+                           SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)) for i in range(cfg.num_layers)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,10 +314,8 @@ def hf_to_native(cfg: DeepseekV2Config, hf_key: str, get) -> list[tuple[str, tup
     the stacked experts; every other name is the hub name without "model."."""
     if hf_key.endswith("rotary_emb.inv_freq"):  # old remote-code checkpoints store the rope table
         return []
-    experts = per_expert_to_stacked(hf_key, get, cfg.moe_intermediate_size)
-    return experts if experts is not None else [(native_name(hf_key), (), get(hf_key))]
+    return per_expert_to_stacked(hf_key, get, cfg.moe_intermediate_size)
 
 
 def native_to_hf(cfg: DeepseekV2Config, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    experts = stacked_to_per_expert(name, t, cfg.moe_intermediate_size)
-    return experts if experts is not None else [(hub_name(name), t)]
+    return stacked_to_per_expert(name, t, cfg.moe_intermediate_size)

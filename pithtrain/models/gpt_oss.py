@@ -21,10 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
-from pithtrain.models.common import (DecoderLayer, Embedding, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
-                                     apply_rope, attention, causal_lm_forward, cross_entropy_sum, init_normal)
-from pithtrain.models.hub import hub_name, native_name
-from pithtrain.models.init import init_by_block
+from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, Rotary, apply_rope,
+                                     attention, init_normal)
+from pithtrain.models.hub import common_from_hf, common_to_hf, hub_name, native_name
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -138,8 +137,7 @@ class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rat
             raise ValueError(f"unsupported YaRN parameters {sorted(unknown)}")
         n = hf["num_hidden_layers"]
         return cls(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=n,
-            num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
+            **common_from_hf(hf), num_kv_heads=hf["num_key_value_heads"],
             head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
             intermediate_size=hf["intermediate_size"],
             num_experts=hf.get("num_local_experts", hf.get("num_experts")),
@@ -153,9 +151,6 @@ class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rat
             yarn_original_max_position=rope.get("original_max_position_embeddings", 4096),
             yarn_beta_fast=rope.get("beta_fast") or 32.0, yarn_beta_slow=rope.get("beta_slow") or 1.0,
             yarn_truncate=rope.get("truncate", True),
-            rms_norm_eps=hf["rms_norm_eps"], max_position_embeddings=hf["max_position_embeddings"],
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            init_std=hf.get("initializer_range", 0.02),
             # HF adds the load-balancing loss only with output_router_logits; the published configs
             # carry an inert router_aux_loss_coef of 0.9 with it off, so take the hub-scale 0.001 then
             aux_loss_coeff=hf.get("router_aux_loss_coef", 0.001) if hf.get("output_router_logits") else 0.001)
@@ -173,18 +168,12 @@ class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rat
         if self.yarn_factor is not None:
             rope = {**self.rope_scaling(), "rope_theta": self.rope_theta}
         return {
-            "architectures": [self.hf_architecture], "model_type": "gpt_oss",
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            **common_to_hf(self), "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
             "intermediate_size": self.intermediate_size, "num_local_experts": self.num_experts,
             "num_experts_per_tok": self.top_k, "sliding_window": self.sliding_window,
             "layer_types": [self.layer_type(i) for i in range(self.num_layers)],
             "attention_bias": self.attention_bias, "swiglu_limit": self.swiglu_limit,
-            "hidden_act": "silu", "rope_parameters": rope, "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings, "initializer_range": self.init_std,
-            "router_aux_loss_coef": self.aux_loss_coeff,
+            "rope_parameters": rope, "router_aux_loss_coef": self.aux_loss_coeff,
         }
 
 
@@ -269,25 +258,12 @@ class MoE(nn.Module):
 # Model
 
 
-class GptOssForCausalLM(nn.Module):
-    """forward(input_ids) -> logits (B, S, V); forward(input_ids, labels=...) -> summed token loss."""
+class GptOssForCausalLM(CausalLM):
+    """common.CausalLM over GPT-OSS's blocks (every layer MoE; sliding or full attention by layer_type)."""
 
     def __init__(self, cfg: GptOssConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling())
-        self.layers = nn.ModuleList(DecoderLayer(Attention(cfg, i), MoE(cfg), cfg.hidden_size, cfg.rms_norm_eps)
-                                    for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.cross_entropy = cross_entropy_sum  # the head's loss; common.use_kernels may bind the fused one
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    @torch.no_grad()
-    def init_weights(self):
-        init_by_block(self, self.init_block)
+        super().__init__(cfg, Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling()),
+                         ((Attention(cfg, i), MoE(cfg)) for i in range(cfg.num_layers)))
 
     @torch.no_grad()
     def init_block(self, block):
@@ -301,9 +277,6 @@ class GptOssForCausalLM(nn.Module):
                 nn.init.normal_(m.sinks_H, std=std)
             elif isinstance(m, MoE):
                 nn.init.normal_(m.router.bias, std=std)
-
-    def forward(self, input_ids_BS, positions_BS=None, labels_BS=None, docs_BS=None):
-        return causal_lm_forward(self, input_ids_BS, positions_BS, labels_BS, docs_BS)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,22 @@ import re
 import torch
 
 
+def common_from_hf(hf: dict) -> dict:
+    """The config fields every family reads alike from a hub config.json (common_to_hf writes them)."""
+    return dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+                num_heads=hf["num_attention_heads"], rms_norm_eps=hf["rms_norm_eps"],
+                max_position_embeddings=hf["max_position_embeddings"],
+                tie_word_embeddings=hf.get("tie_word_embeddings", False), init_std=hf.get("initializer_range", 0.02))
+
+
+def common_to_hf(cfg) -> dict:
+    """The config.json keys every family writes alike (its to_hf adds its own)."""
+    return {"architectures": [cfg.hf_architecture], "model_type": cfg.family, "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+            "rms_norm_eps": cfg.rms_norm_eps, "max_position_embeddings": cfg.max_position_embeddings,
+            "tie_word_embeddings": cfg.tie_word_embeddings, "initializer_range": cfg.init_std, "hidden_act": "silu"}
+
+
 def hub_name(native: str) -> str:
     return native if native.startswith("lm_head.") else "model." + native
 
@@ -31,14 +47,15 @@ def per_expert_to_stacked(hf_key: str, get, hidden: int):
     """Hub per-expert weights (out, in) (Qwen3, DeepSeek) as slices of the stacked (E, in, out)
     tensors: gate -> w13[e, :, :F], up -> w13[e, :, F:], down -> w2[e]. transformers 5 can also
     save them fused per layer (save_original_format=False): gate_up_proj (E, 2F, D) with [gate; up]
-    rows, down_proj (E, D, F); each is the stacked tensor transposed. None for other keys."""
+    rows, down_proj (E, D, F); each is the stacked tensor transposed. Any other key is the same
+    tensor under its native name (the hub name without "model.")."""
     m = _FUSED_EXPERTS.fullmatch(hf_key)
     if m is not None:
         name = "w13_EDF2" if m[2] == "gate_up_proj" else "w2_EFD"
         return [(f"layers.{m[1]}.mlp.experts.{name}", (), get(hf_key).transpose(1, 2))]
     m = _PER_EXPERT.fullmatch(hf_key)
     if m is None:
-        return None
+        return [(native_name(hf_key), (), get(hf_key))]
     layer, e, which = int(m[1]), int(m[2]), m[3]
     base = f"layers.{layer}.mlp.experts."
     w = get(hf_key).t()
@@ -49,7 +66,7 @@ def per_expert_to_stacked(hf_key: str, get, hidden: int):
 
 
 def stacked_to_per_expert(name: str, t: torch.Tensor, hidden: int):
-    """The inverse of per_expert_to_stacked for one native tensor; None for non-expert names."""
+    """The inverse of per_expert_to_stacked for one native tensor (a non-expert one: its hub name)."""
     if name.endswith("experts.w13_EDF2"):
         prefix = hub_name(name[: -len("w13_EDF2")])
         return [(f"{prefix}{e}.{w}_proj.weight", t[e, :, cols].t())
@@ -57,4 +74,4 @@ def stacked_to_per_expert(name: str, t: torch.Tensor, hidden: int):
     if name.endswith("experts.w2_EFD"):
         prefix = hub_name(name[: -len("w2_EFD")])
         return [(f"{prefix}{e}.down_proj.weight", t[e].t()) for e in range(t.shape[0])]
-    return None
+    return [(hub_name(name), t)]

@@ -15,11 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
-from pithtrain.models.common import (DecoderLayer, Embedding, GroupedExperts, LocalDispatcher, RMSNorm, Rotary,
-                                     SwiGLUMLP, apply_rope, attention, causal_lm_forward, cross_entropy_sum,
-                                     init_normal)
-from pithtrain.models.hub import hub_name, native_name, per_expert_to_stacked, stacked_to_per_expert
-from pithtrain.models.init import init_by_block
+from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, RMSNorm, Rotary, SwiGLUMLP,
+                                     apply_rope, attention)
+from pithtrain.models.hub import common_from_hf, common_to_hf, per_expert_to_stacked, stacked_to_per_expert
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -94,9 +92,7 @@ class Qwen3MoeConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_r
             if hf.get(key, ok) != ok:
                 raise ValueError(f"{key}={hf[key]!r} is not supported (only {ok!r})")
         return cls(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-            num_kv_heads=hf["num_key_value_heads"],
+            **common_from_hf(hf), num_kv_heads=hf["num_key_value_heads"],
             head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
             intermediate_size=hf["intermediate_size"],
             moe_intermediate_size=hf["moe_intermediate_size"],
@@ -105,11 +101,7 @@ class Qwen3MoeConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_r
             decoder_sparse_step=hf.get("decoder_sparse_step", 1),
             mlp_only_layers=list(hf.get("mlp_only_layers") or []),
             rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
-            rms_norm_eps=hf["rms_norm_eps"],
-            max_position_embeddings=hf["max_position_embeddings"],
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=hf.get("attention_bias", False),
-            init_std=hf.get("initializer_range", 0.02),
             aux_loss_coeff=hf.get("router_aux_loss_coef", 0.001))
 
     # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it). Any other field
@@ -122,21 +114,15 @@ class Qwen3MoeConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_r
 
     def to_hf(self) -> dict:
         return {
-            "architectures": [self.hf_architecture], "model_type": "qwen3_moe",
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            **common_to_hf(self), "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
             "intermediate_size": self.intermediate_size,
             "moe_intermediate_size": self.moe_intermediate_size, "num_experts": self.num_experts,
             "num_experts_per_tok": self.top_k, "norm_topk_prob": self.norm_topk_prob,
             "decoder_sparse_step": self.decoder_sparse_step,
-            "mlp_only_layers": list(self.mlp_only_layers), "hidden_act": "silu",
+            "mlp_only_layers": list(self.mlp_only_layers),
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias, "initializer_range": self.init_std,
-            "router_aux_loss_coef": self.aux_loss_coeff, "use_sliding_window": False,
+            "attention_bias": self.attention_bias, "router_aux_loss_coef": self.aux_loss_coeff,
+            "use_sliding_window": False,
         }
 
 
@@ -198,33 +184,14 @@ class MoE(nn.Module):
 # Model
 
 
-class Qwen3MoeForCausalLM(nn.Module):
-    """forward(input_ids) -> logits (B, S, V); forward(input_ids, labels=...) -> summed token loss."""
+class Qwen3MoeForCausalLM(CausalLM):
+    """common.CausalLM over Qwen3-MoE's blocks (dense SwiGLU where not is_moe_layer), initialised by
+    Hugging Face's scheme: normal(0, initializer_range), ones for norms."""
 
     def __init__(self, cfg: Qwen3MoeConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
-        self.layers = nn.ModuleList(DecoderLayer(Attention(cfg), MoE(cfg) if cfg.is_moe_layer(i) else
-                                                 SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size),
-                                                 cfg.hidden_size, cfg.rms_norm_eps)
-                                    for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.cross_entropy = cross_entropy_sum  # the head's loss; common.use_kernels may bind the fused one
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def init_weights(self):
-        init_by_block(self, self.init_block)
-
-    def init_block(self, block):
-        """Hugging Face's scheme (common.init_normal): normal(0, initializer_range), ones for norms."""
-        init_normal(block, self.cfg.init_std)
-
-    def forward(self, input_ids_BS, positions_BS=None, labels_BS=None, docs_BS=None):
-        return causal_lm_forward(self, input_ids_BS, positions_BS, labels_BS, docs_BS)
+        super().__init__(cfg, Rotary(cfg.head_dim, cfg.rope_theta),
+                         ((Attention(cfg), MoE(cfg) if cfg.is_moe_layer(i) else
+                           SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)) for i in range(cfg.num_layers)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,10 +200,8 @@ class Qwen3MoeForCausalLM(nn.Module):
 def hf_to_native(cfg: Qwen3MoeConfig, hf_key: str, get) -> list[tuple[str, tuple, torch.Tensor]]:
     """(native name, index into it, value) for one hub tensor: per-expert weights fill slices of
     the stacked experts; every other name is the hub name without "model."."""
-    experts = per_expert_to_stacked(hf_key, get, cfg.moe_intermediate_size)
-    return experts if experts is not None else [(native_name(hf_key), (), get(hf_key))]
+    return per_expert_to_stacked(hf_key, get, cfg.moe_intermediate_size)
 
 
 def native_to_hf(cfg: Qwen3MoeConfig, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    experts = stacked_to_per_expert(name, t, cfg.moe_intermediate_size)
-    return experts if experts is not None else [(hub_name(name), t)]
+    return stacked_to_per_expert(name, t, cfg.moe_intermediate_size)
