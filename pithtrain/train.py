@@ -292,7 +292,7 @@ def start(cfg: Config, resume, notice: Notice, stack: contextlib.ExitStack, draw
     if dims.distributed and device.type == "cuda":
         flight_recorder(cfg.log.run_dir)  # NCCL's last collectives per rank, dumped on a timeout
     dims.init(device, cfg.parallel.timeout_s)  # torchrun's process group and the meshes; nothing for one process
-    stack.callback(dims.close)
+    stack.push(lambda failed, *_: dims.close(failed is not None))
     total, active = param_counts(build_model(cfg.model, init=False), cfg.model)  # meta: whole model
     say = dims.rank == 0
     if say:  # rank 0 locks log.run_dir and checks its storage before anything is built (an error

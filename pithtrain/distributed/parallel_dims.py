@@ -253,16 +253,25 @@ class ParallelDims:
                                                             else device.index) if device.type == "cuda" else None),
                                     store=dist.HashStore() if self.world_size == 1 else None)
             self.owns_group = True
+        from torch.distributed import distributed_c10d as c10d
+        self._groups_before = set(c10d._world.pg_map)  # a caller's group and its subgroups stay
         return self.build_meshes(device.type)
 
-    def close(self):
+    def close(self, failed: bool = False):
         """Leave the process group if `init` joined it (tests reuse one group across runs): every
-        group made since goes with it, and torch's default timeout is what it was."""
+        group made since goes with it. In a caller's group, a run that `failed` (no model returned
+        to hold DTensors on them) destroys the groups made since `init`, which would otherwise pile
+        up run after run and slow every later one (docs/perf-notes.md). torch's default timeout is
+        what it was."""
+        from torch.distributed import distributed_c10d as c10d
         if getattr(self, "owns_group", False):
             dist.destroy_process_group()
             self.owns_group = False
+        elif failed and getattr(self, "_groups_before", None) is not None and dist.is_initialized():
+            for group in [g for g in list(c10d._world.pg_map) if g not in self._groups_before]:
+                dist.destroy_process_group(group)
+        self._groups_before = None
         if getattr(self, "_default_timeouts", None):
-            from torch.distributed import distributed_c10d as c10d
             c10d.default_pg_timeout, c10d.default_pg_nccl_timeout = self._default_timeouts
             self._default_timeouts = None
 
