@@ -42,7 +42,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import variant
-from run_path import dispatched
+from run_path import dispatched, ep_rank_step
 
 from pithtrain.config import ConfigError, config_from_dict, load_config
 from pithtrain.metrics import flops_per_token
@@ -179,7 +179,6 @@ def test_layouts_match_single_process(world, tmp_path):
 
 
 def _dedup_worker(rank: int, world: int, port: int, tmp: str):
-    from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
     from pithtrain.models.common import GroupedExperts, LocalDispatcher
     dist = _init(rank, world, port)
     E, D, F, T, A = 8, 16, 12, 24, 4
@@ -196,14 +195,7 @@ def _dedup_worker(rank: int, world: int, port: int, tmp: str):
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     (dispatched(LocalDispatcher(), xr, idx, wr, full) * g).sum().backward()
     mine = slice(rank * T, (rank + 1) * T)
-    local = GroupedExperts(El, D, F)
-    with torch.no_grad():
-        local.w13_EDF2.copy_(full.w13_EDF2[rank * El:(rank + 1) * El])
-        local.w2_EFD.copy_(full.w2_EFD[rank * El:(rank + 1) * El])
-    d = ExpertParallelDispatcher(dist.group.WORLD, rank, world, E)
-    xl, wl = x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
-    y = dispatched(d, xl, idx[mine], wl, local)
-    (y * g[mine]).sum().backward()
+    y, xl, wl, local, d = ep_rank_step(full, rank, world, x, idx, w, g)
     y_ref = dispatched(LocalDispatcher(), x, idx, w, full)[mine]
     torch.testing.assert_close(y, y_ref.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(xl.grad, xr.grad[mine], rtol=1e-5, atol=1e-5)

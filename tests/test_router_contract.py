@@ -10,7 +10,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from run_path import dispatched
+from run_path import dispatched, ep_rank_step
 from torch import nn
 
 from pithtrain.distributed.parallel_dims import ParallelDims
@@ -146,7 +146,6 @@ def test_a_router_wider_than_the_ffn_experts_sizes_load_and_metrics():
 def _ep_worker(rank: int, world: int, port: int, tmp: str):
     import torch.distributed as dist
 
-    from pithtrain.distributed.expert_parallel import ExpertParallelDispatcher
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -158,14 +157,7 @@ def _ep_worker(rank: int, world: int, port: int, tmp: str):
     mine = slice(rank * T, (rank + 1) * T)
     out = {"pairs": int(sum(((computed_slots(idx[mine], E) & (idx[mine] // El == r)).any(1)).sum()
                              for r in range(world)))}
-    local = GroupedExperts(El, D, F).train()
-    with torch.no_grad():
-        local.w13_EDF2.copy_(full.w13_EDF2[rank * El:(rank + 1) * El])
-        local.w2_EFD.copy_(full.w2_EFD[rank * El:(rank + 1) * El])
-    d = ExpertParallelDispatcher(dist.group.WORLD, rank, world, E)
-    xl, wl = x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
-    y = dispatched(d, xl, idx[mine], wl, local)
-    (y * g[mine]).sum().backward()
+    y, xl, wl, local, d = ep_rank_step(full, rank, world, x, idx, w, g)
     torch.testing.assert_close(y, ref[mine], rtol=1e-5, atol=1e-5)
     assert not wl.grad[~computed_slots(idx[mine], E)].any()
     out["dedup"] = [d.rows_sent, local.rows_computed]
