@@ -23,9 +23,9 @@ residual stream is bf16 too, as every weight is: FSDP's bf16 gathers, or without
 copy, precision.WeightCopies). Attention phase of H heads (K for k and v: kv heads, MLA every
 head), widths d_qk, d_v:
     none, selective  its input, the residual after attention, the normalised input (every GEMM
-                     reading width D shares it), each other GEMM's input, q and k as the kernel
-                     reads them, v (MLA: the GEMM output it slices), the kernel's output and
-                     float32 log-sum-exp, each norm's input (per-head norms: every head) and
+                     reading width D shares it), each other GEMM's input (o_proj's at any width),
+                     q and k as the kernel reads them, v (MLA: the GEMM output it slices), the
+                     kernel's output and float32 log-sum-exp, each norm's input (per-head norms: every head) and
                      float32 statistics (4 B a row)
     cheap            its input, every GEMM's output, the kernel's output and log-sum-exp
 MLP block, D wide, a MoE block of top-k A over E routed experts of width F:
@@ -38,7 +38,9 @@ MLP block, D wide, a MoE block of top-k A over E routed experts of width F:
     dense SwiGLU     (a dense layer's MLP; shared experts also keep their own input, c D) width
                      F: gate, up, their product (3 c F, none), gate and up (cheap), nothing
                      (selective)
-and under full each layer keeps its input (c D). tests/test_plan.py compares these, per layer and
+and under full each layer keeps its input (c D). Eager (train.compile false; none, selective):
+each norm keeps its float32 copy (4 B a value) and its cast-back (c) where a graph keeps its
+input, and a dense SwiGLU also silu(gate) (c F). tests/test_plan.py compares these, per layer and
 part, with what torch's saved-tensor hooks see at tiny widths on CPU (within 3%).
 One micro-batch is T = micro_batch_size * seq_len / cp tokens per rank. A GPU test
 (tests/test_plan.py, marked gpu) compares the peak with torch.cuda.max_memory_allocated.
@@ -141,7 +143,7 @@ def local_numel(p: torch.Tensor) -> int:
 
 def layer_activations(layer: nn.Module, i: int, cfg: Config, c: int, mode: str) -> tuple[int, int]:
     """Bytes per token decoder layer i keeps for backward under activation checkpointing `mode`,
-    as (attention phase, MLP block), on the compiled path: the module docstring's table."""
+    as (attention phase, MLP block), compiled or eager (train.compile): the module docstring's table."""
     m, D = cfg.model, cfg.model.hidden_size
     if mode == "full":
         return 0, c * D  # the layer's input
@@ -155,16 +157,18 @@ def layer_activations(layer: nn.Module, i: int, cfg: Config, c: int, mode: str) 
     else:
         rows = {"q_norm": H, "k_norm": K}  # per-head norms; the others normalise a token's one row
         norms = [(n, x.weight.shape[0] * rows.get(n, 1)) for n, x in attn.named_modules() if isinstance(x, RMSNorm)]
-        v = c * K * d_v
+        v, widths = c * K * d_v, dict(norms)
         if hasattr(attn, "kv_b_proj"):  # MLA: v and the latent's norm input are slices of their GEMMs' outputs
             v = c * attn.kv_b_proj.out_features
             norms = [(n, attn.kv_a_proj_with_mqa.out_features if n == "kv_a_layernorm" else w) for n, w in norms]
-        a = (3 * c * D + sum(c * x.in_features for x in linears if x.in_features != D)
+        a = (3 * c * D + sum(c * x.in_features for x in linears if x.in_features != D or x is attn.o_proj)
              + c * (H + K) * d_qk + v + core + sum(c * w for _, w in norms)
              + 4 * (2 + sum(rows.get(n, 1) for n, _ in norms)))
+        if not cfg.train.compile:  # eager: each norm keeps its float32 copy and its cast-back, not its input
+            a += 4 * 2 * D + sum((4 + c) * widths[n] - c * w for n, w in norms)
     mlp = layer.mlp
     if not isinstance(getattr(mlp, "experts", None), GroupedExperts):
-        return a, c * D + swiglu_mlp(mlp, c, mode)
+        return a, c * D + swiglu_mlp(mlp, c, mode, cfg.train.compile)
     ex, A = mlp.experts, m.top_k
     routing = c * mlp.balance.num_experts + 8 * A + 4 * A + 4  # logits (router's width), ids, weights, their sum
     rows = {"none": 2 * D + 3 * ex.hidden, "cheap": 2 * D + 2 * ex.hidden, "selective": 2 * D}[mode]
@@ -172,8 +176,9 @@ def layer_activations(layer: nn.Module, i: int, cfg: Config, c: int, mode: str) 
         rows = rows * busiest(cfg) + (D if mode != "selective" else 0)
     combine = c * A + 2 * 8 * A + (8 * A if ex.b13_EF2 is not None else 0)  # unpermute's weights and
     shared = getattr(mlp, "shared_experts", None)  # indices; the rows' expert ids for the biases
-    shared = c * D + swiglu_mlp(shared, c, mode) if shared is not None else 0  # its input: its compiled
-    return a, c * D + routing + round(c * A * rows) + combine + shared  # graph keeps its own
+    if shared is not None:  # its input: its own copy, compiled or eager
+        shared = c * D + swiglu_mlp(shared, c, mode, cfg.train.compile)
+    return a, c * D + routing + round(c * A * rows) + combine + (shared or 0)
 
 
 def busiest(cfg: Config) -> float:
@@ -188,11 +193,12 @@ def busiest_at(family: str, ep: int) -> float:
     return perf.measured_at(fam["balance"]["group_max_mean"], ep) if fam else 1.0
 
 
-def swiglu_mlp(mlp: nn.Module, c: int, mode: str) -> int:
-    """Bytes per token a dense SwiGLU MLP keeps beyond its input: gate, up and their product (none);
-    gate and up, the GEMMs' outputs its backward reads (cheap); nothing (selective)."""
+def swiglu_mlp(mlp: nn.Module, c: int, mode: str, compiled: bool) -> int:
+    """Bytes per token a dense SwiGLU MLP keeps beyond its input: gate, up and their product (none;
+    eager also silu(gate)); gate and up, the GEMMs' outputs its backward reads (cheap); nothing
+    (selective)."""
     F = mlp.gate_proj.out_features
-    return {"none": 3 * c * F, "cheap": 2 * c * F, "selective": 0}[mode]
+    return {"none": (3 + (not compiled)) * c * F, "cheap": 2 * c * F, "selective": 0}[mode]
 
 
 def saved_per_layer(layer, i, cfg, c, T) -> tuple[int, int]:
