@@ -28,7 +28,7 @@ from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, RMSNorm, Rotary, SwiGLUMLP,
-                                     apply_rope, attention)
+                                     apply_rope, attention, check_sizes)
 from pithtrain.models.hub import fields_from_hf, fields_to_hf, per_expert_to_stacked, stacked_to_per_expert
 
 # ---------------------------------------------------------------------------------------------
@@ -81,18 +81,14 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
     init_std: float = 0.02
 
     def validate(self, err):
-        for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank",
-                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size",
-                  "moe_intermediate_size", "num_experts", "top_k", "n_group", "topk_group",
-                  "max_position_embeddings"):
-            if getattr(self, k) < 1:
-                err(k, f"must be >= 1, got {getattr(self, k)}")
+        check_sizes(self, err, ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank",
+                                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size",
+                                "moe_intermediate_size", "num_experts", "top_k", "n_group", "topk_group",
+                                "max_position_embeddings"))
         if self.q_lora_rank is not None and self.q_lora_rank < 1:
             err("q_lora_rank", f"must be >= 1 or null, got {self.q_lora_rank}")
         if self.n_shared_experts < 0 or self.first_k_dense_replace < 0:
             err("n_shared_experts", "n_shared_experts and first_k_dense_replace must be >= 0")
-        if self.top_k > self.num_experts:
-            err("top_k", f"{self.top_k} exceeds num_experts ({self.num_experts})")
         if self.qk_rope_head_dim % 2:
             err("qk_rope_head_dim", f"must be even for RoPE, got {self.qk_rope_head_dim}")
         if self.topk_method not in ("greedy", "group_limited_greedy"):

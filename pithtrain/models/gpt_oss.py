@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
-from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, Rotary, apply_rope,
-                                     attention, init_normal)
+from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, Rotary, apply_rope, attention,
+                                     check_sizes, init_normal)
 from pithtrain.models.hub import fields_from_hf, fields_to_hf, hub_name, native_name
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -72,17 +72,9 @@ class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rat
     init_std: float = 0.02
 
     def validate(self, err):
-        for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                  "intermediate_size", "num_experts", "top_k", "sliding_window",
-                  "max_position_embeddings", "yarn_original_max_position"):
-            if getattr(self, k) < 1:
-                err(k, f"must be >= 1, got {getattr(self, k)}")
-        if self.top_k > self.num_experts:
-            err("top_k", f"{self.top_k} exceeds num_experts ({self.num_experts})")
-        if self.num_heads % self.num_kv_heads:
-            err("num_kv_heads", f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}")
-        if self.head_dim % 2:
-            err("head_dim", f"must be even for RoPE, got {self.head_dim}")
+        check_sizes(self, err, ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                                "intermediate_size", "num_experts", "top_k", "sliding_window",
+                                "max_position_embeddings", "yarn_original_max_position"))
         if self.layer_types and len(self.layer_types) != self.num_layers:
             err("layer_types", f"has {len(self.layer_types)} entries for {self.num_layers} layers")
         for t in self.layer_types:

@@ -16,7 +16,7 @@ from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, RMSNorm, Rotary, SwiGLUMLP,
-                                     apply_rope, attention)
+                                     apply_rope, attention, check_sizes)
 from pithtrain.models.hub import fields_from_hf, fields_to_hf, per_expert_to_stacked, stacked_to_per_expert
 
 # ---------------------------------------------------------------------------------------------
@@ -57,17 +57,9 @@ class Qwen3MoeConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_r
     init_std: float = 0.02
 
     def validate(self, err):
-        for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                  "moe_intermediate_size", "num_experts", "top_k", "decoder_sparse_step",
-                  "max_position_embeddings"):
-            if getattr(self, k) < 1:
-                err(k, f"must be >= 1, got {getattr(self, k)}")
-        if self.top_k > self.num_experts:
-            err("top_k", f"{self.top_k} exceeds num_experts ({self.num_experts})")
-        if self.num_heads % self.num_kv_heads:
-            err("num_kv_heads", f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}")
-        if self.head_dim % 2:
-            err("head_dim", f"must be even for RoPE, got {self.head_dim}")
+        check_sizes(self, err, ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                                "moe_intermediate_size", "num_experts", "top_k", "decoder_sparse_step",
+                                "max_position_embeddings"))
         self.validate_balance(err)
 
     def is_moe_layer(self, i: int) -> bool:
