@@ -209,23 +209,28 @@ def hf_step(cfg, device):
             hf_cfg, dtype=torch.bfloat16, attn_implementation=HF_ATTENTION.get(cfg.model.family, "sdpa"),
             experts_implementation="grouped_mm")
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
-                            weight_decay=cfg.train.weight_decay, fused=True)
     x, _ = random_batch(cfg, device)
-    params = [p for p in model.parameters() if p.requires_grad]
+    return model, peer_step(cfg, model, lambda: model(input_ids=x, labels=x).loss / cfg.train.grad_accum)
 
+
+def peer_step(cfg, model, micro_loss):
+    """A peer's step: train.grad_accum backward passes of `micro_loss()` (one micro-batch's share of
+    the step's loss), clip to 1.0, fused AdamW at the recipe's settings; step() returns the step's loss."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
+                            weight_decay=cfg.train.weight_decay, fused=True)
     accum = cfg.train.grad_accum
 
     def step():
         for _ in range(accum):
-            loss = model(input_ids=x, labels=x).loss
-            (loss / accum).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+            loss = micro_loss()
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return loss * accum
 
-    return model, step
+    return step
 
 
 def torchtitan_step(cfg, device, compile: bool):
@@ -268,23 +273,10 @@ def torchtitan_step(cfg, device, compile: bool):
         torch._dynamo.reset()
         apply_compile(model, Compile(enable=True), ep_enabled=False)  # per block; patches moe_module
         loss_fn = torch.compile(cross_entropy_loss)  # components "model" and "loss", its default
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
-                            weight_decay=cfg.train.weight_decay, fused=True)
     x, y = random_batch(cfg, device)
     masks = model.get_attention_masks(x, None) if args.attn_type == "flex" else None  # causal: no tokenizer
-    accum, tokens = cfg.train.grad_accum, y.numel() * cfg.train.grad_accum
-
-    def step():
-        for _ in range(accum):
-            loss = loss_fn(model(x, masks), y) / tokens
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss * accum
-
-    return model, step
+    tokens = y.numel() * cfg.train.grad_accum
+    return model, peer_step(cfg, model, lambda: loss_fn(model(x, masks), y) / tokens)
 
 
 def peer_sides(name, cfg, device, peers, warmup, steps, profile) -> list[dict]:

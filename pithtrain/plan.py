@@ -94,7 +94,7 @@ from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.distributed.parallelize import moe_blocks
 from pithtrain.gpus import GPUS, gpu_key
 from pithtrain.models import build_model
-from pithtrain.models.common import GroupedExperts, RMSNorm, decoder_layers
+from pithtrain.models.common import GroupedExperts, RMSNorm, decoder_layers, indexed_layers
 from pithtrain.precision import Precision
 
 GIB = 2 ** 30
@@ -242,8 +242,7 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks, precisi
     T = t.micro_batch_size * t.seq_len // dims.cp
     D, V = m.hidden_size, m.vocab_size
 
-    layers = {int(k): v for k, v in (model.layers.items() if isinstance(model.layers, nn.ModuleDict)
-                                     else enumerate(model.layers))}
+    layers = dict(indexed_layers(model))
     saved, whole = {}, {}
     for i, layer in layers.items():
         saved[i], whole[i] = saved_per_layer(layer, i, cfg, c, T)

@@ -243,9 +243,7 @@ def weight_backward(run: ChunkRun):
     """W: the parameter gradients of an earlier input-only backward (then, under FSDP, each
     unit's reduce-scatter once its last phase is done)."""
     cuda = run.state["in"].is_cuda
-    t0 = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
-    if cuda:
-        t0.record()
+    t0 = mark(cuda)
     for k, ts, gs in run.saved:
         ph = run.phases[k]
         if run.fsdp:
@@ -256,9 +254,7 @@ def weight_backward(run: ChunkRun):
         if run.fsdp and run.first_of_unit(k):
             reduce_grads(ph.unit)
     if run.timeline is not None and run.saved:
-        t1 = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
-        if cuda:
-            t1.record()
+        t1 = mark(cuda)
         run.timeline.append(dict(phase="W", comm=False, mb=run.mb, chunk=run.chunk, pass_="W",
                                  stream="compute", pair=None, start=t0, end=t1))
     run.saved.clear()
@@ -296,6 +292,16 @@ def backward(run: ChunkRun, grad_out, input_only: bool = False):
     run.grads["out"] = grad_out.to(run.output.dtype)
     for k in reversed(range(len(run.phases))):
         _record(run, k, "B" if input_only else "BW", lambda k=k: backward_phase(run, k, input_only))
+
+
+def mark(cuda: bool):
+    """A point on a step's timeline: a CUDA event recorded on the current stream, or the host clock
+    (resolve_timeline turns both into seconds from the step start)."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def resolve_timeline(timeline: list, t0: float, origin=None):

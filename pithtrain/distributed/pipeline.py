@@ -193,7 +193,7 @@ class PipelineRunner:
             self.model.pipeline_begin()
         t0 = time.perf_counter()
         self.phase_log = [] if self.timeline is not None else None
-        origin = self._mark() if self.timeline is not None else None
+        origin = overlap.mark(self.cuda) if self.timeline is not None else None
         for op in self.ops:
             k, c, mb = op.kind, op.chunk, op.mb
             if k in ("RECV_F", "RECV_B"):
@@ -215,10 +215,10 @@ class PipelineRunner:
                 pending.append((dist.isend(t, dst=dist.get_global_rank(group, op.peer), group=group,
                                            tag=self._tag(dest, mb)), t))
                 continue
-            start, n_logged = self._mark() if self.timeline is not None else None, len(self.phase_log or ())
+            start, n_logged = overlap.mark(self.cuda) if self.timeline is not None else None, len(self.phase_log or ())
             self._compute(op)  # forward phases under the run's autocast (overlap.forward_phase)
             if self.timeline is not None:
-                self.timeline.append({"op": str(op), "kind": k, "start": start, "end": self._mark()})
+                self.timeline.append({"op": str(op), "kind": k, "start": start, "end": overlap.mark(self.cuda)})
                 for e in self.phase_log[n_logged:]:
                     e["op"] = str(op)
         for work, _ in pending:
@@ -232,15 +232,6 @@ class PipelineRunner:
             self.phases_timeline = self.phase_log
         assert not self.runs and not self.f_in and not self.b_in and not self.b_out, "schedule left work"
         return self.loss_sum
-
-    def _mark(self):
-        """A point on the step's timeline: a CUDA event recorded on the current stream, or the
-        host clock (overlap.resolve_timeline turns both into seconds from the step start)."""
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
 
     def _compute(self, op: Op):
         k, c, mb = op.kind, op.chunk, op.mb

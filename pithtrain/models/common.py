@@ -23,6 +23,25 @@ from pithtrain.models.balance import Balance
 from pithtrain.models.init import init_by_block
 
 # ---------------------------------------------------------------------------------------------
+# The checks every family config's validate(err) shares
+
+
+def check_sizes(cfg, err, positive: tuple):
+    """Each field named in `positive` >= 1 and top_k within num_experts; for GQA attention (a config
+    with num_kv_heads), that it divides num_heads and that head_dim is even (RoPE)."""
+    for k in positive:
+        if getattr(cfg, k) < 1:
+            err(k, f"must be >= 1, got {getattr(cfg, k)}")
+    if cfg.top_k > cfg.num_experts:
+        err("top_k", f"{cfg.top_k} exceeds num_experts ({cfg.num_experts})")
+    if hasattr(cfg, "num_kv_heads"):
+        if cfg.num_heads % cfg.num_kv_heads:
+            err("num_kv_heads", f"must divide num_heads ({cfg.num_heads}), got {cfg.num_kv_heads}")
+        if cfg.head_dim % 2:
+            err("head_dim", f"must be even for RoPE, got {cfg.head_dim}")
+
+
+# ---------------------------------------------------------------------------------------------
 # Token embedding, norm and rotary embeddings
 
 

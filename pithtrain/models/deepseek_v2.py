@@ -28,11 +28,20 @@ from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, RMSNorm, Rotary, SwiGLUMLP,
-                                     apply_rope, attention)
-from pithtrain.models.hub import common_from_hf, common_to_hf, per_expert_to_stacked, stacked_to_per_expert
+                                     apply_rope, attention, check_sizes)
+from pithtrain.models.hub import fields_from_hf, fields_to_hf, per_expert_to_stacked, stacked_to_per_expert
 
 # ---------------------------------------------------------------------------------------------
 # Config
+
+# (field, config.json key[, default when the hub omits it]) beyond hub.COMMON_KEYS; from_hf and
+# to_hf map the rest themselves.
+HF_KEYS = (("q_lora_rank", "q_lora_rank", None), ("kv_lora_rank", "kv_lora_rank"),
+           ("qk_nope_head_dim", "qk_nope_head_dim"), ("qk_rope_head_dim", "qk_rope_head_dim"),
+           ("v_head_dim", "v_head_dim"), ("first_k_dense_replace", "first_k_dense_replace", 0),
+           ("intermediate_size", "intermediate_size"), ("moe_intermediate_size", "moe_intermediate_size"),
+           ("top_k", "num_experts_per_tok"), ("routed_scaling_factor", "routed_scaling_factor", 1.0),
+           ("attention_bias", "attention_bias", False), ("aux_loss_coeff", "aux_loss_alpha", 0.001))
 
 
 @dataclass
@@ -72,18 +81,14 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
     init_std: float = 0.02
 
     def validate(self, err):
-        for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank",
-                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size",
-                  "moe_intermediate_size", "num_experts", "top_k", "n_group", "topk_group",
-                  "max_position_embeddings"):
-            if getattr(self, k) < 1:
-                err(k, f"must be >= 1, got {getattr(self, k)}")
+        check_sizes(self, err, ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank",
+                                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size",
+                                "moe_intermediate_size", "num_experts", "top_k", "n_group", "topk_group",
+                                "max_position_embeddings"))
         if self.q_lora_rank is not None and self.q_lora_rank < 1:
             err("q_lora_rank", f"must be >= 1 or null, got {self.q_lora_rank}")
         if self.n_shared_experts < 0 or self.first_k_dense_replace < 0:
             err("n_shared_experts", "n_shared_experts and first_k_dense_replace must be >= 0")
-        if self.top_k > self.num_experts:
-            err("top_k", f"{self.top_k} exceeds num_experts ({self.num_experts})")
         if self.qk_rope_head_dim % 2:
             err("qk_rope_head_dim", f"must be even for RoPE, got {self.qk_rope_head_dim}")
         if self.topk_method not in ("greedy", "group_limited_greedy"):
@@ -156,18 +161,10 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
             if hf.get(key, ok) != ok:
                 raise ValueError(f"{key}={hf[key]!r} is not supported (only {ok!r})")
         return cls(
-            **common_from_hf(hf), q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
-            qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
-            v_head_dim=hf["v_head_dim"], first_k_dense_replace=hf.get("first_k_dense_replace", 0),
-            intermediate_size=hf["intermediate_size"],
-            moe_intermediate_size=hf["moe_intermediate_size"],
-            num_experts=hf.get("n_routed_experts", hf.get("num_experts")),
-            n_shared_experts=hf.get("n_shared_experts") or 0, top_k=hf["num_experts_per_tok"],
-            topk_method=hf.get("topk_method") or "greedy", n_group=hf.get("n_group") or 1,
-            topk_group=hf.get("topk_group") or 1,
-            routed_scaling_factor=hf.get("routed_scaling_factor", 1.0),
-            rope_theta=theta, rope_scaling=None if kind == "default" else {"rope_type": kind, **rope},
-            attention_bias=hf.get("attention_bias", False), aux_loss_coeff=hf.get("aux_loss_alpha", 0.001))
+            **fields_from_hf(hf, HF_KEYS), num_experts=hf.get("n_routed_experts", hf.get("num_experts")),
+            n_shared_experts=hf.get("n_shared_experts") or 0, topk_method=hf.get("topk_method") or "greedy",
+            n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+            rope_theta=theta, rope_scaling=None if kind == "default" else {"rope_type": kind, **rope})
 
     # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it). Any other field
     # that shapes the forward is lost in config.json: export refuses it unless at its default (checkpoint/hf.py).
@@ -180,20 +177,10 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
 
     def to_hf(self) -> dict:
         rope = {"rope_type": "default"} if self.rope_scaling is None else dict(self.rope_scaling)
-        return {
-            **common_to_hf(self), "num_key_value_heads": self.num_heads, "q_lora_rank": self.q_lora_rank,
-            "kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.qk_nope_head_dim,
-            "qk_rope_head_dim": self.qk_rope_head_dim, "v_head_dim": self.v_head_dim,
-            "first_k_dense_replace": self.first_k_dense_replace,
-            "intermediate_size": self.intermediate_size,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "n_routed_experts": self.num_experts, "n_shared_experts": self.n_shared_experts,
-            "num_experts_per_tok": self.top_k, "topk_method": self.topk_method,
-            "n_group": self.n_group, "topk_group": self.topk_group,
-            "routed_scaling_factor": self.routed_scaling_factor, "norm_topk_prob": False,
-            "rope_parameters": {**rope, "rope_theta": self.rope_theta},
-            "attention_bias": self.attention_bias, "mlp_bias": False, "aux_loss_alpha": self.aux_loss_coeff,
-        }
+        return {**fields_to_hf(self, HF_KEYS), "num_key_value_heads": self.num_heads,
+                "n_routed_experts": self.num_experts, "n_shared_experts": self.n_shared_experts,
+                "topk_method": self.topk_method, "n_group": self.n_group, "topk_group": self.topk_group,
+                "norm_topk_prob": False, "rope_parameters": {**rope, "rope_theta": self.rope_theta}, "mlp_bias": False}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,11 +21,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
-from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, Rotary, apply_rope,
-                                     attention, init_normal)
-from pithtrain.models.hub import common_from_hf, common_to_hf, hub_name, native_name
+from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, Rotary, apply_rope, attention,
+                                     check_sizes, init_normal)
+from pithtrain.models.hub import fields_from_hf, fields_to_hf, hub_name, native_name
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+# (field, config.json key[, default when the hub omits it]) beyond hub.COMMON_KEYS; from_hf and
+# to_hf map the rest themselves.
+HF_KEYS = (("num_kv_heads", "num_key_value_heads"), ("intermediate_size", "intermediate_size"),
+           ("sliding_window", "sliding_window"), ("attention_bias", "attention_bias", True),
+           ("swiglu_limit", "swiglu_limit", 7.0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,17 +72,9 @@ class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rat
     init_std: float = 0.02
 
     def validate(self, err):
-        for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                  "intermediate_size", "num_experts", "top_k", "sliding_window",
-                  "max_position_embeddings", "yarn_original_max_position"):
-            if getattr(self, k) < 1:
-                err(k, f"must be >= 1, got {getattr(self, k)}")
-        if self.top_k > self.num_experts:
-            err("top_k", f"{self.top_k} exceeds num_experts ({self.num_experts})")
-        if self.num_heads % self.num_kv_heads:
-            err("num_kv_heads", f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}")
-        if self.head_dim % 2:
-            err("head_dim", f"must be even for RoPE, got {self.head_dim}")
+        check_sizes(self, err, ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                                "intermediate_size", "num_experts", "top_k", "sliding_window",
+                                "max_position_embeddings", "yarn_original_max_position"))
         if self.layer_types and len(self.layer_types) != self.num_layers:
             err("layer_types", f"has {len(self.layer_types)} entries for {self.num_layers} layers")
         for t in self.layer_types:
@@ -137,16 +134,10 @@ class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rat
             raise ValueError(f"unsupported YaRN parameters {sorted(unknown)}")
         n = hf["num_hidden_layers"]
         return cls(
-            **common_from_hf(hf), num_kv_heads=hf["num_key_value_heads"],
+            **fields_from_hf(hf, HF_KEYS), num_experts=hf.get("num_local_experts", hf.get("num_experts")),
             head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-            intermediate_size=hf["intermediate_size"],
-            num_experts=hf.get("num_local_experts", hf.get("num_experts")),
             top_k=hf.get("num_experts_per_tok", hf.get("experts_per_token")),
-            sliding_window=hf["sliding_window"],
-            layer_types=list(hf.get("layer_types") or [LAYER_TYPES[i % 2] for i in range(n)]),
-            attention_bias=hf.get("attention_bias", True),
-            swiglu_limit=hf.get("swiglu_limit", 7.0),
-            rope_theta=theta,
+            layer_types=list(hf.get("layer_types") or [LAYER_TYPES[i % 2] for i in range(n)]), rope_theta=theta,
             yarn_factor=rope.get("factor", 32.0) if kind == "yarn" else None,
             yarn_original_max_position=rope.get("original_max_position_embeddings", 4096),
             yarn_beta_fast=rope.get("beta_fast") or 32.0, yarn_beta_slow=rope.get("beta_slow") or 1.0,
@@ -167,14 +158,9 @@ class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rat
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.yarn_factor is not None:
             rope = {**self.rope_scaling(), "rope_theta": self.rope_theta}
-        return {
-            **common_to_hf(self), "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size, "num_local_experts": self.num_experts,
-            "num_experts_per_tok": self.top_k, "sliding_window": self.sliding_window,
-            "layer_types": [self.layer_type(i) for i in range(self.num_layers)],
-            "attention_bias": self.attention_bias, "swiglu_limit": self.swiglu_limit,
-            "rope_parameters": rope, "router_aux_loss_coef": self.aux_loss_coeff,
-        }
+        return {**fields_to_hf(self, HF_KEYS), "head_dim": self.head_dim, "num_local_experts": self.num_experts,
+                "num_experts_per_tok": self.top_k, "layer_types": [self.layer_type(i) for i in range(self.num_layers)],
+                "rope_parameters": rope, "router_aux_loss_coef": self.aux_loss_coeff}
 
 
 # ---------------------------------------------------------------------------------------------

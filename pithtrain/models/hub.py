@@ -10,21 +10,25 @@ import re
 
 import torch
 
+# (config field, config.json key[, default when the hub omits the key]): the keys every family maps
+# alike; a family's HF_KEYS adds its own. A key without a default is required (KeyError).
+COMMON_KEYS = (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers"),
+               ("num_heads", "num_attention_heads"), ("rms_norm_eps", "rms_norm_eps"),
+               ("max_position_embeddings", "max_position_embeddings"),
+               ("tie_word_embeddings", "tie_word_embeddings", False), ("init_std", "initializer_range", 0.02))
 
-def common_from_hf(hf: dict) -> dict:
-    """The config fields every family reads alike from a hub config.json (common_to_hf writes them)."""
-    return dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-                num_heads=hf["num_attention_heads"], rms_norm_eps=hf["rms_norm_eps"],
-                max_position_embeddings=hf["max_position_embeddings"],
-                tie_word_embeddings=hf.get("tie_word_embeddings", False), init_std=hf.get("initializer_range", 0.02))
+
+def fields_from_hf(hf: dict, keys: tuple) -> dict:
+    """The config fields COMMON_KEYS and a family's `keys` read from a hub config.json (fields_to_hf
+    writes them)."""
+    return {k[0]: hf.get(k[1], k[2]) if len(k) > 2 else hf[k[1]] for k in COMMON_KEYS + keys}
 
 
-def common_to_hf(cfg) -> dict:
-    """The config.json keys every family writes alike (its to_hf adds its own)."""
-    return {"architectures": [cfg.hf_architecture], "model_type": cfg.family, "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-            "rms_norm_eps": cfg.rms_norm_eps, "max_position_embeddings": cfg.max_position_embeddings,
-            "tie_word_embeddings": cfg.tie_word_embeddings, "initializer_range": cfg.init_std, "hidden_act": "silu"}
+def fields_to_hf(cfg, keys: tuple) -> dict:
+    """The config.json keys of COMMON_KEYS and a family's `keys`, with its architecture (its to_hf
+    adds the keys no table maps)."""
+    return {"architectures": [cfg.hf_architecture], "model_type": cfg.family, "hidden_act": "silu",
+            **{k[1]: getattr(cfg, k[0]) for k in COMMON_KEYS + keys}}
 
 
 def hub_name(native: str) -> str:

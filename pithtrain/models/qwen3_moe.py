@@ -16,11 +16,18 @@ from torch import nn
 
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, RMSNorm, Rotary, SwiGLUMLP,
-                                     apply_rope, attention)
-from pithtrain.models.hub import common_from_hf, common_to_hf, per_expert_to_stacked, stacked_to_per_expert
+                                     apply_rope, attention, check_sizes)
+from pithtrain.models.hub import fields_from_hf, fields_to_hf, per_expert_to_stacked, stacked_to_per_expert
 
 # ---------------------------------------------------------------------------------------------
 # Config
+
+# (field, config.json key[, default when the hub omits it]) beyond hub.COMMON_KEYS; from_hf and
+# to_hf map the rest themselves.
+HF_KEYS = (("num_kv_heads", "num_key_value_heads"), ("intermediate_size", "intermediate_size"),
+           ("moe_intermediate_size", "moe_intermediate_size"), ("top_k", "num_experts_per_tok"),
+           ("norm_topk_prob", "norm_topk_prob"), ("decoder_sparse_step", "decoder_sparse_step", 1),
+           ("attention_bias", "attention_bias", False), ("aux_loss_coeff", "router_aux_loss_coef", 0.001))
 
 
 @dataclass
@@ -50,17 +57,9 @@ class Qwen3MoeConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_r
     init_std: float = 0.02
 
     def validate(self, err):
-        for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                  "moe_intermediate_size", "num_experts", "top_k", "decoder_sparse_step",
-                  "max_position_embeddings"):
-            if getattr(self, k) < 1:
-                err(k, f"must be >= 1, got {getattr(self, k)}")
-        if self.top_k > self.num_experts:
-            err("top_k", f"{self.top_k} exceeds num_experts ({self.num_experts})")
-        if self.num_heads % self.num_kv_heads:
-            err("num_kv_heads", f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}")
-        if self.head_dim % 2:
-            err("head_dim", f"must be even for RoPE, got {self.head_dim}")
+        check_sizes(self, err, ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                                "moe_intermediate_size", "num_experts", "top_k", "decoder_sparse_step",
+                                "max_position_embeddings"))
         self.validate_balance(err)
 
     def is_moe_layer(self, i: int) -> bool:
@@ -92,17 +91,10 @@ class Qwen3MoeConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_r
             if hf.get(key, ok) != ok:
                 raise ValueError(f"{key}={hf[key]!r} is not supported (only {ok!r})")
         return cls(
-            **common_from_hf(hf), num_kv_heads=hf["num_key_value_heads"],
+            **fields_from_hf(hf, HF_KEYS), num_experts=hf.get("num_experts", hf.get("num_local_experts")),
             head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-            intermediate_size=hf["intermediate_size"],
-            moe_intermediate_size=hf["moe_intermediate_size"],
-            num_experts=hf.get("num_experts", hf.get("num_local_experts")),
-            top_k=hf["num_experts_per_tok"], norm_topk_prob=hf["norm_topk_prob"],
-            decoder_sparse_step=hf.get("decoder_sparse_step", 1),
             mlp_only_layers=list(hf.get("mlp_only_layers") or []),
-            rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
-            attention_bias=hf.get("attention_bias", False),
-            aux_loss_coeff=hf.get("router_aux_loss_coef", 0.001))
+            rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
     # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it). Any other field
     # that shapes the forward is lost in config.json: export refuses it unless at its default (checkpoint/hf.py).
@@ -113,17 +105,10 @@ class Qwen3MoeConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_r
         "aux_loss_coeff")
 
     def to_hf(self) -> dict:
-        return {
-            **common_to_hf(self), "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "moe_intermediate_size": self.moe_intermediate_size, "num_experts": self.num_experts,
-            "num_experts_per_tok": self.top_k, "norm_topk_prob": self.norm_topk_prob,
-            "decoder_sparse_step": self.decoder_sparse_step,
-            "mlp_only_layers": list(self.mlp_only_layers),
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "attention_bias": self.attention_bias, "router_aux_loss_coef": self.aux_loss_coeff,
-            "use_sliding_window": False,
-        }
+        return {**fields_to_hf(self, HF_KEYS), "head_dim": self.head_dim, "num_experts": self.num_experts,
+                "mlp_only_layers": list(self.mlp_only_layers),
+                "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+                "use_sliding_window": False}
 
 
 # ---------------------------------------------------------------------------------------------
