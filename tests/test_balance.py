@@ -19,10 +19,11 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
+
+from ranks import spawn  # noqa: E402
 
 from pithtrain.checkpoint import load_hf, save_hf  # noqa: E402
 from pithtrain.compile import apply_activation_checkpoint  # noqa: E402
@@ -425,7 +426,7 @@ def test_bias_identical_on_every_rank_and_cp_sequence_loss_equals_one_process(tm
         hist, model = train(dist_cfg(name, str(tmp_path / f"ref-{name}"), grad_accum=accum, parallel={}))
         refs[name] = {"biases": _biases(model), "loss": [h["loss"] for h in hist],
                       "gnorm": [h["grad_norm"] for h in hist]}
-    mp.spawn(_dist_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    spawn(_dist_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     out = json.loads((tmp_path / "dist.json").read_text())
     for name in ("ep=2", "dp=2"):
         ranks = out[name]["biases"]

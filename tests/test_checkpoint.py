@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import variant
+from ranks import spawn
 
 from pithtrain.build import build_optimizer, lr_lambda
 from pithtrain.checkpoint.dcp import Checkpointer, CheckpointError, SafeReader, resolve, verify
@@ -561,12 +562,11 @@ def _reshard_worker(rank: int, world: int, port: int, tmp: str, ref_ckpt: str):
 def test_reshard_between_four_processes_and_one(ref, tmp_path):
     import socket
 
-    import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_reshard_worker, args=(4, port, str(tmp_path), str(ref / "checkpoints" / "step_20")), nprocs=4)
+    spawn(_reshard_worker, args=(4, port, str(tmp_path), str(ref / "checkpoints" / "step_20")), nprocs=4)
     got = torch.load(tmp_path / "reshard.pt", weights_only=True)
 
     # 4 -> 1: the sharded checkpoint loads into one process with the same parameters, exactly

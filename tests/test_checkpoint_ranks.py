@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import variant
+from ranks import spawn
 
 TINY = ["train.micro_batch_size=4", "train.seq_len=64", "train.warmup_steps=5", "model.hidden_size=64",
         "model.num_heads=4", "model.head_dim=16", "model.moe_intermediate_size=64", "model.num_layers=2",
@@ -76,7 +76,7 @@ def _hash_worker(rank: int, world: int, port: int, tmp: str):
 
 
 def test_every_rank_hashes_its_own_files_and_a_flipped_byte_is_named(tmp_path):
-    mp.spawn(_hash_worker, args=(4, free_port(), str(tmp_path)), nprocs=4)
+    spawn(_hash_worker, args=(4, free_port(), str(tmp_path)), nprocs=4)
     got = [json.loads((tmp_path / f"hash.{r}.json").read_text()) for r in range(4)]
     ck = tmp_path / "run" / "checkpoints"
     # Commit: each rank hashed exactly its own files; together, every file of every manifest once.
@@ -299,7 +299,7 @@ def _async_worker(rank: int, world: int, port: int, tmp: str):
 
 
 def test_async_saves_every_step_with_notices_during_them_agree_and_resume_bit_exact(tmp_path):
-    mp.spawn(_async_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    spawn(_async_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     got = [json.loads((tmp_path / f"async.{r}.json").read_text()) for r in range(2)]
     assert got[0]["trials"][0]["resumed"] == got[1]["trials"][0]["resumed"]
     for t0, t1 in zip(got[0]["trials"], got[1]["trials"]):
@@ -389,7 +389,7 @@ def _malformed_worker(rank: int, world: int, port: int, tmp: str):
 
 
 def test_a_malformed_manifest_or_one_ranks_failed_check_is_the_same_error_on_every_rank(tmp_path):
-    mp.spawn(_malformed_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    spawn(_malformed_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     got = [json.loads((tmp_path / f"malformed.{r}.json").read_text()) for r in range(2)]
     steps = len(MALFORMED) + 1
     assert got[0]["resumed"] == got[1]["resumed"] == list(range(2, steps + 1))  # from step_1, on both ranks

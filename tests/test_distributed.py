@@ -40,8 +40,8 @@ import weakref
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import variant
+from ranks import spawn
 from run_path import dispatched, ep_rank_step
 
 from pithtrain.config import ConfigError, config_from_dict, load_config
@@ -100,7 +100,7 @@ def free_port() -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Workers (one per rank; spawned)
+# Workers (one per rank; tests/ranks.py starts them)
 
 
 def _init(rank: int, world: int, port: int):
@@ -159,7 +159,7 @@ def _reference(family: str, bs: int, tmp) -> None:
 def test_layouts_match_single_process(world, tmp_path):
     for family, name in RUNS[world]:
         _reference(family, batch_ranks(LAYOUTS[world][name]), tmp_path)
-    mp.spawn(_parity_worker, args=(world, free_port(), str(tmp_path)), nprocs=world)
+    spawn(_parity_worker, args=(world, free_port(), str(tmp_path)), nprocs=world)
     results = json.loads((tmp_path / f"results-{world}.json").read_text())
     assert len(results) == len(RUNS[world])
     report = []
@@ -214,7 +214,7 @@ def _dedup_worker(rank: int, world: int, port: int, tmp: str):
 
 
 def test_dispatch_deduplication_sends_fewer_rows_same_result(tmp_path):
-    mp.spawn(_dedup_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    spawn(_dedup_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     out = json.loads((tmp_path / "dedup.json").read_text())
     (dedup_all, dedup_remote), (naive_all, naive_remote) = out["dedup"], out["naive"]
     assert naive_all == 24 * 4  # one row per (token, slot)
@@ -265,7 +265,7 @@ def _fp8_ep_worker(rank: int, world: int, port: int, tmp: str):
 
 
 def test_fp8_expert_gemms_behind_the_expert_parallel_all_to_all(tmp_path):
-    mp.spawn(_fp8_ep_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    spawn(_fp8_ep_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):
         rel = json.loads((tmp_path / f"fp8-ep-{rank}.json").read_text())
         assert rel.pop("quantised") == 4

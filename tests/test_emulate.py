@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import spawn
 
 from pithtrain import emulate
 
@@ -135,7 +135,7 @@ def _gloo_rank(rank: int, world: int, port: int, tmp: str):
 
 
 def test_emulated_rank_runs_rank_0s_collectives_and_trains(tmp_path, capsys):
-    mp.spawn(_gloo_rank, args=(4, _free_port(), str(tmp_path)), nprocs=4)
+    spawn(_gloo_rank, args=(4, _free_port(), str(tmp_path)), nprocs=4)
     real = json.loads((tmp_path / "real.json").read_text())
     with recording([]) as calls:
         code = emulate.main(["--gpus", "4", "--steps", str(STEPS), "--warmup", "1", *(f"--set={s}" for s in TINY)])

@@ -23,9 +23,10 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 transformers = pytest.importorskip("transformers")
+
+from ranks import spawn  # noqa: E402
 
 from pithtrain.checkpoint.hf import load_hf  # noqa: E402
 
@@ -157,6 +158,9 @@ def _worker(rank: int, world: int, port: int, root: str):
     from pithtrain.precision import Precision
 
     torch.set_num_threads(1)
+    # A fixed mmap threshold (M_MMAP_THRESHOLD, -3): buffers over 1 MB are mapped and unmapped, not
+    # kept in the heap, so one process measures the six loads as six fresh ones would.
+    assert ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20) == 1
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -201,11 +205,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sharded_import_reads_only_its_slices(hubs, monkeypatch):
-    # Fixed mmap threshold: buffers over 1 MB are mapped and unmapped, not kept in the heap, so one
-    # process measures the six loads as six fresh ones would (glibc reads this at start-up).
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    mp.spawn(_worker, args=(4, free_port(), str(hubs)), nprocs=4)
+def test_sharded_import_reads_only_its_slices(hubs):
+    spawn(_worker, args=(4, free_port(), str(hubs)), nprocs=4)
     for layout, rank, fam in itertools.product(LAYOUTS, range(4), FAMS):
         r = json.loads((hubs / f"{layout}.{fam}.{rank}.json").read_text())
         mb = {k: r[k] / 2 ** 20 for k in ("peak", "shard", "full")}

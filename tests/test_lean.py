@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import spawn
 from test_distributed import FAMILIES, _init, free_port
 
 from pithtrain.build import build_run, check_run
@@ -360,7 +360,7 @@ def test_fsdp_keeps_layers_gathered_with_the_same_numbers_and_gathers_lean_witho
     cast, two micro-batches' gradients sum in float32 DTensor buffers, and the step matches one
     process's lean step of the same global batch (first-step loss as computed, up to the order of
     its sums; norm within bf16's rounding of the reduced gradient)."""
-    mp.spawn(_fsdp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    spawn(_fsdp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     report = json.loads((tmp_path / "fsdp.json").read_text())
     for state, r in report.items():
         assert r["same"], state

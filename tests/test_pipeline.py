@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import variant
+from ranks import spawn
 
 from pithtrain.distributed import pipeline
 from pithtrain.models.common import set_aux_loss_scale
@@ -249,8 +249,8 @@ def check(out_dir, name, world, M):
 
 
 def run_world(world, cases, tmp_path, ep_cases=(), train_cases=()):
-    mp.spawn(_worker, args=(world, free_port(), cases, str(tmp_path), ep_cases, train_cases),
-             nprocs=world, join=True)
+    spawn(_worker, args=(world, free_port(), cases, str(tmp_path), ep_cases, train_cases),
+             nprocs=world)
     for name, _, M, _ in cases:
         check(str(tmp_path), name, world, M)
     for name, _, M in ep_cases:

@@ -24,8 +24,8 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import variant
+from ranks import spawn
 
 TINY = {
     "qwen3_moe": dict(vocab_size=264, hidden_size=16, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=8,
@@ -101,7 +101,7 @@ def test_dualpipev_overlap_matches_one_process_for_every_family(tmp_path):
 
     from pithtrain.train import train
     cases = [(f, layout) for f in sorted(TINY) for layout in sorted(LAYOUTS)]
-    mp.spawn(_worker, args=(4, free_port(), cases, str(tmp_path)), nprocs=4, join=True)
+    spawn(_worker, args=(4, free_port(), cases, str(tmp_path)), nprocs=4)
     refs = {}
     for family, layout in cases:
         if family not in refs:
@@ -174,7 +174,7 @@ def _fsdp_w_worker(rank, world, port, out_dir):
 def test_fsdp_reduce_scatter_is_deferred_to_w(tmp_path):
     from pithtrain.distributed.parallelize import materialize
     from pithtrain.models import build_model
-    mp.spawn(_fsdp_w_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_fsdp_w_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     cfg = cfg_for("deepseek_v2", {}, str(tmp_path))
     ref = build_model(cfg.model, init=False)
     materialize(ref, build_model(cfg.model, init=False), torch.device("cpu"), cfg.train.seed)

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from ranks import spawn
 
 from pithtrain import perf
 from pithtrain import plan as planner
@@ -395,7 +396,6 @@ def test_auto_layout_on_8_processes_matches_one(tmp_path):
     process running the same 8 micro-batches per step (tolerances and why: tests/test_distributed.py),
     in the layout auto_layout ranks fastest for 8 processes (no GPU: no memory plan), asked here
     in this process: every rank agrees with it."""
-    import torch.multiprocessing as mp
     from test_distributed import PARAM_ATOL, RTOL, free_port
 
     from pithtrain.models import build_model
@@ -408,7 +408,7 @@ def test_auto_layout_on_8_processes_matches_one(tmp_path):
         torch.save({"hist": hist, "init": init,
                     "params": {n: p.detach() for n, p in model.named_parameters()}},
                    tmp_path / f"ref-{recipe}.pt")
-    mp.spawn(_auto_worker, args=(WORLD, free_port(), str(tmp_path)), nprocs=WORLD)
+    spawn(_auto_worker, args=(WORLD, free_port(), str(tmp_path)), nprocs=WORLD)
     results = json.loads((tmp_path / "auto.json").read_text())
     assert list(results) == list(SMALL)
     picks = {}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import spawn
 from test_checkpoint import SUB_ENV, TINY, losses, train_cmd
 from test_distributed import _init, free_port
 
@@ -100,7 +100,7 @@ def _expected_stop(point: str, when: int, layout: str) -> int:
 def _trials_worker(rank: int, world: int, port: int, tmp: str):
     from pithtrain.reliability import Ended
     from pithtrain.train import train
-    pithtrain.data.stdlib_tokens = functools.lru_cache(pithtrain.data.stdlib_tokens)  # spawned: a new process
+    pithtrain.data.stdlib_tokens = functools.lru_cache(pithtrain.data.stdlib_tokens)  # a new process
     dist = _init(rank, world, port)
     from torch.distributed import distributed_c10d as c10d
     out = {"trials": []}
@@ -184,7 +184,7 @@ def _nonfinite(rank: int, tmp: str) -> dict:
 
 
 def test_sigterm_to_one_rank_at_random_points_saves_the_agreed_step_and_resumes_bit_exact(tmp_path):
-    mp.spawn(_trials_worker, args=(4, free_port(), str(tmp_path)), nprocs=4)
+    spawn(_trials_worker, args=(4, free_port(), str(tmp_path)), nprocs=4)
     got = torch.load(tmp_path / "trials.pt", weights_only=False)
     assert len(got["trials"]) == 20
     for t in got["trials"]:

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import spawn
 from run_path import dispatched, ep_rank_step
 from torch import nn
 
@@ -170,7 +170,7 @@ def test_expert_parallel_sends_and_computes_no_dropped_slot(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_ep_worker, args=(2, port, str(tmp_path)), nprocs=2)
+    spawn(_ep_worker, args=(2, port, str(tmp_path)), nprocs=2)
     out = [json.loads((tmp_path / f"ep-{r}.json").read_text()) for r in range(2)]
     idx, _ = routing(48)
     n = int(computed_slots(idx, E).sum())

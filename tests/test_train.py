@@ -2,6 +2,7 @@ import json
 import math
 
 import pytest
+from ranks import spawn
 
 from pithtrain.config import load_config
 from pithtrain.metrics import flops_per_token, matmul_params
@@ -279,7 +280,6 @@ def test_a_failing_init_from_releases_the_lock_and_the_groups_then_the_process_t
     import socket
 
     import torch
-    import torch.multiprocessing as mp
 
     from pithtrain.checkpoint.hf import save_hf
     from pithtrain.models import build_model
@@ -294,7 +294,7 @@ def test_a_failing_init_from_releases_the_lock_and_the_groups_then_the_process_t
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
-    mp.spawn(_init_from_fails_then_trains, args=(2, ports, str(tmp_path)), nprocs=2)
+    spawn(_init_from_fails_then_trains, args=(2, ports, str(tmp_path)), nprocs=2)
     for rank in range(2):
         out = json.loads((tmp_path / f"out{rank}.json").read_text())
         assert out["error"].startswith("train.init_from: ") and "\n" not in out["error"], out
