@@ -29,18 +29,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import yaml
 
 from pithtrain.checkpoint.dcp import (
     RECIPE,
     TRAINER,
     CheckpointError,
-    SafeReader,
     agree,
     check_index,
     lean_checkpoint,
-    no_dist_warnings,
+    read_tensors,
     resolve,
     verify,
 )
@@ -133,8 +131,7 @@ def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SH
             one = {f"model.{name}": torch.empty(state[name].shape, dtype=torch.float32)}
             if lean:
                 one[f"lean.{name}"] = torch.empty(state[name].shape, dtype=torch.int16)
-            with no_dist_warnings():
-                dcp.load(one, storage_reader=SafeReader(path), no_dist=True)
+            read_tensors(path, one, checked=True)  # every tensor's index entry checked above
             value = one.pop(f"model.{name}")
             if lean:
                 join_(value, one.pop(f"lean.{name}"))
@@ -155,9 +152,7 @@ def refuse_trained_bias(path: Path, model: torch.nn.Module):
     biases = {f"model.{n}": torch.empty(b.shape) for n, b in model.named_buffers() if n.endswith("balance.bias_E")}
     if not biases:
         return
-    check_index(path, list(biases))
-    with no_dist_warnings():
-        dcp.load(biases, storage_reader=SafeReader(path), no_dist=True)
+    read_tensors(path, biases)
     if trained := [n.removeprefix("model.") for n, b in biases.items() if b.any()]:
         raise ConfigError(f"{path}: {trained[0]}: the trained routing bias (model.balance=bias) has no place in "
                           f"{model.cfg.hf_architecture}'s hub format; transformers would route without it. Keep "
