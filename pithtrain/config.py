@@ -53,6 +53,14 @@ def changed_fields(model) -> list[tuple[str, Any]]:
 # Sections (the model section's dataclass lives in the family's model file)
 
 
+def check(section, err, keys: str, ok, want: str):
+    """err(key, "must be WANT, got V") for each of `keys` (space-separated) whose value is set and
+    fails `ok`. Write `ok` so that nan fails too (every comparison with nan is false)."""
+    for k in keys.split():
+        if getattr(section, k) is not None and not ok(getattr(section, k)):
+            err(k, f"must be {want}, got {getattr(section, k)}")
+
+
 # The largest train.beta2 train.state=lean's bf16 second moment follows: beta2 * v must round away
 # from v for every bf16 mantissa (1 - beta2 >= 2^-7, the widest relative spacing), or v stops decaying.
 LEAN_MAX_BETA2 = 0.99
@@ -104,16 +112,9 @@ class TrainConfig:
     max_skips: int = 3
 
     def validate(self, err):
-        for k in ("steps", "micro_batch_size", "seq_len", "grad_accum", "eval_batches", "max_skips"):
-            if getattr(self, k) < 1:
-                err(k, f"must be >= 1, got {getattr(self, k)}")
-        # Written so that nan fails too (every comparison with nan is false); inf is no setting either.
-        for k in ("lr", "eps"):
-            if not 0 < getattr(self, k) < math.inf:
-                err(k, f"must be a finite number > 0, got {getattr(self, k)}")
-        for k in ("min_lr_ratio", "decay_ratio"):
-            if not 0 <= getattr(self, k) <= 1:
-                err(k, f"must be in [0, 1], got {getattr(self, k)}")
+        check(self, err, "steps micro_batch_size seq_len grad_accum eval_batches max_skips", lambda v: v >= 1, ">= 1")
+        check(self, err, "lr eps", lambda v: 0 < v < math.inf, "a finite number > 0")
+        check(self, err, "min_lr_ratio decay_ratio", lambda v: 0 <= v <= 1, "in [0, 1]")
         if self.lr_schedule != "wsd" and (self.decay_ratio, self.decay_type) != (0.2, "linear"):
             err("decay_ratio" if self.decay_ratio != 0.2 else "decay_type",
                 f"applies to train.lr_schedule=wsd only (it is {self.lr_schedule!r})")
@@ -121,17 +122,11 @@ class TrainConfig:
                                                      or self.global_batch_tokens % self.seq_len):
             err("global_batch_tokens", f"must be a positive multiple of train.seq_len ({self.seq_len}), got "
                                        f"{self.global_batch_tokens}")
-        if self.eval_every < 0:
-            err("eval_every", f"must be >= 0 (0: no evaluation), got {self.eval_every}")
-        if self.warmup_steps < 0:
-            err("warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        if not 0 <= self.weight_decay < math.inf:
-            err("weight_decay", f"must be a finite number >= 0, got {self.weight_decay}")
-        if not 0 <= self.grad_clip < math.inf:
-            err("grad_clip", f"must be a finite number >= 0 (0 disables), got {self.grad_clip}")
-        for k in ("beta1", "beta2"):
-            if not 0 <= getattr(self, k) < 1:
-                err(k, f"must be in [0, 1), got {getattr(self, k)}")
+        check(self, err, "eval_every", lambda v: v >= 0, ">= 0 (0: no evaluation)")
+        check(self, err, "warmup_steps", lambda v: v >= 0, ">= 0")
+        check(self, err, "weight_decay", lambda v: 0 <= v < math.inf, "a finite number >= 0")
+        check(self, err, "grad_clip", lambda v: 0 <= v < math.inf, "a finite number >= 0 (0 disables)")
+        check(self, err, "beta1 beta2", lambda v: 0 <= v < 1, "in [0, 1)")
         if self.state == "lean" and self.beta2 > LEAN_MAX_BETA2:
             err("beta2", f"{self.beta2} is above {LEAN_MAX_BETA2}, the largest train.state=lean's bf16 second moment "
                          "follows (beta2 * v would round back to v); lower it or set train.state=float32")
@@ -206,11 +201,8 @@ class ParallelConfig:
             self.pp_overlap = bool(self.pp_overlap)
 
     def validate(self, err):
-        for k in LAYOUT_KEYS:
-            if getattr(self, k) is not None and getattr(self, k) < 1:
-                err(k, f"must be >= 1, got {getattr(self, k)}")
-        if not 0 < self.timeout_s < math.inf:
-            err("timeout_s", f"must be a finite number of seconds > 0, got {self.timeout_s}")
+        check(self, err, " ".join(LAYOUT_KEYS), lambda v: v >= 1, ">= 1")  # None: auto chooses it
+        check(self, err, "timeout_s", lambda v: 0 < v < math.inf, "a finite number of seconds > 0")
         if self.pp_overlap:
             why = ("needs parallel.pp and parallel.ep given explicitly under parallel: auto"
                    if self.pp is None or self.ep is None else
@@ -237,15 +229,12 @@ class CheckpointConfig:
     export_dtype: Literal["bfloat16", "float32"] = "bfloat16"
 
     def validate(self, err):
-        if self.every < 0:
-            err("every", f"must be >= 0, got {self.every}")
-        if not 0 <= self.every_minutes < math.inf:
-            err("every_minutes", f"must be a finite number >= 0 (0: off), got {self.every_minutes}")
+        check(self, err, "every", lambda v: v >= 0, ">= 0")
+        check(self, err, "every_minutes", lambda v: 0 <= v < math.inf, "a finite number >= 0 (0: off)")
         for name in self.on_signal:
             if name not in CATCHABLE_SIGNALS:
                 err("on_signal", f"{name!r} is not one of {', '.join(CATCHABLE_SIGNALS)}")
-        if self.keep_last < 1:
-            err("keep_last", f"must be >= 1, got {self.keep_last}")
+        check(self, err, "keep_last", lambda v: v >= 1, ">= 1")
         for k in ("weights_only", "export_hf"):
             if getattr(self, k) and not self.final:
                 err(k, "acts on the final save; set checkpoint.final=true")
@@ -260,8 +249,7 @@ class LogConfig:
     wandb: str | None = None  # a Weights & Biases project to log to (needs the wandb package)
 
     def validate(self, err):
-        if self.every < 1:
-            err("every", f"must be >= 1, got {self.every}")
+        check(self, err, "every", lambda v: v >= 1, ">= 1")
         for key, pkg in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
             if getattr(self, key) and importlib.util.find_spec(pkg) is None:
                 err(key, f"needs the {pkg} package (pip install {pkg}), or set log.{key}="
@@ -499,32 +487,22 @@ def _coerce(v, tp, key, fail):
         if v not in choices:
             fail(key, f"expected one of {', '.join(map(repr, choices))}, got {v!r}")
         return v
-    if tp is bool:
-        if not isinstance(v, bool):
-            fail(key, f"expected true or false, got {v!r}")
+    if tp is float and isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            pass
+    if (origin or tp) not in _KINDS:
         return v
-    if tp is int:
-        if isinstance(v, bool) or not isinstance(v, int):
-            fail(key, f"expected an integer, got {v!r}")
-        return v
-    if tp is float:
-        if isinstance(v, str):
-            try:
-                return float(v)
-            except ValueError:
-                pass
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            fail(key, f"expected a number, got {v!r}")
-        return float(v)
-    if tp is str:
-        if not isinstance(v, str):
-            fail(key, f"expected a string, got {v!r}")
-        return v
-    if tp is list or origin is list:
-        if not isinstance(v, list):
-            fail(key, f"expected a list, got {v!r}")
-        return v
-    return v
+    kinds, want = _KINDS[origin or tp]
+    if isinstance(v, bool) is not (tp is bool) or not isinstance(v, kinds):  # YAML's true is no number
+        fail(key, f"expected {want}, got {v!r}")
+    return float(v) if tp is float else v
+
+
+# annotation -> (the Python types a YAML value of it may have, what the error says is expected)
+_KINDS = {bool: (bool, "true or false"), int: (int, "an integer"), float: ((int, float), "a number"),
+          str: (str, "a string"), list: (list, "a list")}
 
 
 def _suggest(key, options) -> str:

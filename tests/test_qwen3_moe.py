@@ -120,6 +120,25 @@ def test_round_trip_through_transformers(tmp_path, shard_bytes):
         assert n1 == n2 and torch.equal(p1, p2)
 
 
+def test_save_hf_shards_keep_to_shard_bytes(tmp_path):
+    """save_hf plans its shards as export does (hf.plan_shards): a shard passes shard_bytes only
+    when one native tensor alone does (it used to take tensors until it had passed the limit)."""
+    from safetensors import safe_open
+
+    from pithtrain.checkpoint.hf import state_for_export
+    hf_tiny(tmp_path)
+    ours = load_hf(tmp_path / "hf")
+    save_hf(ours, tmp_path / "out", shard_bytes=20_000)
+    fam, cfg = FAMILIES[ours.cfg.family], ours.cfg
+    native = {k: n for n, t in state_for_export(ours).items() for k, _ in fam.native_to_hf(cfg, n, t)}
+    shards = sorted((tmp_path / "out").glob("model-*.safetensors"))
+    assert len(shards) > 1
+    for f in shards:
+        with safe_open(f, "pt") as st:
+            nbytes = sum(st.get_tensor(k).nbytes for k in st.keys())
+            assert nbytes <= 20_000 or len({native[k] for k in st.keys()}) == 1, (f.name, nbytes)
+
+
 def test_export_over_an_earlier_export_leaves_no_stale_weights(tmp_path):
     """A single-file export, then a sharded one into the same folder: transformers must load the
     second, not the first's model.safetensors beside the new index; other files stay."""

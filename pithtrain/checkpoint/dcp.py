@@ -313,7 +313,6 @@ def verify(ckpt: Path, rank: int = 0, world: int = 1) -> dict:
     printed, not loaded."""
     manifest = _read_manifest(ckpt)
     files = manifest["files"]
-    total = sum(w["size"] for w in files.values())
     for name, want in files.items():
         p = ckpt / name
         if not p.is_file():
@@ -323,8 +322,7 @@ def verify(ckpt: Path, rank: int = 0, world: int = 1) -> dict:
             raise CheckpointError(f"{p}: truncated or overwritten: {size} bytes, manifest says {want['size']}")
     share = _share(files, rank, world)
     what = "verifying" if world == 1 else f"verifying (rank {rank} of {world})"
-    done = _progress(ckpt, what, sum(files[n]["size"] for n in share) if world > 1 else total,
-                     quiet=rank != 0)
+    done = _progress(ckpt, what, sum(files[n]["size"] for n in share), quiet=rank != 0)
     for name in share:
         if _sha256(ckpt / name) != files[name]["sha256"]:
             raise CheckpointError(f"{ckpt / name}: corrupt: sha256 does not match {MANIFEST}")
@@ -652,8 +650,7 @@ class Checkpointer:
         fut, thread = self._pending
         self._pending = None
         fut.result()
-        if thread is not None:
-            thread.join()
+        thread.join()
         if self._error:
             raise CheckpointError(f"asynchronous save failed: {self._error[0]}") from self._error[0]
         self._barrier()
@@ -672,8 +669,7 @@ class Checkpointer:
         self._pending = None
         try:
             fut.result()
-            if thread is not None:
-                thread.join()
+            thread.join()
         except BaseException as e:  # the run's own error is the one to report
             self.say(f"the save in flight failed as well: {e}")
 
@@ -948,13 +944,20 @@ def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
     sd = {"model": get_model_state_dict(model)}
     if lean_checkpoint(ckpt):
         sd["lean"] = {name: torch.empty_like(p, dtype=torch.int16) for name, p in model.named_parameters()}
-    check_index(ckpt, _flat_keys(sd))
-    with no_dist_warnings():
-        dcp.load(sd, storage_reader=SafeReader(ckpt), no_dist=True)
+    read_tensors(ckpt, sd)
     set_model_state_dict(model, sd["model"])
     params = dict(model.named_parameters())
     for name, lo in sd.get("lean", {}).items():
         join_(params[name].detach(), lo)
+
+
+def read_tensors(ckpt: Path, sd: dict, checked: bool = False) -> None:
+    """Read a checkpoint's tensors into `sd` (nested dicts of tensors, in place) in one process,
+    the index checked first (check_index) unless the caller has."""
+    if not checked:
+        check_index(ckpt, _flat_keys(sd))
+    with no_dist_warnings():
+        dcp.load(sd, storage_reader=SafeReader(ckpt), no_dist=True)
 
 
 def lean_checkpoint(ckpt: Path) -> bool:

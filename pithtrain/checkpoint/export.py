@@ -22,32 +22,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
-import struct
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import yaml
 
 from pithtrain.checkpoint.dcp import (
     RECIPE,
     TRAINER,
     CheckpointError,
-    SafeReader,
     agree,
     check_index,
     lean_checkpoint,
-    no_dist_warnings,
+    read_tensors,
     resolve,
     verify,
 )
-from pithtrain.checkpoint.hf import SHARD_BYTES, refuse_hub_losses, state_for_export
+from pithtrain.checkpoint.hf import SHARD_BYTES, refuse_hub_losses, state_for_export, write_hub
 from pithtrain.config import ConfigError, config_from_dict
 from pithtrain.data import BOS, EOS, TOKENIZER_FILES, added_around, declared_tokens, load_tokenizer
 from pithtrain.kernels.adamw import join_
@@ -70,49 +65,6 @@ def load_checkpoint_model(ckpt) -> torch.nn.Module:
     model = build_model(checkpoint_recipe(path)[0].model, "cpu")  # initialised: RoPE's table is no checkpoint tensor
     load_model_weights(path, model)
     return model.eval()
-
-
-def plan_shards(model: torch.nn.Module, dtype: torch.dtype, shard_bytes: int) -> list[list[str]]:
-    """Native parameter names per output shard, from the meta model's shapes: a shard takes
-    tensors until the next would pass shard_bytes (the hub tensors of one native tensor stay
-    together, so a shard is larger only when one native tensor is)."""
-    fam, cfg = FAMILIES[model.cfg.family], model.cfg
-    shards, current, size = [], [], 0
-    for name, t in state_for_export(model).items():
-        nbytes = sum(v.numel() for _, v in fam.native_to_hf(cfg, name, t)) * dtype.itemsize
-        if current and size + nbytes > shard_bytes:
-            shards.append(current)
-            current, size = [], 0
-        current.append(name)
-        size += nbytes
-    if current or not shards:
-        shards.append(current)
-    return shards
-
-
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}
-
-
-def write_streaming(path: Path, layout: list[tuple[str, tuple]], dtype: torch.dtype, tensors):
-    """A safetensors file written as its tensors come: the header (from `layout`, (key, shape) in
-    order) first, then each tensor of the iterator `tensors` ((key, value) in the same order).
-    safetensors' save_file needs the whole shard in memory twice (dict + serialised bytes);
-    this needs one tensor."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for key, shape in layout:
-        n = math.prod(shape) * dtype.itemsize
-        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for (key, shape), (got, value) in zip(layout, tensors, strict=True):
-            if got != key or tuple(value.shape) != tuple(shape):
-                raise AssertionError(f"{path.name}: {got} {tuple(value.shape)} where the header has {key} {shape}")
-            f.write(value.to(dtype).contiguous().view(torch.uint8).numpy())
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def checkpoint_tokenizer(ckpt: Path, saved_recipe: dict) -> Path | None:
@@ -172,16 +124,6 @@ def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SH
     state = state_for_export(model)
     check_index(path, [f"{k}.{n}" for n in state for k in ("model", "lean")[:1 + lean_checkpoint(path)]])
     refuse_trained_bias(path, model)
-    shards = plan_shards(model, dtype, shard_bytes)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        for old in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
-            old.unlink(missing_ok=True)  # transformers would load a stale file next to the new index
-    if world > 1:
-        dist.barrier()
-    t0 = time.monotonic()
     lean = lean_checkpoint(path)  # the masters as two halves: joined (kernels/adamw.join_)
 
     def hub_tensors(names):  # one native tensor in memory at a time, read from the checkpoint
@@ -189,33 +131,17 @@ def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SH
             one = {f"model.{name}": torch.empty(state[name].shape, dtype=torch.float32)}
             if lean:
                 one[f"lean.{name}"] = torch.empty(state[name].shape, dtype=torch.int16)
-            with no_dist_warnings():
-                dcp.load(one, storage_reader=SafeReader(path), no_dist=True)
+            read_tensors(path, one, checked=True)  # every tensor's index entry checked above
             value = one.pop(f"model.{name}")
             if lean:
                 join_(value, one.pop(f"lean.{name}"))
             yield from fam.native_to_hf(mcfg, name, value)
 
-    for i in range(rank, len(shards), world):
-        layout = [(key, tuple(v.shape)) for n in shards[i] for key, v in fam.native_to_hf(mcfg, n, state[n])]
-        write_streaming(out / names[i], layout, dtype, hub_tensors(shards[i]))
-        if rank == 0:
-            print(f"export: wrote {names[i]} ({i + 1} of {len(shards)}, {time.monotonic() - t0:.0f} s)", flush=True)
-    if world > 1:
-        dist.barrier()
+    special = special_token_ids(path, saved)  # every rank, before any file: an error is every rank's
+    write_hub(out, model, dtype, shard_bytes, hub_tensors, special, rank, world,
+              say=(lambda line: print(f"export: {line}", flush=True)) if rank == 0 else None)
     if rank == 0:
-        dt = str(dtype).removeprefix("torch.")
-        special = special_token_ids(path, saved)
-        hf_config = {**mcfg.to_hf(), **special, "torch_dtype": dt, "dtype": dt}
-        (out / "config.json").write_text(json.dumps(hf_config, indent=2))
         (out / "generation_config.json").write_text(json.dumps(special, indent=2))
-        if len(shards) > 1:
-            meta_state = {key: v for n in state for key, v in fam.native_to_hf(mcfg, n, state[n])}
-            weight_map = {key: names[i] for i, s in enumerate(shards) for n in s
-                          for key, _ in fam.native_to_hf(mcfg, n, state[n])}
-            total = sum(v.numel() for v in meta_state.values()) * dtype.itemsize
-            (out / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         print(f"export: {copy_tokenizer(path, saved, out)}", flush=True)
     return out
 
@@ -226,9 +152,7 @@ def refuse_trained_bias(path: Path, model: torch.nn.Module):
     biases = {f"model.{n}": torch.empty(b.shape) for n, b in model.named_buffers() if n.endswith("balance.bias_E")}
     if not biases:
         return
-    check_index(path, list(biases))
-    with no_dist_warnings():
-        dcp.load(biases, storage_reader=SafeReader(path), no_dist=True)
+    read_tensors(path, biases)
     if trained := [n.removeprefix("model.") for n, b in biases.items() if b.any()]:
         raise ConfigError(f"{path}: {trained[0]}: the trained routing bias (model.balance=bias) has no place in "
                           f"{model.cfg.hf_architecture}'s hub format; transformers would route without it. Keep "

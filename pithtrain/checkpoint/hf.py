@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import struct
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -264,14 +265,9 @@ def refuse_hub_losses(model, what: str):
 @torch.no_grad()
 def save_hf(model: torch.nn.Module, path: str | Path, dtype: torch.dtype | None = None,
             shard_bytes: int = SHARD_BYTES):
-    """Write config.json and safetensors shards (+ index when sharded) in the hub layout. Weight
-    files of an earlier export into the same folder are removed first: transformers would load a
-    stale model.safetensors next to a new sharded index. Other files (a tokenizer) stay."""
+    """Write config.json and safetensors shards (+ index when sharded) in the hub layout (write_hub)."""
     path = Path(path)
     refuse_hub_losses(model.cfg, f"save_hf {path}")  # a field config.json cannot carry, before any file changes
-    path.mkdir(parents=True, exist_ok=True)
-    for old in [*path.glob("model*.safetensors"), path / "model.safetensors.index.json"]:
-        old.unlink(missing_ok=True)
     cfg = model.cfg
     fam = FAMILIES[cfg.family]
     for name, b in model.named_buffers():  # balance=bias: no supported hub format has the bias
@@ -279,28 +275,86 @@ def save_hf(model: torch.nn.Module, path: str | Path, dtype: torch.dtype | None 
             raise ValueError(f"{name}: the trained routing bias (model.balance=bias) has no place in "
                              f"{cfg.hf_architecture}'s hub format; transformers would route without it")
     state = state_for_export(model)
-    dtype = dtype or next(iter(state.values())).dtype
-    hf_cfg = {**cfg.to_hf(), "torch_dtype": str(dtype).removeprefix("torch."),
-              "dtype": str(dtype).removeprefix("torch.")}
-    (path / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-    shards, current, size = [], {}, 0
-    for name, t in state.items():
-        for key, value in fam.native_to_hf(cfg, name, t):
-            current[key] = value.to("cpu", dtype).contiguous()
-            size += current[key].numel() * current[key].element_size()
-        if size >= shard_bytes:
+    write_hub(path, model, dtype or next(iter(state.values())).dtype, shard_bytes,
+              lambda names: (kv for n in names for kv in fam.native_to_hf(cfg, n, state[n])))
+
+
+def plan_shards(hub: dict[str, list], dtype: torch.dtype, shard_bytes: int) -> list[list[str]]:
+    """Native parameter names per output shard, from the shapes of their hub tensors (`hub`: native
+    name -> [(hub key, meta tensor)]): a shard takes tensors until the next would pass shard_bytes
+    (the hub tensors of one native tensor stay together, so a shard is larger only when one native
+    tensor is)."""
+    shards, current, size = [], [], 0
+    for name, tensors in hub.items():
+        nbytes = sum(v.numel() for _, v in tensors) * dtype.itemsize
+        if current and size + nbytes > shard_bytes:
             shards.append(current)
-            current, size = {}, 0
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
     if current or not shards:
         shards.append(current)
-    if len(shards) == 1:
-        save_file(shards[0], path / "model.safetensors", metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, path / fname, metadata={"format": "pt"})
-        weight_map.update({k: fname for k in shard})
-    total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return shards
+
+
+_ST_DTYPES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def write_streaming(path: Path, layout: list[tuple[str, tuple]], dtype: torch.dtype, tensors):
+    """A safetensors file written as its tensors come: the header (from `layout`, (key, shape) in
+    order) first, then each tensor of the iterator `tensors` ((key, value) in the same order).
+    safetensors' save_file needs the whole shard in memory twice (dict + serialised bytes);
+    this needs one tensor."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for key, shape in layout:
+        n = math.prod(shape) * dtype.itemsize
+        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for (key, shape), (got, value) in zip(layout, tensors, strict=True):
+            if got != key or tuple(value.shape) != tuple(shape):
+                raise AssertionError(f"{path.name}: {got} {tuple(value.shape)} where the header has {key} {shape}")
+            f.write(value.to("cpu", dtype).contiguous().view(torch.uint8).numpy())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_hub(path: Path, model: torch.nn.Module, dtype: torch.dtype, shard_bytes: int, hub_tensors,
+              config: dict | None = None, rank: int = 0, world: int = 1, say=None):
+    """config.json (the family's to_hf, `config`, the dtype) and the weights in the hub layout, for
+    save_hf and export: shards planned from the shapes alone (plan_shards), each written as its
+    tensors come (write_streaming; `hub_tensors(names)` yields the (hub key, value) of those native
+    tensors in order), rank r writing shards r, r + world, ... (`say` each one); an index when
+    sharded. Weight files of an earlier export into the same folder are removed first: transformers
+    would load a stale model.safetensors next to a new sharded index. Other files (a tokenizer) stay."""
+    fam, cfg = FAMILIES[model.cfg.family], model.cfg
+    hub = {n: list(fam.native_to_hf(cfg, n, t.to("meta"))) for n, t in state_for_export(model).items()}  # shapes
+    shards = plan_shards(hub, dtype, shard_bytes)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        for old in [*path.glob("model*.safetensors"), path / "model.safetensors.index.json"]:
+            old.unlink(missing_ok=True)
+    if world > 1:
+        dist.barrier()
+    t0 = time.monotonic()
+    for i in range(rank, len(shards), world):
+        write_streaming(path / names[i], [(k, tuple(v.shape)) for n in shards[i] for k, v in hub[n]], dtype,
+                        hub_tensors(shards[i]))
+        if say is not None:
+            say(f"wrote {names[i]} ({i + 1} of {len(shards)}, {time.monotonic() - t0:.0f} s)")
+    if world > 1:
+        dist.barrier()
+    if rank == 0:
+        dt = str(dtype).removeprefix("torch.")
+        (path / "config.json").write_text(json.dumps({**cfg.to_hf(), **(config or {}), "torch_dtype": dt,
+                                                      "dtype": dt}, indent=2))
+        if len(shards) > 1:
+            weight_map = {k: names[i] for i, s in enumerate(shards) for n in s for k, _ in hub[n]}
+            total = sum(v.numel() for tensors in hub.values() for _, v in tensors) * dtype.itemsize
+            (path / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
