@@ -66,6 +66,9 @@ def pick_device(cfg: Config) -> torch.device:
         raise ConfigError(f"{cfg.source}: train.device: 'cuda' requested but no CUDA GPU is visible")
     if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
+    if not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & os.environ.keys():  # read as CUDA starts (below):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # a run near its planned peak
+        # fragments the fixed segments (docs/performance.md); yours, if set, is kept
     if "LOCAL_RANK" in os.environ:  # torchrun: one GPU per process
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     return torch.device("cuda", torch.cuda.current_device())
@@ -303,6 +306,9 @@ def start(cfg: Config, resume, notice: Notice, stack: contextlib.ExitStack, draw
         if say:
             print(kernels.describe(run.use, attention_kernels(run.model, run.use)), flush=True)
             print(run.precision.describe(), flush=True)
+            if device.type == "cuda":
+                print("pithtrain: CUDA allocator: " + " ".join(f"{k}={os.environ[k]}" for k in (
+                    "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF") if k in os.environ), flush=True)
             if cfg.train.compile and not compiles(cfg.train, device):
                 print(f"pithtrain: train.compile=true: off on {device.type}, the layers run eagerly "
                       "(torch.compile acts on CUDA only)", flush=True)

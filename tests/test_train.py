@@ -300,3 +300,30 @@ def test_a_failing_init_from_releases_the_lock_and_the_groups_then_the_process_t
         assert out["error"].startswith("train.init_from: ") and "\n" not in out["error"], out
         assert not out["group_left"] and not out["lock_open"], out
         assert out["steps"] == 2 and not out["group_after"], out
+
+
+@pytest.mark.parametrize("given, want", [({}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+                                         ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256"},
+                                          {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256"}),
+                                         ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"},
+                                          {"PYTORCH_ALLOC_CONF": "expandable_segments:False"})])
+def test_a_cuda_run_takes_expandable_segments_unless_the_allocator_is_configured(monkeypatch, given, want):
+    """On CUDA, before the device starts: expandable segments by default (the Qwen3 8 x H100
+    emulation ran out of memory on fragmentation without them), the user's allocator options kept."""
+    import os
+
+    import torch
+
+    from pithtrain import train as T
+    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in given.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert T.pick_device(load_config(None, ["train.device=cuda"])) == torch.device("cuda", 0)
+    assert {k: os.environ[k] for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF") if k in os.environ} == want
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert T.pick_device(load_config(None, ["train.device=auto"])) == torch.device("cpu")
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # a CPU run leaves it alone
