@@ -60,8 +60,7 @@ def _has_experts(m: nn.Module) -> bool:
     return any(isinstance(x, GroupedExperts) for x in m.modules())
 
 
-def _checkpointed(forward, *args, **kwargs):
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+_checkpointed = functools.partial(checkpoint, use_reentrant=False)
 
 
 # What "cheap" keeps: the outputs of GEMMs and attention kernels (every SDPA backend, FlexAttention,
@@ -83,8 +82,7 @@ def cheap_contexts():
     return create_selective_checkpoint_contexts(cheap_policy)
 
 
-def _cheap(forward, *args, **kwargs):
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=cheap_contexts, **kwargs)
+_cheap = functools.partial(checkpoint, use_reentrant=False, context_fn=cheap_contexts)  # (forward, *args)
 
 
 def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:

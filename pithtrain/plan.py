@@ -563,11 +563,10 @@ def resolve(cfg: Config, world_size: int, gpu: str = "", gpu_gib: float | None =
     choice against `gpu_gib` GiB, or None without it). A layout that does not fit is
     build.check_run's to refuse; a given layout whose batch is not train.global_batch_tokens,
     ConfigError here."""
+    check_global_batch(cfg, world_size)  # a layout the recipe gives (parallel: auto chooses the batch)
     if cfg.parallel.auto or cfg.train.activation_checkpoint == "auto":
-        check_global_batch(cfg, world_size) if not cfg.parallel.auto else None
         choice, result = auto_layout(cfg, world_size, gpu_gib, gpu)
         return with_choice(cfg, choice), result
-    check_global_batch(cfg, world_size)
     return cfg, None if gpu_gib is None else plan(cfg, world_size, gpu_gib, gpu)
 
 
