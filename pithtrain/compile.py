@@ -77,12 +77,9 @@ def cheap_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def cheap_contexts():
-    """The selective checkpoint's context pair for one region (a fresh cache each call)."""
-    return create_selective_checkpoint_contexts(cheap_policy)
-
-
-_cheap = functools.partial(checkpoint, use_reentrant=False, context_fn=cheap_contexts)  # (forward, *args)
+# (forward, *args): a selective checkpoint whose context pair is made for each region (a fresh cache)
+_cheap = functools.partial(checkpoint, use_reentrant=False,
+                           context_fn=functools.partial(create_selective_checkpoint_contexts, cheap_policy))
 
 
 def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:

@@ -123,15 +123,6 @@ def fake_world(world_size: int, rank: int):
         dist.destroy_process_group()
 
 
-def rank_model(cfg: Config, dims: ParallelDims) -> tuple[nn.Module, list | None, Precision]:
-    """This rank's piece of the model on meta, built as train.py builds it (build.build_run; run
-    in fake_world), its pipeline chunks and the run's precision on a GPU."""
-    if dims.distributed:
-        dims.build_meshes("cpu")
-    run = build_run(cfg, torch.device("meta"), dims)
-    return run.model, run.chunks, Precision.of(cfg.train, torch.device("cuda"), dims)
-
-
 # ---------------------------------------------------------------------------------------------
 # Activations (the module docstring's table)
 
@@ -321,9 +312,12 @@ def plan(cfg: Config, world_size: int, gpu_gib: float, gpu: str = "", models: di
     for stage in range(pp):
         dims = ParallelDims.from_config(cfg, world_size, stage * world_size // pp)
         key = (tuple(layout_of(vars(cfg.parallel)).values()), stage)
-        if key not in models:
+        if key not in models:  # this rank's piece on meta, built as train.py builds it, and its precision on a GPU
             with fake_world(world_size, dims.rank):
-                models[key] = rank_model(cfg, dims)
+                if dims.distributed:
+                    dims.build_meshes("cpu")
+                run = build_run(cfg, torch.device("meta"), dims)
+            models[key] = run.model, run.chunks, Precision.of(cfg.train, torch.device("cuda"), dims)
         ranks.append(rank_plan(cfg, dims, *models[key]))
     if max(x["peak"] for x in ranks) > FIT_FRACTION * gpu_gib * GIB:  # no room to keep the layers gathered
         for x in ranks:

@@ -172,9 +172,6 @@ class ChunkRun:
     def output(self):
         return self.state["out"]
 
-    def input_grad(self):
-        return self.grads.get("in")
-
     def first_of_unit(self, k):
         return k == 0 or self.phases[k - 1].unit is not self.phases[k].unit
 

@@ -127,14 +127,12 @@ class ParallelDims:
         if self.world_size > 1 and getattr(m, "tie_word_embeddings", False):
             fail("model.tie_word_embeddings", "a tied LM head is supported in one process only (each "
                                               "rank's initialisation and sharding would untie it)")
-        if self.pp > 1:
-            self._validate_pipeline(cfg, fail)
         # Heads need not divide by cp: K/V are all-gathered whole (context_parallel.py).
-
-    def _validate_pipeline(self, cfg, fail):
-        p, t = cfg.parallel, cfg.train
-        if cfg.model.num_layers < self.pp:
-            fail("parallel.pp", f"{self.pp} stages but model.num_layers is {cfg.model.num_layers}")
+        if self.pp == 1:
+            return
+        p = cfg.parallel
+        if m.num_layers < self.pp:
+            fail("parallel.pp", f"{self.pp} stages but model.num_layers is {m.num_layers}")
         if p.pp_schedule == "dualpipev" and t.grad_accum < 2 * self.pp:
             fail("train.grad_accum", f"dualpipev needs at least 2 * pp = {2 * self.pp} micro-batches, "
                                      f"got {t.grad_accum}")
@@ -144,10 +142,10 @@ class ParallelDims:
             fail("parallel.pp_overlap", "activation checkpointing runs each layer whole (no phases to "
                                         "overlap); set train.activation_checkpoint=none or parallel.pp_overlap=false")
         try:  # the layer split (parallel.pp_layers) the stages will hold
-            split_layers(cfg.model.num_layers, num_virtual_stages(self.pp, p.pp_schedule), p.pp_layers,
+            split_layers(m.num_layers, num_virtual_stages(self.pp, p.pp_schedule), p.pp_layers,
                          v_shape=p.pp_schedule == "dualpipev")
         except ValueError as e:
-            raise ConfigError(f"{cfg.source}: {e}") from None
+            raise ConfigError(f"{src}: {e}") from None
 
     # --- "is X enabled"
 

@@ -159,7 +159,7 @@ class PipelineRunner:
 
     def _after_backward(self, c, mb, full: bool):
         run = self.runs[(c, mb)]
-        g = run.input_grad()
+        g = run.grads.get("in")
         if not self.chunks[c].first:
             if self._local_prev(c):
                 self.local_grad[(c - 1, mb)] = g
@@ -195,10 +195,7 @@ class PipelineRunner:
                 group = self.group_f if k == "RECV_F" else self.group_b
                 dist.irecv(buf, src=dist.get_global_rank(group, op.peer), group=group,
                            tag=self._tag(self.chunks[c].stage, mb)).wait()
-                if k == "RECV_F":
-                    self.f_in[(c, mb)] = buf.requires_grad_()
-                else:
-                    self.b_in[(c, mb)] = buf
+                (self.f_in if k == "RECV_F" else self.b_in)[(c, mb)] = buf.requires_grad_(k == "RECV_F")
                 continue
             if k in ("SEND_F", "SEND_B"):
                 if k == "SEND_F":
