@@ -341,14 +341,13 @@ POLICIES = ("none", "cheap", "selective", "full")  # least recomputation first
 TIE = 0.005  # predictions this close rank by micro-batch size (ranked)
 
 
-def global_batch(cfg: Config, dp_size: int | None = None) -> int:
+def global_batch(cfg: Config) -> int:
     """Tokens per optimizer step: train.global_batch_tokens, else micro-batch x accumulation x
-    sequence x the data-parallel ranks (`dp_size`; cfg's layout when None)."""
-    t = cfg.train
+    sequence x cfg's data-parallel ranks (dp x fsdp)."""
+    t, p = cfg.train, cfg.parallel
     if t.global_batch_tokens is not None:
         return t.global_batch_tokens
-    dp_size = dp_size or (cfg.parallel.dp or 1) * (cfg.parallel.fsdp or 1)
-    return t.micro_batch_size * t.grad_accum * t.seq_len * dp_size
+    return t.micro_batch_size * t.grad_accum * t.seq_len * ((p.dp or 1) * (p.fsdp or 1))
 
 
 def check_global_batch(cfg: Config, world_size: int) -> None:
