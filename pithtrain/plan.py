@@ -657,10 +657,9 @@ def why(result: dict, before: int = 6, after: int = 4) -> list[str]:
                       else f"a tie (within {TIE:.1%}): the larger micro-batch goes first")
         return (f"{'>' if i == at else ' '} {lay:<30} {c['activation_checkpoint']:<9} "
                 f"{c['micro_batch_size']:>3} x {c['grad_accum']:<4} {pred} {peak}   {reason}")
-    head = (f"choice: the {'fastest' if speed[at] else 'first by memory alone'} of {len(options)} valid "
-            f"candidates (layout x recomputation x micro-batch) whose plan fits; {at} faster planned, none fits:"
-            if at else f"choice: the {'fastest' if speed[at] else 'first by memory alone'} of {len(options)} "
-            "valid candidates (layout x recomputation x micro-batch), and its plan fits:")
+    head = (f"choice: the {'fastest' if speed[at] else 'first by memory alone'} of {len(options)} valid candidates "
+            "(layout x recomputation x micro-batch)" + (f" whose plan fits; {at} faster planned, none fits:" if at
+                                                        else ", and its plan fits:"))
     lines = [head, f"  {'layout':<30} {'recompute':<9} {'mb x accum':<10} {'tok/s/GPU':>7} {'peak GiB':>6}"]
     return lines + [row(i, options[i]) for i in range(max(0, at - before), min(len(options), at + after + 1))]
 

@@ -246,9 +246,8 @@ def weight_backward(run: ChunkRun):
         if run.fsdp and run.first_of_unit(k):
             reduce_grads(ph.unit)
     if run.timeline is not None and run.saved:
-        t1 = mark(cuda)
         run.timeline.append(dict(phase="W", comm=False, mb=run.mb, chunk=run.chunk, pass_="W",
-                                 stream="compute", pair=None, start=t0, end=t1))
+                                 stream="compute", pair=None, start=t0, end=mark(cuda)))
     run.saved.clear()
     run.records.clear()
 
