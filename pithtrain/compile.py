@@ -60,7 +60,8 @@ def _has_experts(m: nn.Module) -> bool:
     return any(isinstance(x, GroupedExperts) for x in m.modules())
 
 
-_checkpointed = functools.partial(checkpoint, use_reentrant=False)
+def _checkpointed(forward, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 # What "cheap" keeps: the outputs of GEMMs and attention kernels (every SDPA backend, FlexAttention,
@@ -77,9 +78,13 @@ def cheap_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-# (forward, *args): a selective checkpoint whose context pair is made for each region (a fresh cache)
-_cheap = functools.partial(checkpoint, use_reentrant=False,
-                           context_fn=functools.partial(create_selective_checkpoint_contexts, cheap_policy))
+def cheap_contexts():
+    """The selective checkpoint's context pair for one region (a fresh cache each call)."""
+    return create_selective_checkpoint_contexts(cheap_policy)
+
+
+def _cheap(forward, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=cheap_contexts, **kwargs)
 
 
 def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
