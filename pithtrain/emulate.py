@@ -235,10 +235,9 @@ def emulate(recipe, world: int, gpu: str, steps: int = 5, overrides=(), warmup: 
     `gpu` (as a launch refuses it)."""
     from pithtrain.train import pick_device, train
 
-    cuda = torch.cuda.is_available()
     run_dir = tempfile.mkdtemp(prefix="pithtrain-emulate-")
-    try:
-        cfg, planned = prepare(recipe, world, gpu, steps, overrides, cuda, run_dir)
+    try:  # the target's overrides where this machine has a GPU
+        cfg, planned = prepare(recipe, world, gpu, steps, overrides, torch.cuda.is_available(), run_dir)
         device = pick_device(cfg)
         print(f"{plan.launch_line(cfg, planned)}; emulating its rank 0 on {device}", flush=True)
         cap = None

@@ -66,11 +66,10 @@ ALPHA = {"nvlink": 15e-6, "ib": 30e-6}  # seconds per collective (NCCL's small-m
 GEMM_EFFICIENCY = 0.744  # the bf16 8192^3 GEMM on the H200: 736 of 989 TFLOP/s (docs/bench.md)
 
 
-@functools.lru_cache(maxsize=64)
-def op_lists(schedule: str, pp: int, micro_batches: int) -> list:
-    """schedule.build_schedule, kept: the planner asks for the same lists across its candidates, and
-    building them for many micro-batches is most of its time. Read them, never change them."""
-    return build_schedule(schedule, pp, micro_batches)
+# op_lists(schedule, pp, micro_batches): schedule.build_schedule, kept: the planner asks for the same
+# lists across its candidates, and building them for many micro-batches is most of its time. Read
+# them, never change them.
+op_lists = functools.lru_cache(maxsize=64)(build_schedule)
 
 
 def load_costs(path: str | Path = COSTS) -> dict:
@@ -120,10 +119,8 @@ def local_params(cfg, lay: dict, chunks: list | None = None) -> float:
     m, d = cfg.model, dims_of(lay)
     ids = range(m.num_layers) if chunks is None else [i for ch in chunks for i in ch.layer_ids]
     dense = (2 if chunks is None else sum(ch.first + ch.last for ch in chunks)) * m.vocab_size * m.hidden_size
-    experts = 0
-    for i in ids:
-        ex = expert_params(m, i)
-        dense, experts = dense + m.layer_params(i)[0] - ex, experts + ex
+    experts = sum(expert_params(m, i) for i in ids)
+    dense += sum(m.layer_params(i)[0] for i in ids) - experts
     return (dense / (d.fsdp * d.cp) + experts / (d.ep * d.efsdp)) / (d.pp if chunks is None else 1)
 
 

@@ -84,7 +84,6 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from pithtrain import perf
 from pithtrain.build import build_run
@@ -94,7 +93,7 @@ from pithtrain.distributed.parallel_dims import ParallelDims
 from pithtrain.distributed.parallelize import moe_blocks
 from pithtrain.gpus import GPUS, gpu_key
 from pithtrain.models import build_model
-from pithtrain.models.common import GroupedExperts, RMSNorm, decoder_layers, indexed_layers
+from pithtrain.models.common import GroupedExperts, RMSNorm, decoder_layers, indexed_layers, local
 from pithtrain.precision import Precision
 
 GIB = 2 ** 30
@@ -122,19 +121,6 @@ def fake_world(world_size: int, rank: int):
         yield
     finally:
         dist.destroy_process_group()
-
-
-def rank_model(cfg: Config, dims: ParallelDims) -> tuple[nn.Module, list | None, Precision]:
-    """This rank's piece of the model on meta, built as train.py builds it (build.build_run; run
-    in fake_world), its pipeline chunks and the run's precision on a GPU."""
-    if dims.distributed:
-        dims.build_meshes("cpu")
-    run = build_run(cfg, torch.device("meta"), dims)
-    return run.model, run.chunks, Precision.of(cfg.train, torch.device("cuda"), dims)
-
-
-def local_numel(p: torch.Tensor) -> int:
-    return (p.to_local() if isinstance(p, DTensor) else p).numel()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,8 +223,7 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks, precisi
     pbytes = c  # the compute weights' dtype (FSDP's gathers, the bf16 copies: precision.py)
     rbytes = precision.reduce.itemsize
     state = precision.bytes_per_param()
-    params = list({id(p): p for p in model.parameters()}.values())
-    n = sum(local_numel(p) for p in params)
+    n = sum(local(p).numel() for p in model.parameters())  # tied parameters once
     T = t.micro_batch_size * t.seq_len // dims.cp
     D, V = m.hidden_size, m.vocab_size
 
@@ -246,6 +231,7 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks, precisi
     saved, whole = {}, {}
     for i, layer in layers.items():
         saved[i], whole[i] = saved_per_layer(layer, i, cfg, c, T)
+    expert_ps = [p for x in layers.values() for b in moe_blocks(x) for p in b.experts.parameters()]
     head = getattr(model, "lm_head", None) is not None
     ends = T * 4 * c * D if head else 0  # final norm; the loss's bf16 h and dh
     rope = T * 4 * (getattr(m, "qk_rope_head_dim", None) or m.head_dim)  # float32 cos and sin, every layer's
@@ -271,15 +257,13 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks, precisi
     if dims.ep_enabled:
         comm += 2 * c * m.top_k * T * D
     # train.fp8: each expert weight's unsharded FP8 copies (q and q^T, 1 B each) live for the step.
-    cache = sum(2 * p.numel() // dims.ep for x in layers.values() for b in moe_blocks(x)
-                for p in b.experts.parameters()) if t.fp8 else 0
+    cache = sum(2 * p.numel() // dims.ep for p in expert_ps) if t.fp8 else 0
     head_grad = m.vocab_size * D * pbytes if head else 0  # linear_ce's dW, made in the forward
     grads = state["grads"] * n
     held = grads + head_grad if t.grad_accum > 1 else head_grad
     logits = c * min(LOSS_CHUNK, T) * V if head else 0
     # the precision's bf16 copies (kept across steps): every weight, or the experts FSDP leaves out
-    experts = sum(local_numel(p) for x in layers.values() for b in moe_blocks(x) for p in b.experts.parameters())
-    copy = state["copy"] * {"all": n, "experts": experts, "none": 0}[precision.copy]
+    copy = state["copy"] * {"all": n, "experts": sum(local(p).numel() for p in expert_ps), "none": 0}[precision.copy]
     static = state["weights"] * n + state["optimizer"] * n + copy + cache + WORKSPACE
     largest = max(whole.values(), default=0)
     fwd = static + acts + held + logits + comm + keep
@@ -323,17 +307,18 @@ def plan(cfg: Config, world_size: int, gpu_gib: float, gpu: str = "", models: di
     is invalid): one entry per pipeline stage, the peak of the largest; where it does not fit, the
     one-line "refusal" build.check_run raises. `models`: a cache of the rank models by layout (the
     search plans one layout under several policies and batches; its model does not depend on them)."""
-    ranks = []
+    ranks, models = [], {} if models is None else models
     pp = ParallelDims.from_config(cfg, world_size, 0).pp
     for stage in range(pp):
         dims = ParallelDims.from_config(cfg, world_size, stage * world_size // pp)
         key = (tuple(layout_of(vars(cfg.parallel)).values()), stage)
-        if models is None or key not in models:
+        if key not in models:  # this rank's piece on meta, built as train.py builds it, and its precision on a GPU
             with fake_world(world_size, dims.rank):
-                built = rank_model(cfg, dims)
-            if models is not None:
-                models[key] = built
-        ranks.append(rank_plan(cfg, dims, *(models[key] if models is not None else built)))
+                if dims.distributed:
+                    dims.build_meshes("cpu")
+                run = build_run(cfg, torch.device("meta"), dims)
+            models[key] = run.model, run.chunks, Precision.of(cfg.train, torch.device("cuda"), dims)
+        ranks.append(rank_plan(cfg, dims, *models[key]))
     if max(x["peak"] for x in ranks) > FIT_FRACTION * gpu_gib * GIB:  # no room to keep the layers gathered
         for x in ranks:
             x["peak"], x["comm"], x["keep"] = x["peak"] - x["keep_bytes"], x["comm"] - x["keep_bytes"], False
@@ -356,14 +341,13 @@ POLICIES = ("none", "cheap", "selective", "full")  # least recomputation first
 TIE = 0.005  # predictions this close rank by micro-batch size (ranked)
 
 
-def global_batch(cfg: Config, dp_size: int | None = None) -> int:
+def global_batch(cfg: Config) -> int:
     """Tokens per optimizer step: train.global_batch_tokens, else micro-batch x accumulation x
-    sequence x the data-parallel ranks (`dp_size`; cfg's layout when None)."""
-    t = cfg.train
+    sequence x cfg's data-parallel ranks (dp x fsdp)."""
+    t, p = cfg.train, cfg.parallel
     if t.global_batch_tokens is not None:
         return t.global_batch_tokens
-    dp_size = dp_size or (cfg.parallel.dp or 1) * (cfg.parallel.fsdp or 1)
-    return t.micro_batch_size * t.grad_accum * t.seq_len * dp_size
+    return t.micro_batch_size * t.grad_accum * t.seq_len * ((p.dp or 1) * (p.fsdp or 1))
 
 
 def check_global_batch(cfg: Config, world_size: int) -> None:
@@ -572,11 +556,10 @@ def resolve(cfg: Config, world_size: int, gpu: str = "", gpu_gib: float | None =
     choice against `gpu_gib` GiB, or None without it). A layout that does not fit is
     build.check_run's to refuse; a given layout whose batch is not train.global_batch_tokens,
     ConfigError here."""
+    check_global_batch(cfg, world_size)  # a layout the recipe gives (parallel: auto chooses the batch)
     if cfg.parallel.auto or cfg.train.activation_checkpoint == "auto":
-        check_global_batch(cfg, world_size) if not cfg.parallel.auto else None
         choice, result = auto_layout(cfg, world_size, gpu_gib, gpu)
         return with_choice(cfg, choice), result
-    check_global_batch(cfg, world_size)
     return cfg, None if gpu_gib is None else plan(cfg, world_size, gpu_gib, gpu)
 
 
@@ -606,7 +589,7 @@ def launch_line(cfg: Config, result: dict | None) -> str | None:
         return None
     lay = " ".join(f"{k}={getattr(cfg.parallel, k)}" for k in LAYOUT_KEYS)
     if result and "choice" in result or cfg.train.global_batch_tokens:
-        lay += f", {train_choice(cfg.train)}"
+        lay += ", " + " ".join(f"{k}={getattr(cfg.train, k)}" for k in TRAIN_CHOICES)
     family, said = cfg.model.family, ""
     measured = family in perf.load_costs()["families"]
     if result and measured and (key := gpu_key(result["gpu"])):
@@ -620,11 +603,6 @@ def launch_line(cfg: Config, result: dict | None) -> str | None:
     return (f"pithtrain: parallel {'auto' if cfg.parallel.auto else 'layout'}: {lay} " + (
             f"(memory plan: peak {result['peak_gib']:.1f} GiB of {result['usable_gib']:.1f} usable{said})"
             if result else f"(no GPU memory to plan against{said})"))
-
-
-def train_choice(t) -> str:
-    return (f"activation_checkpoint={t.activation_checkpoint} micro_batch_size={t.micro_batch_size} "
-            f"grad_accum={t.grad_accum}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -679,10 +657,9 @@ def why(result: dict, before: int = 6, after: int = 4) -> list[str]:
                       else f"a tie (within {TIE:.1%}): the larger micro-batch goes first")
         return (f"{'>' if i == at else ' '} {lay:<30} {c['activation_checkpoint']:<9} "
                 f"{c['micro_batch_size']:>3} x {c['grad_accum']:<4} {pred} {peak}   {reason}")
-    head = (f"choice: the {'fastest' if speed[at] else 'first by memory alone'} of {len(options)} valid "
-            f"candidates (layout x recomputation x micro-batch) whose plan fits; {at} faster planned, none fits:"
-            if at else f"choice: the {'fastest' if speed[at] else 'first by memory alone'} of {len(options)} "
-            "valid candidates (layout x recomputation x micro-batch), and its plan fits:")
+    head = (f"choice: the {'fastest' if speed[at] else 'first by memory alone'} of {len(options)} valid candidates "
+            "(layout x recomputation x micro-batch)" + (f" whose plan fits; {at} faster planned, none fits:" if at
+                                                        else ", and its plan fits:"))
     lines = [head, f"  {'layout':<30} {'recompute':<9} {'mb x accum':<10} {'tok/s/GPU':>7} {'peak GiB':>6}"]
     return lines + [row(i, options[i]) for i in range(max(0, at - before), min(len(options), at + after + 1))]
 

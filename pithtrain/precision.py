@@ -111,16 +111,12 @@ class Precision:
         from torch.distributed.fsdp import MixedPrecisionPolicy
         return MixedPrecisionPolicy(param_dtype=self.compute, reduce_dtype=self.reduce)
 
+    @contextlib.contextmanager
     def weights(self, model: nn.Module):
         """Around one optimizer step's micro-batches: the bf16 copies in place of the masters (WeightCopies.swap),
         and on exit the layers `keep` held gathered resharded; nothing where there is neither."""
-        swap = self.copies.swap(model) if self.copies is not None else contextlib.nullcontext()
-        return self._resharding(swap) if self.kept else swap
-
-    @contextlib.contextmanager
-    def _resharding(self, inner):
         try:
-            with inner:
+            with self.copies.swap(model) if self.copies is not None else contextlib.nullcontext():
                 yield
         finally:
             for m in self.kept:

@@ -206,26 +206,24 @@ def train_step(run: Run, micro_batches, denom: float, step: int = 0, metrics: bo
     norm = grad_norm(run.precision.grads(model.parameters()), dims)  # waits for the backward
     loss_sum, n_tokens = all_sum([float(loss_sum), n_tokens], dims)
     loss = loss_sum / denom  # per target (labels -100 carry no loss)
-    if cfg.train.on_nonfinite == "skip" and not (math.isfinite(loss) and math.isfinite(norm)):
-        run.optimizer.zero_grad(set_to_none=True)  # no weight, moment or step count moves
-        reset_step_stats(model)  # nor the balancing bias
-        lr = run.scheduler.get_last_lr()[0]
-        run.scheduler.step()  # the LR stays a function of the step (the batch is consumed)
-        return Step(loss, norm, lr, n_tokens, {"imbalance": math.nan}, skipped=True)  # no routing update
-    check_finite(step + 1, loss=loss, grad_norm=norm)
-    coef = clip_coef(norm, cfg.train.grad_clip)
-    if getattr(run.optimizer, "takes_grad_scale", False):  # kernels/adamw.py: the clip inside its one pass
-        run.optimizer.step(grad_scale=coef)
-    else:
-        scale_grads_(model.parameters(), coef)
-        run.optimizer.step()
-    fp8_linear.next_step(model)  # the weights changed: FP8 copies are made again on first use
-    routing = balance_after_step(model, dims, cfg.model, metrics=metrics)  # global load: bias, metrics
+    # skipped: no weight, moment, step count or balancing bias moves, and no routing update
+    skipped = cfg.train.on_nonfinite == "skip" and not (math.isfinite(loss) and math.isfinite(norm))
+    routing = {"imbalance": math.nan}
+    if not skipped:
+        check_finite(step + 1, loss=loss, grad_norm=norm)
+        coef = clip_coef(norm, cfg.train.grad_clip)
+        if getattr(run.optimizer, "takes_grad_scale", False):  # kernels/adamw.py: the clip inside its one pass
+            run.optimizer.step(grad_scale=coef)
+        else:
+            scale_grads_(model.parameters(), coef)
+            run.optimizer.step()
+        fp8_linear.next_step(model)  # the weights changed: FP8 copies are made again on first use
+        routing = balance_after_step(model, dims, cfg.model, metrics=metrics)  # global load: bias, metrics
     reset_step_stats(model)
     run.optimizer.zero_grad(set_to_none=True)
     lr = run.scheduler.get_last_lr()[0]
-    run.scheduler.step()
-    return Step(loss, norm, lr, n_tokens, routing)
+    run.scheduler.step()  # skipped too: the LR stays a function of the step (the batch is consumed)
+    return Step(loss, norm, lr, n_tokens, routing, skipped)
 
 
 # ---------------------------------------------------------------------------------------------

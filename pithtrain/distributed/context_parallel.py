@@ -37,19 +37,13 @@ def shard_sequence(x_BS: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
     return torch.cat([chunks[a], chunks[b]], dim=1)
 
 
-def local_positions(seq_len: int, cp_rank: int, cp: int, device=None) -> torch.Tensor:
-    """Absolute positions (S/cp,) of this rank's tokens."""
-    return shard_sequence(torch.arange(seq_len, device=device)[None], cp_rank, cp)[0]
-
-
 def split_batch(x_BS, y_BS, dims):
     """(tokens, labels, positions) of this rank: its two chunks when cp > 1, else unchanged with
     positions None (the model's default 0..S-1)."""
     if not dims.cp_enabled:
         return x_BS, y_BS, None
-    pos_S = local_positions(x_BS.shape[1], dims.cp_rank, dims.cp, x_BS.device)
-    return (shard_sequence(x_BS, dims.cp_rank, dims.cp), shard_sequence(y_BS, dims.cp_rank, dims.cp),
-            pos_S.expand(x_BS.shape[0], -1))
+    pos_BS = torch.arange(x_BS.shape[1], device=x_BS.device).expand_as(x_BS)  # absolute positions
+    return tuple(shard_sequence(t_BS, dims.cp_rank, dims.cp) for t_BS in (x_BS, y_BS, pos_BS))
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -81,11 +75,8 @@ class ContextParallelAttention:
         """Local (B, K, S/cp, d) -> the whole sequence (B, K, S, d) in position order."""
         cp = self.cp
         parts = _GatherSequence.apply(x_BKsd, self.group, cp)  # (cp, B, K, S/cp, d)
-        chunks = [None] * (2 * cp)
-        for r in range(cp):
-            a, b = chunk_ids(r, cp)
-            chunks[a], chunks[b] = parts[r].chunk(2, dim=2)
-        return torch.cat(chunks, dim=2)
+        halves = [parts[r].chunk(2, dim=2) for r in range(cp)]  # rank r's chunks r and 2cp-1-r (chunk_ids)
+        return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=2)
 
     def __call__(self, q_BHsd, k_BKsd, v_BKse, *, scale: float, window: int | None = None,
                  sinks_H: torch.Tensor | None = None, docs=None):

@@ -108,18 +108,13 @@ def _renamed(ph: Phase, i: int, h_in: str) -> Phase:
 # FSDP units: gather / free / reduce a layer's parameters around its phases
 
 
-def _fsdp_modules(unit):
-    from torch.distributed.fsdp import FSDPModule
-    return [m for m in unit.modules() if isinstance(m, FSDPModule)] if unit is not None else []
-
-
 def _units(unit):
     """The FSDP modules whose parameters a unit's phases use: the layer (or root) itself and any
     module sharded separately inside it (routed experts), but not other layers (the root's
     modules() holds every layer; its own parameters are embedding, norm and head)."""
     from torch.distributed.fsdp import FSDPModule
     if isinstance(unit, DecoderLayer):
-        return _fsdp_modules(unit)
+        return [m for m in unit.modules() if isinstance(m, FSDPModule)]
     return [unit] if isinstance(unit, FSDPModule) else []
 
 
@@ -176,9 +171,6 @@ class ChunkRun:
     @property
     def output(self):
         return self.state["out"]
-
-    def input_grad(self):
-        return self.grads.get("in")
 
     def first_of_unit(self, k):
         return k == 0 or self.phases[k - 1].unit is not self.phases[k].unit
@@ -254,33 +246,25 @@ def weight_backward(run: ChunkRun):
         if run.fsdp and run.first_of_unit(k):
             reduce_grads(ph.unit)
     if run.timeline is not None and run.saved:
-        t1 = mark(cuda)
         run.timeline.append(dict(phase="W", comm=False, mb=run.mb, chunk=run.chunk, pass_="W",
-                                 stream="compute", pair=None, start=t0, end=t1))
+                                 stream="compute", pair=None, start=t0, end=mark(cuda)))
     run.saved.clear()
     run.records.clear()
 
 
-def _record(run: ChunkRun, k: int, pass_: str, fn, streams=None, stream=None, pair=None):
-    """Run fn (one phase of run) and, when the run keeps a timeline, log it (module docstring)."""
+def _record(run: ChunkRun, k: int, pass_: str, fn, streams=None, pair=None):
+    """Run fn (one phase of run) and, when the run keeps a timeline, log it (module docstring):
+    on CUDA its device time, from events on the stream the phase runs on (one stream: the current one)."""
     if run.timeline is None:
         fn()
         return
-    ph = run.phases[k]
-    name = "comm" if streams is not None and stream is streams.comm else "compute"
-    x = run.state["in"]
-    if not x.is_cuda:
-        t0 = time.perf_counter()
-        fn()
-        start, end = t0, time.perf_counter()
-    else:  # device time: events on the stream the phase runs on (one stream: the current one)
-        stream = stream or torch.cuda.current_stream(x.device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        fn()
-        end.record(stream)
+    ph, cuda = run.phases[k], run.state["in"].is_cuda
+    stream = None if streams is None else streams.comm if ph.comm else streams.compute
+    start = mark(cuda, stream)
+    fn()
     run.timeline.append(dict(phase=ph.name, comm=ph.comm, mb=run.mb, chunk=run.chunk, pass_=pass_,
-                             stream=name, pair=pair, start=start, end=end))
+                             stream="comm" if streams is not None and ph.comm else "compute", pair=pair,
+                             start=start, end=mark(cuda, stream)))
 
 
 def forward(run: ChunkRun):
@@ -294,13 +278,13 @@ def backward(run: ChunkRun, grad_out, input_only: bool = False):
         _record(run, k, "B" if input_only else "BW", lambda k=k: backward_phase(run, k, input_only))
 
 
-def mark(cuda: bool):
-    """A point on a step's timeline: a CUDA event recorded on the current stream, or the host clock
-    (resolve_timeline turns both into seconds from the step start)."""
+def mark(cuda: bool, stream=None):
+    """A point on a step's timeline: a CUDA event recorded on `stream` (None: the current one), or
+    the host clock (resolve_timeline turns both into seconds from the step start)."""
     if not cuda:
         return time.perf_counter()
     event = torch.cuda.Event(enable_timing=True)
-    event.record()
+    event.record(stream)
     return event
 
 
@@ -330,10 +314,10 @@ class _Chain:
 
 
 def _issue(streams, comm: bool, chain: _Chain, fn):
-    """Run fn on its stream after the previous phase of its side; returns that stream."""
+    """Run fn on its stream after the previous phase of its side."""
     if streams is None:
         fn()
-        return None
+        return
     s = streams.comm if comm else streams.compute
     if chain.event is not None:
         s.wait_event(chain.event)
@@ -341,7 +325,6 @@ def _issue(streams, comm: bool, chain: _Chain, fn):
         fn()
     chain.event = torch.cuda.Event()
     chain.event.record(s)
-    return s
 
 
 def pair_plan(f_comm: list[bool], b_comm: list[bool]) -> list[str]:
@@ -352,29 +335,23 @@ def pair_plan(f_comm: list[bool], b_comm: list[bool]) -> list[str]:
     the fewest steps; ties go to the backward side first (its input gradient is what the previous
     stage waits for)."""
     n, m = len(f_comm), len(b_comm)
-    INF = (1 << 30, 0)
-    best = [[INF] * (m + 1) for _ in range(n + 1)]  # best[i][j]: cost of finishing from (i, j)
-    move = [[""] * (m + 1) for _ in range(n + 1)]
-    best[n][m] = (0, 0)
+    best, move = {(n, m): (0, 0)}, {}  # best[i, j]: (communication phases alone, steps) from (i, j) on
     for i in range(n, -1, -1):
         for j in range(m, -1, -1):
             if i == n and j == m:
                 continue
-            options = []
+            options = []  # (cost from where the step leads, its communication alone, tie order, step)
             if j < m:
-                c = best[i][j + 1]
-                options.append(((c[0] + b_comm[j], c[1] + 1), 0, "B"))
+                options.append((best[i, j + 1], b_comm[j], 0, "B"))
             if i < n and j < m and f_comm[i] != b_comm[j]:
-                c = best[i + 1][j + 1]
-                options.append(((c[0], c[1] + 1), 1, "P"))
+                options.append((best[i + 1, j + 1], 0, 1, "P"))
             if i < n:
-                c = best[i + 1][j]
-                options.append(((c[0] + f_comm[i], c[1] + 1), 2, "F"))
-            cost, _, mv = min(options)
-            best[i][j], move[i][j] = cost, mv
+                options.append((best[i + 1, j], f_comm[i], 2, "F"))
+            (alone, steps), extra, _, mv = min(options, key=lambda o: (o[0][0] + o[1], o[0][1], o[2]))
+            best[i, j], move[i, j] = (alone + extra, steps + 1), mv
     plan, i, j = [], 0, 0
     while (i, j) != (n, m):
-        mv = move[i][j]
+        mv = move[i, j]
         plan.append(mv)
         i, j = i + (mv in "PF"), j + (mv in "PB")
     return plan
@@ -392,14 +369,12 @@ def forward_backward(f: ChunkRun, b: ChunkRun, grad_out, streams: Streams | None
     hold = [] if streams is not None else None
 
     def run_f(k, pair):
-        ph = f.phases[k]
-        _record(f, k, "F", lambda: _issue(streams, ph.comm, fc, lambda: forward_phase(f, k)), streams,
-                None if streams is None else (streams.comm if ph.comm else streams.compute), pair)
+        _record(f, k, "F", lambda: _issue(streams, f.phases[k].comm, fc, lambda: forward_phase(f, k)),
+                streams, pair)
 
     def run_b(k, pair):
-        ph = b.phases[k]
-        _record(b, k, "BW", lambda: _issue(streams, ph.comm, bc, lambda: backward_phase(b, k, hold=hold)),
-                streams, None if streams is None else (streams.comm if ph.comm else streams.compute), pair)
+        _record(b, k, "BW", lambda: _issue(streams, b.phases[k].comm, bc, lambda: backward_phase(b, k, hold=hold)),
+                streams, pair)
 
     b_order = list(reversed(range(len(b.phases))))
     fi = bj = 0

@@ -52,6 +52,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 
 from pithtrain.config import ConfigError
@@ -126,14 +127,12 @@ class ParallelDims:
         if self.world_size > 1 and getattr(m, "tie_word_embeddings", False):
             fail("model.tie_word_embeddings", "a tied LM head is supported in one process only (each "
                                               "rank's initialisation and sharding would untie it)")
-        if self.pp > 1 and m.num_layers < self.pp:
-            fail("parallel.pp", f"{self.pp} stages but model.num_layers is {m.num_layers}")
-        if self.pp > 1:
-            self._validate_pipeline(cfg, fail)
         # Heads need not divide by cp: K/V are all-gathered whole (context_parallel.py).
-
-    def _validate_pipeline(self, cfg, fail):
-        p, t = cfg.parallel, cfg.train
+        if self.pp == 1:
+            return
+        p = cfg.parallel
+        if m.num_layers < self.pp:
+            fail("parallel.pp", f"{self.pp} stages but model.num_layers is {m.num_layers}")
         if p.pp_schedule == "dualpipev" and t.grad_accum < 2 * self.pp:
             fail("train.grad_accum", f"dualpipev needs at least 2 * pp = {2 * self.pp} micro-batches, "
                                      f"got {t.grad_accum}")
@@ -143,10 +142,10 @@ class ParallelDims:
             fail("parallel.pp_overlap", "activation checkpointing runs each layer whole (no phases to "
                                         "overlap); set train.activation_checkpoint=none or parallel.pp_overlap=false")
         try:  # the layer split (parallel.pp_layers) the stages will hold
-            split_layers(cfg.model.num_layers, num_virtual_stages(self.pp, p.pp_schedule), p.pp_layers,
+            split_layers(m.num_layers, num_virtual_stages(self.pp, p.pp_schedule), p.pp_layers,
                          v_shape=p.pp_schedule == "dualpipev")
         except ValueError as e:
-            raise ConfigError(f"{cfg.source}: {e}") from None
+            raise ConfigError(f"{src}: {e}") from None
 
     # --- "is X enabled"
 
@@ -227,8 +226,7 @@ class ParallelDims:
     def ep_rank(self) -> int:
         """Position in the expert-parallel group: the rank holds experts
         [ep_rank * E/ep, (ep_rank + 1) * E/ep)."""
-        c = self.coords
-        return ((c["dp"] * self.fsdp + c["fsdp"]) * self.cp + c["cp"]) % self.ep
+        return (self.data_parallel_rank * self.cp + self.cp_rank) % self.ep
 
     # --- process group and meshes (collective: every rank calls this)
 
@@ -245,7 +243,6 @@ class ParallelDims:
             if timeout_s:
                 # Process-wide on purpose: DeviceMesh's groups and the checkpointer's new_group take
                 # torch's module default, and no argument of theirs reaches it. close() restores it.
-                from torch.distributed import distributed_c10d as c10d
                 self._default_timeouts = (c10d.default_pg_timeout, c10d.default_pg_nccl_timeout)
                 timeout = c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
             dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout,
@@ -253,7 +250,6 @@ class ParallelDims:
                                                             else device.index) if device.type == "cuda" else None),
                                     store=dist.HashStore() if self.world_size == 1 else None)
             self.owns_group = True
-        from torch.distributed import distributed_c10d as c10d
         self._groups_before = set(c10d._world.pg_map)  # a caller's group and its subgroups stay
         return self.build_meshes(device.type)
 
@@ -263,7 +259,6 @@ class ParallelDims:
         to hold DTensors on them) destroys the groups made since `init`, which would otherwise pile
         up run after run and slow every later one (docs/perf-notes.md). torch's default timeout is
         what it was."""
-        from torch.distributed import distributed_c10d as c10d
         if getattr(self, "owns_group", False):
             dist.destroy_process_group()
             self.owns_group = False
@@ -285,10 +280,7 @@ class ParallelDims:
         """
         self.device_type = device_type
         ranks = torch.arange(self.world_size).reshape(self.pp, self.dp, self.fsdp, self.cp)
-        stage = self.pp_rank
-        for s in range(self.pp):
-            r = ranks[s]
-            mine = s == stage
+        for s, r in enumerate(ranks):
             meshes = (
                 DeviceMesh(device_type, r, mesh_dim_names=("dp", "fsdp", "cp")),
                 DeviceMesh(device_type, r.reshape(self.dp, self.fsdp * self.cp),
@@ -297,7 +289,7 @@ class ParallelDims:
                            mesh_dim_names=("edp", "efsdp", "ep")),
             )
             group = dist.new_group(r.flatten().tolist())
-            if mine:
+            if s == self.pp_rank:
                 self.stage_mesh, self.dense_mesh, self.expert_mesh = meshes
                 # All ranks holding the same model piece: expert-load statistics sum over it.
                 self.stage_group = group

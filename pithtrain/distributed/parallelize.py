@@ -174,18 +174,15 @@ def materialize(model: nn.Module, meta_model: nn.Module, device: torch.device, s
 
 def _copy_block(name: str, twin: nn.Module, block: nn.Module):
     """Copy an initialised whole block into this rank's block (its slice of each DTensor)."""
-    src_params = dict(twin.named_parameters())
     for pname, p in block.named_parameters():
-        src = src_params[pname]
+        src = twin.get_parameter(pname)
         if isinstance(p, DTensor):
             src = distribute_tensor(src.detach(), p.device_mesh, p.placements, src_data_rank=None)
             src, p = src.to_local(), p.to_local()
         assert p.shape == src.shape, (f"{name}.{pname}", p.shape, src.shape)
         p.copy_(src)
-    src_buffers = dict(twin.named_buffers())
     for bname, buf in block.named_buffers():
-        buf.copy_(src_buffers[bname])
-    src_modules = dict(twin.named_modules())
+        buf.copy_(twin.get_buffer(bname))
     for mname, m in block.named_modules():
         if isinstance(m, Rotary):
-            m.mscale = src_modules[mname].mscale  # a float set by reset_parameters, not a buffer
+            m.mscale = twin.get_submodule(mname).mscale  # a float set by reset_parameters, not a buffer

@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-import types
 
 import torch
 import torch.distributed as dist
 
 from pithtrain.distributed import overlap
-from pithtrain.distributed.schedule import Chunk, Op, build_schedule, num_virtual_stages, rank_chunks, stage_rank
+from pithtrain.distributed.schedule import Chunk, Op, build_schedule, rank_chunks, stage_rank
 
 # ---------------------------------------------------------------------------------------------
 # Stages
@@ -64,23 +63,19 @@ def prune_model(model: torch.nn.Module, chunks: list[Chunk]) -> torch.nn.Module:
     return attach_ends(model)
 
 
-def _pipeline_begin(self):
-    return None
-
-
 def attach_ends(model: torch.nn.Module) -> torch.nn.Module:
     """The pipeline never calls the model's forward; it calls the layers' phases and the ends
     (overlap.chunk_phases), driving FSDP's gathers itself. `pipeline_begin` (called at each step
     start), hooked by FSDP (`register_fsdp_methods`), lets the root FSDP unit initialise first."""
-    model.pipeline_begin = types.MethodType(_pipeline_begin, model)
+    model.pipeline_begin = lambda: None
     return model
 
 
 def register_fsdp_methods(model: torch.nn.Module):
-    """After `parallelize`: FSDP's root hooks around `pipeline_begin`."""
-    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
-    if isinstance(model, FSDPModule):
-        register_fsdp_forward_method(model, "pipeline_begin")
+    """After `parallelize`: FSDP's root hooks around `pipeline_begin` (torch's call does nothing
+    to a model without FSDP)."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+    register_fsdp_forward_method(model, "pipeline_begin")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,7 +111,6 @@ class PipelineRunner:
         self.cuda = device.type == "cuda"
         self.overlap = overlap  # FB ops: interleave the pair's phases (else: F, then BW)
         self.holds_loss = any(c.last for c in chunks)
-        self.V = num_virtual_stages(pp, schedule)
         self.timeline = None
         # Layers run as their phases (overlap.py), and under FSDP the runner drives each layer's
         # gather / reduce-scatter itself, so B defers the weight gradient and its reduce-scatter
@@ -165,7 +159,7 @@ class PipelineRunner:
 
     def _after_backward(self, c, mb, full: bool):
         run = self.runs[(c, mb)]
-        g = run.input_grad()
+        g = run.grads.get("in")
         if not self.chunks[c].first:
             if self._local_prev(c):
                 self.local_grad[(c - 1, mb)] = g
@@ -201,10 +195,7 @@ class PipelineRunner:
                 group = self.group_f if k == "RECV_F" else self.group_b
                 dist.irecv(buf, src=dist.get_global_rank(group, op.peer), group=group,
                            tag=self._tag(self.chunks[c].stage, mb)).wait()
-                if k == "RECV_F":
-                    self.f_in[(c, mb)] = buf.requires_grad_()
-                else:
-                    self.b_in[(c, mb)] = buf
+                (self.f_in if k == "RECV_F" else self.b_in)[(c, mb)] = buf.requires_grad_(k == "RECV_F")
                 continue
             if k in ("SEND_F", "SEND_B"):
                 if k == "SEND_F":

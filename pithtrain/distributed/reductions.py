@@ -55,7 +55,6 @@ def grad_norm(grads, dims) -> float:
     local shards, weighting a shard by 1 / (number of ranks holding a copy of it: the sizes of
     the mesh dims where it is Replicate), and one all-reduce over the world (pipeline stages
     hold different parameters, so they sum too) gives the square of the global norm."""
-    grads = list(grads)
     shards, weight = [], []
     for g in grads:
         w = 1.0

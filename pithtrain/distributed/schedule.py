@@ -55,6 +55,7 @@ and F&B of a layout's chunks, communication included, give its pipeline step and
 
 from __future__ import annotations
 
+import itertools
 import sys
 from dataclasses import dataclass
 
@@ -72,9 +73,7 @@ def split_layers(num_layers: int, num_stages: int, override: list | None = None,
         pp = num_stages // 2
         base, extra = divmod(num_layers, pp)
         per_rank = [base + (1 if 0 < r <= extra else 0) for r in range(pp)]  # rank 0 holds both ends
-        override = [0] * num_stages
-        for r, n in enumerate(per_rank):
-            override[r], override[num_stages - 1 - r] = (n + 1) // 2, n // 2
+        override = [(n + 1) // 2 for n in per_rank] + [n // 2 for n in reversed(per_rank)]  # stages r, V-1-r
     if override is not None:
         if len(override) != num_stages or sum(override) != num_layers or min(override) < 0:
             raise ValueError(f"parallel.pp_layers: needs {num_stages} non-negative counts summing to "
@@ -87,11 +86,7 @@ def split_layers(num_layers: int, num_stages: int, override: list | None = None,
         middle = sorted(range(1, num_stages - 1), key=lambda s: abs(s - (num_stages - 1) / 2))
         for s in (middle + [0, num_stages - 1])[:extra]:
             counts[s] += 1
-    ids, start = [], 0
-    for c in counts:
-        ids.append(list(range(start, start + c)))
-        start += c
-    return ids
+    return [list(range(start, start + c)) for start, c in zip(itertools.accumulate(counts, initial=0), counts)]
 
 
 def num_virtual_stages(pp: int, schedule: str) -> int:
@@ -100,9 +95,7 @@ def num_virtual_stages(pp: int, schedule: str) -> int:
 
 def stage_rank(v: int, pp: int, schedule: str) -> int:
     """The pipeline rank that holds virtual stage v."""
-    if schedule == "dualpipev":
-        return v if v < pp else 2 * pp - 1 - v
-    return v
+    return 2 * pp - 1 - v if schedule == "dualpipev" and v >= pp else v
 
 
 def rank_stages(rank: int, pp: int, schedule: str) -> list[int]:
@@ -155,11 +148,9 @@ def schedule_1f1b(pp: int, M: int) -> list[list[Op]]:
     for r in range(pp):
         warm = min(pp - r - 1, M)
         ops = [Op("F", 0, i) for i in range(warm)]
-        f, b = warm, 0
-        while f < M:
-            ops += [Op("F", 0, f), Op("BW", 0, b)]
-            f, b = f + 1, b + 1
-        ops += [Op("BW", 0, i) for i in range(b, M)]
+        for f in range(warm, M):
+            ops += [Op("F", 0, f), Op("BW", 0, f - warm)]
+        ops += [Op("BW", 0, i) for i in range(M - warm, M)]
         out.append(with_comm(ops, r, pp, "1f1b"))
     return out
 

@@ -67,11 +67,6 @@ def join_(x: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int32).add_(lo.to(x.device, torch.int32))
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else None
-
-
-@_jit
 def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, copy_ptr, N, lr, wd, beta1, beta2, log_beta1, log_beta2,
                   eps, gscale, DECAY: tl.constexpr, COPY: tl.constexpr, LEAN: tl.constexpr, BLOCK: tl.constexpr):
     """LEAN: p_ptr is the bf16 parameter read as int16 (the master's high half), copy_ptr its low half."""
@@ -106,12 +101,11 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, copy_ptr, N, lr, wd, bet
         tl.store(copy_ptr + offs, p.to(p_ptr.dtype.element_ty).to(copy_ptr.dtype.element_ty), mask=mask)
 
 
+_adamw_kernel = triton.jit(_adamw_kernel) if triton is not None else None
+
+
 def _local(x: torch.Tensor) -> torch.Tensor:
     return x.to_local() if isinstance(x, DTensor) else x  # a DTensor's shard: AdamW is elementwise
-
-
-def _log(beta: float) -> float:
-    return math.log(beta) if beta > 0 else -math.inf  # beta^t = exp(t log beta); 0^t = 0
 
 
 @torch.no_grad()
@@ -176,7 +170,7 @@ class AdamW(torch.optim.AdamW):
                 raise ValueError("kernels.adamw.AdamW: amsgrad, maximize and tensor lr are not supported")
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
             beta1, beta2 = group["betas"]
-            log_beta1, log_beta2 = _log(beta1), _log(beta2)
+            log_beta1, log_beta2 = (math.log(b) if b > 0 else -math.inf for b in (beta1, beta2))  # 0^t = 0
             todo = [(p, g) for p in group["params"] if (g := lean.grad(p) if lean else p.grad) is not None]
             for p, _ in todo:
                 st = self.state[p]
