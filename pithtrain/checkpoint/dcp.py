@@ -134,10 +134,8 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
 
 
 def step_of(path: Path) -> int | None:
-    name = path.name
-    if name.startswith("step_") and name[5:].isdigit():
-        return int(name[5:])
-    return None
+    m = re.fullmatch(r"step_(\d+)", path.name)
+    return int(m[1]) if m else None
 
 
 def step_dirs(root: Path) -> list[Path]:
@@ -261,9 +259,7 @@ def write_manifest(ckpt: Path, step: int, world: int = 1, timeout_s: float = 360
             missing = [p.name for p in parts if not p.is_file()]
             raise CheckpointError(f"{ckpt}: ranks did not hash their files within {timeout_s:.0f} s ({missing})")
         time.sleep(0.05)
-    entries = {}
-    for p in parts:
-        entries.update(json.loads(p.read_text()))
+    entries = {name: e for p in parts for name, e in json.loads(p.read_text()).items()}
     files = {p.name for p in ckpt.iterdir() if p.is_file() and p.name != MANIFEST and p not in parts}
     if files != set(entries):
         raise CheckpointError(f"{ckpt}: files hashed by no rank: {sorted(files - set(entries))}")
@@ -275,8 +271,7 @@ def write_manifest(ckpt: Path, step: int, world: int = 1, timeout_s: float = 360
 def _share(files: dict, rank: int, world: int) -> list[str]:
     """This rank's files to hash at verification: largest first, dealt round robin (the same deal
     on every rank, from the manifest alone)."""
-    order = sorted(files, key=lambda n: (-files[n]["size"], n))
-    return order[rank::world]
+    return sorted(files, key=lambda n: (-files[n]["size"], n))[rank::world]
 
 
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -655,8 +650,7 @@ class Checkpointer:
             raise CheckpointError(f"asynchronous save failed: {self._error[0]}") from self._error[0]
         self._barrier()
 
-    def close(self):
-        self.wait()
+    close = wait
 
     def abort(self):
         """The run is failing. In one process an asynchronous save still in flight is finished and
@@ -680,12 +674,11 @@ class Checkpointer:
         write_manifest(tmp, step, _world())  # every rank's hashes, merged
         _fsync_dir(tmp)
         final = self.root / f"step_{step}"
-        if final.exists():  # a second save of the same step: keep the old one until the new is in place
-            old = self._set_aside(final, "replaced")
-            os.rename(tmp, final)
+        # a second save of the same step: keep the old one until the new is in place
+        old = self._set_aside(final, "replaced") if final.exists() else None
+        os.rename(tmp, final)
+        if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
         _fsync_dir(self.root)
         _write_durable(self.root / LATEST, final.name + "\n")
         for old in step_dirs(self.root)[self.cfg.checkpoint.keep_last:]:
