@@ -581,10 +581,9 @@ class Checkpointer:
         weights_only = self.cfg.checkpoint.weights_only and step == self.cfg.train.steps
         tensors, trainer = self._state(weights_only)
         if self.rank == 0:
-            trainer["step"] = step
-            trainer["weights_only"] = weights_only
-            trainer["saved_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
-            trainer["data"] = tokenizer_of(self.cfg.data)
+            trainer.update(step=step, weights_only=weights_only,
+                           saved_at=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                           data=tokenizer_of(self.cfg.data))
             # the shards' tokenizer, else train.init_from's (the config checked it is the shards')
             dirs = (self.cfg.data.path, self.cfg.train.init_from) if self.cfg.data.source == "shards" else ()
             src = next((Path(d) for d in dirs if d and (Path(d) / "tokenizer.json").is_file()), None)
@@ -638,14 +637,18 @@ class Checkpointer:
         if staging is not None:
             staging.result()
 
-    def wait(self):
-        """Block until an asynchronous save in flight is written and committed."""
-        if self._pending is None:
-            return
+    def _join(self):
+        """The asynchronous save in flight, no longer pending: its write, then its commit thread."""
         fut, thread = self._pending
         self._pending = None
         fut.result()
         thread.join()
+
+    def wait(self):
+        """Block until an asynchronous save in flight is written and committed."""
+        if self._pending is None:
+            return
+        self._join()
         if self._error:
             raise CheckpointError(f"asynchronous save failed: {self._error[0]}") from self._error[0]
         self._barrier()
@@ -659,11 +662,8 @@ class Checkpointer:
         resume takes the newest committed checkpoint."""
         if self._pending is None or self.pg is not None:
             return
-        fut, thread = self._pending
-        self._pending = None
         try:
-            fut.result()
-            thread.join()
+            self._join()
         except BaseException as e:  # the run's own error is the one to report
             self.say(f"the save in flight failed as well: {e}")
 
