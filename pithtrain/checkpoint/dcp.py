@@ -439,10 +439,6 @@ def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _rank() -> int:
-    return dist.get_rank() if _dist() else 0
-
-
 def _world() -> int:
     return dist.get_world_size() if _dist() else 1
 
@@ -488,7 +484,7 @@ class Checkpointer:
         self.state = precision.state if precision is not None else "float32"  # the run's (precision.py)
         self.lean = precision.lean if precision is not None else None
         self.root = checkpoints_dir(cfg.log.run_dir)
-        self.rank = _rank()
+        self.rank = dist.get_rank() if _dist() else 0
         self.use_async = cfg.checkpoint.async_save and device.type == "cuda"
         # Collectives on one group pair up in the order each rank issues them, so no group is used
         # by two threads: `pg` (gloo: no NCCL communicator shared with training) serves the main
