@@ -377,15 +377,11 @@ def _iter_source(src: str, text_key: str, split: str):
     p = Path(src).expanduser()
     if any(c in src for c in "*?[") and not p.exists():
         files = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
-        if not files:
-            raise FileNotFoundError(f"{src}: no file matches")
-        return _iter_files(files, text_key, split)
+        return _iter_files(files, f"{src}: no file matches", text_key, split)
     if p.is_dir() and not any((p / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
         files = sorted(f for f in p.rglob("*") if f.is_file() and not any(
             part.startswith(".") for part in f.relative_to(p).parts))  # no hidden files (.DS_Store, .git)
-        if not files:
-            raise FileNotFoundError(f"{p}: an empty directory")
-        return _iter_files(files, text_key, split)
+        return _iter_files(files, f"{p}: an empty directory", text_key, split)
     suffix = Path(p.stem).suffix if p.suffix in COMPRESSED else p.suffix
     if p.is_file() and (suffix not in LOADERS or p.suffix in COMPRESSED and suffix in (".parquet", ".arrow")):
         raise ValueError(f"{p}: unknown input suffix {''.join(p.suffixes[-2:])!r}; prepare-data reads "
@@ -421,7 +417,10 @@ def _iter_source(src: str, text_key: str, split: str):
     return n, (_text(rec[key], f"{src}: record {i + 1}", key) for i, rec in enumerate(ds))
 
 
-def _iter_files(files: list[Path], text_key: str, split: str):
+def _iter_files(files: list[Path], none: str, text_key: str, split: str):
+    """_iter_source of a glob's or a directory's files together; `none`: the error when there are none."""
+    if not files:
+        raise FileNotFoundError(none)
     opened = [_iter_source(str(f), text_key, split) for f in files]  # every file checked first
     counts = [n for n, _ in opened]
     return (None if None in counts else sum(counts)), (text for _, it in opened for text in it)
@@ -542,18 +541,15 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
             shutil.copyfile(tok_dir / f, out / f)
     files, buf, buf_tokens = [], [], 0  # buf_tokens: len of buf's arrays together
 
-    def flush():
-        nonlocal buf_tokens
+    def flush():  # buf as the next shard (written whole, then renamed), then emptied
         if not buf:
             return
         arr = np.concatenate(buf).astype(dtype)
         name = f"shard_{len(files):05d}.bin"
-        tmp = out / (name + ".tmp")
-        arr.tofile(tmp)
-        tmp.rename(out / name)
+        arr.tofile(out / (name + ".tmp"))
+        os.replace(out / (name + ".tmp"), out / name)
         files.append({"name": name, "tokens": int(len(arr))})
         buf.clear()
-        buf_tokens = 0
 
     counts = [None if n is None else math.floor(w * n) for (n, _), w in zip(sources, weights)]
     bar = tqdm(total=None if None in counts else sum(counts), unit="doc", desc="prepare-data",
@@ -574,6 +570,7 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
                     n_tokens += len(buf[-1])
                     if buf_tokens >= shard_tokens_max:
                         flush()
+                        buf_tokens = 0
                 n_docs += len(batch)
                 bar.update(len(batch))
             per_input.append({"input": src, "weight": w, "documents": n_docs, "tokens": n_tokens})

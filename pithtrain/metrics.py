@@ -22,11 +22,9 @@ from pithtrain.gpus import GPUS, gpu_key
 def matmul_params(model_cfg) -> tuple[int, int]:
     """(total, touched per token) matmul parameters: every layer's (from the family config) plus
     the LM head. The embedding lookup is no matmul and is excluded."""
-    total = active = model_cfg.vocab_size * model_cfg.hidden_size
-    for i in range(model_cfg.num_layers):
-        t, a = model_cfg.layer_params(i)
-        total, active = total + t, active + a
-    return total, active
+    head = model_cfg.vocab_size * model_cfg.hidden_size
+    layers = [model_cfg.layer_params(i) for i in range(model_cfg.num_layers)]
+    return head + sum(t for t, _ in layers), head + sum(a for _, a in layers)
 
 
 def flops_per_token(model_cfg, seq_len: int, computed_slots: float | None = None) -> float:
@@ -43,8 +41,8 @@ def flops_per_token(model_cfg, seq_len: int, computed_slots: float | None = None
     """
     _, active = matmul_params(model_cfg)
     if computed_slots is not None and model_cfg.num_experts > model_cfg.top_k:
-        for i in range(model_cfg.num_layers):  # one expert's parameters: the layer's untouched ones per expert
-            total, touched = model_cfg.layer_params(i)
+        # one expert's parameters: the layer's untouched ones per expert
+        for total, touched in map(model_cfg.layer_params, range(model_cfg.num_layers)):
             active += (computed_slots - model_cfg.top_k) * (total - touched) / (model_cfg.num_experts - model_cfg.top_k)
     attn = 0
     for i in range(model_cfg.num_layers):

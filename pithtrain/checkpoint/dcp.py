@@ -134,10 +134,8 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
 
 
 def step_of(path: Path) -> int | None:
-    name = path.name
-    if name.startswith("step_") and name[5:].isdigit():
-        return int(name[5:])
-    return None
+    m = re.fullmatch(r"step_(\d+)", path.name)
+    return int(m[1]) if m else None
 
 
 def step_dirs(root: Path) -> list[Path]:
@@ -261,9 +259,7 @@ def write_manifest(ckpt: Path, step: int, world: int = 1, timeout_s: float = 360
             missing = [p.name for p in parts if not p.is_file()]
             raise CheckpointError(f"{ckpt}: ranks did not hash their files within {timeout_s:.0f} s ({missing})")
         time.sleep(0.05)
-    entries = {}
-    for p in parts:
-        entries.update(json.loads(p.read_text()))
+    entries = {name: e for p in parts for name, e in json.loads(p.read_text()).items()}
     files = {p.name for p in ckpt.iterdir() if p.is_file() and p.name != MANIFEST and p not in parts}
     if files != set(entries):
         raise CheckpointError(f"{ckpt}: files hashed by no rank: {sorted(files - set(entries))}")
@@ -275,8 +271,7 @@ def write_manifest(ckpt: Path, step: int, world: int = 1, timeout_s: float = 360
 def _share(files: dict, rank: int, world: int) -> list[str]:
     """This rank's files to hash at verification: largest first, dealt round robin (the same deal
     on every rank, from the manifest alone)."""
-    order = sorted(files, key=lambda n: (-files[n]["size"], n))
-    return order[rank::world]
+    return sorted(files, key=lambda n: (-files[n]["size"], n))[rank::world]
 
 
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -444,10 +439,6 @@ def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _rank() -> int:
-    return dist.get_rank() if _dist() else 0
-
-
 def _world() -> int:
     return dist.get_world_size() if _dist() else 1
 
@@ -493,7 +484,7 @@ class Checkpointer:
         self.state = precision.state if precision is not None else "float32"  # the run's (precision.py)
         self.lean = precision.lean if precision is not None else None
         self.root = checkpoints_dir(cfg.log.run_dir)
-        self.rank = _rank()
+        self.rank = dist.get_rank() if _dist() else 0
         self.use_async = cfg.checkpoint.async_save and device.type == "cuda"
         # Collectives on one group pair up in the order each rank issues them, so no group is used
         # by two threads: `pg` (gloo: no NCCL communicator shared with training) serves the main
@@ -586,10 +577,9 @@ class Checkpointer:
         weights_only = self.cfg.checkpoint.weights_only and step == self.cfg.train.steps
         tensors, trainer = self._state(weights_only)
         if self.rank == 0:
-            trainer["step"] = step
-            trainer["weights_only"] = weights_only
-            trainer["saved_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
-            trainer["data"] = tokenizer_of(self.cfg.data)
+            trainer.update(step=step, weights_only=weights_only,
+                           saved_at=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                           data=tokenizer_of(self.cfg.data))
             # the shards' tokenizer, else train.init_from's (the config checked it is the shards')
             dirs = (self.cfg.data.path, self.cfg.train.init_from) if self.cfg.data.source == "shards" else ()
             src = next((Path(d) for d in dirs if d and (Path(d) / "tokenizer.json").is_file()), None)
@@ -643,20 +633,23 @@ class Checkpointer:
         if staging is not None:
             staging.result()
 
-    def wait(self):
-        """Block until an asynchronous save in flight is written and committed."""
-        if self._pending is None:
-            return
+    def _join(self):
+        """The asynchronous save in flight, no longer pending: its write, then its commit thread."""
         fut, thread = self._pending
         self._pending = None
         fut.result()
         thread.join()
+
+    def wait(self):
+        """Block until an asynchronous save in flight is written and committed."""
+        if self._pending is None:
+            return
+        self._join()
         if self._error:
             raise CheckpointError(f"asynchronous save failed: {self._error[0]}") from self._error[0]
         self._barrier()
 
-    def close(self):
-        self.wait()
+    close = wait
 
     def abort(self):
         """The run is failing. In one process an asynchronous save still in flight is finished and
@@ -665,11 +658,8 @@ class Checkpointer:
         resume takes the newest committed checkpoint."""
         if self._pending is None or self.pg is not None:
             return
-        fut, thread = self._pending
-        self._pending = None
         try:
-            fut.result()
-            thread.join()
+            self._join()
         except BaseException as e:  # the run's own error is the one to report
             self.say(f"the save in flight failed as well: {e}")
 
@@ -680,12 +670,11 @@ class Checkpointer:
         write_manifest(tmp, step, _world())  # every rank's hashes, merged
         _fsync_dir(tmp)
         final = self.root / f"step_{step}"
-        if final.exists():  # a second save of the same step: keep the old one until the new is in place
-            old = self._set_aside(final, "replaced")
-            os.rename(tmp, final)
+        # a second save of the same step: keep the old one until the new is in place
+        old = self._set_aside(final, "replaced") if final.exists() else None
+        os.rename(tmp, final)
+        if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
         _fsync_dir(self.root)
         _write_durable(self.root / LATEST, final.name + "\n")
         for old in step_dirs(self.root)[self.cfg.checkpoint.keep_last:]:
