@@ -542,6 +542,7 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
     files, buf, buf_tokens = [], [], 0  # buf_tokens: len of buf's arrays together
 
     def flush():  # buf as the next shard (written whole, then renamed), then emptied
+        nonlocal buf_tokens
         if not buf:
             return
         arr = np.concatenate(buf).astype(dtype)
@@ -550,6 +551,7 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
         os.replace(out / (name + ".tmp"), out / name)
         files.append({"name": name, "tokens": int(len(arr))})
         buf.clear()
+        buf_tokens = 0
 
     counts = [None if n is None else math.floor(w * n) for (n, _), w in zip(sources, weights)]
     bar = tqdm(total=None if None in counts else sum(counts), unit="doc", desc="prepare-data",
@@ -570,7 +572,6 @@ def prepare_data(inputs: list[str], tokenizer_dir: str, out_dir: str, text_key: 
                     n_tokens += len(buf[-1])
                     if buf_tokens >= shard_tokens_max:
                         flush()
-                        buf_tokens = 0
                 n_docs += len(batch)
                 bar.update(len(batch))
             per_input.append({"input": src, "weight": w, "documents": n_docs, "tokens": n_tokens})

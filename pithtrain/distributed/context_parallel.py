@@ -75,8 +75,11 @@ class ContextParallelAttention:
         """Local (B, K, S/cp, d) -> the whole sequence (B, K, S, d) in position order."""
         cp = self.cp
         parts = _GatherSequence.apply(x_BKsd, self.group, cp)  # (cp, B, K, S/cp, d)
-        halves = [parts[r].chunk(2, dim=2) for r in range(cp)]  # rank r's chunks r and 2cp-1-r (chunk_ids)
-        return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=2)
+        chunks = [None] * (2 * cp)
+        for r in range(cp):  # where each rank's two chunks go: chunk_ids, the one rule of the layout
+            a, b = chunk_ids(r, cp)
+            chunks[a], chunks[b] = parts[r].chunk(2, dim=2)
+        return torch.cat(chunks, dim=2)
 
     def __call__(self, q_BHsd, k_BKsd, v_BKse, *, scale: float, window: int | None = None,
                  sinks_H: torch.Tensor | None = None, docs=None):

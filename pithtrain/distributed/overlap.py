@@ -52,6 +52,7 @@ issued in, or None), start / end in seconds (CUDA: from events, resolved by `res
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -234,8 +235,7 @@ def backward_phase(run: ChunkRun, k: int, input_only: bool = False, hold: list |
 def weight_backward(run: ChunkRun):
     """W: the parameter gradients of an earlier input-only backward (then, under FSDP, each
     unit's reduce-scatter once its last phase is done)."""
-    cuda = run.state["in"].is_cuda
-    t0 = mark(cuda)
+    t0 = mark(run.state["in"].is_cuda) if run.timeline is not None else None  # timed only when recorded
     for k, ts, gs in run.saved:
         ph = run.phases[k]
         if run.fsdp:
@@ -247,7 +247,7 @@ def weight_backward(run: ChunkRun):
             reduce_grads(ph.unit)
     if run.timeline is not None and run.saved:
         run.timeline.append(dict(phase="W", comm=False, mb=run.mb, chunk=run.chunk, pass_="W",
-                                 stream="compute", pair=None, start=t0, end=mark(cuda)))
+                                 stream="compute", pair=None, start=t0, end=mark(run.state["in"].is_cuda)))
     run.saved.clear()
     run.records.clear()
 
@@ -327,7 +327,8 @@ def _issue(streams, comm: bool, chain: _Chain, fn):
     chain.event.record(s)
 
 
-def pair_plan(f_comm: list[bool], b_comm: list[bool]) -> list[str]:
+@functools.lru_cache(maxsize=None)  # a pure function of the two patterns: once per chunk pair, not per micro-batch
+def pair_plan(f_comm: tuple[bool, ...], b_comm: tuple[bool, ...]) -> tuple[str, ...]:
     """The interleaving of a forward (phases in order) and a backward (phases in reverse order),
     as steps "P" (one phase of each side together: one is communication, the other compute),
     "F" or "B" (one side alone). Dynamic programming over (forward phases done, backward phases
@@ -354,7 +355,7 @@ def pair_plan(f_comm: list[bool], b_comm: list[bool]) -> list[str]:
         mv = move[i, j]
         plan.append(mv)
         i, j = i + (mv in "PF"), j + (mv in "PB")
-    return plan
+    return tuple(plan)
 
 
 def forward_backward(f: ChunkRun, b: ChunkRun, grad_out, streams: Streams | None = None):
@@ -378,7 +379,7 @@ def forward_backward(f: ChunkRun, b: ChunkRun, grad_out, streams: Streams | None
 
     b_order = list(reversed(range(len(b.phases))))
     fi = bj = 0
-    for step in pair_plan([ph.comm for ph in f.phases], [b.phases[k].comm for k in b_order]):
+    for step in pair_plan(tuple(ph.comm for ph in f.phases), tuple(b.phases[k].comm for k in b_order)):
         fph = f.phases[fi] if step in "PF" else None
         bk = b_order[bj] if step in "PB" else None
         if step == "P":
