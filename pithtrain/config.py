@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import yaml
 
-from pithtrain import ConfigError  # defined with the package: data.py raises it too, without importing this
+from pithtrain import ConfigError, check  # with the package: data.py and models/ use them without this module
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 DEFAULT_RECIPE = RECIPES_DIR / "default.yaml"
@@ -51,14 +51,6 @@ def changed_fields(model) -> list[tuple[str, Any]]:
 
 # ---------------------------------------------------------------------------------------------
 # Sections (the model section's dataclass lives in the family's model file)
-
-
-def check(section, err, keys: str, ok, want: str):
-    """err(key, "must be WANT, got V") for each of `keys` (space-separated) whose value is set and
-    fails `ok`. Write `ok` so that nan fails too (every comparison with nan is false)."""
-    for k in keys.split():
-        if getattr(section, k) is not None and not ok(getattr(section, k)):
-            err(k, f"must be {want}, got {getattr(section, k)}")
 
 
 # The largest train.beta2 train.state=lean's bf16 second moment follows: beta2 * v must round away
@@ -465,9 +457,6 @@ def _build(cls, values: dict, section: str, fail, all_classes):
             fail(f"{section}.{k}", f"unknown key{hint} (allowed: {', '.join(fields)})")
         kwargs[k] = _coerce(v, hints[k], f"{section}.{k}", fail)
     obj = cls(**kwargs)
-    if section == "model":
-        from pithtrain.models import check_model_values
-        check_model_values(obj, lambda key, msg: fail(f"model.{key}", msg))
     if hasattr(obj, "validate"):
         obj.validate(lambda key, msg: fail(f"{section}.{key}", msg))
     return obj

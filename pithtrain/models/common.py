@@ -10,8 +10,10 @@ K kv heads, E experts, F expert hidden width, A top-k slots, V vocabulary, X dis
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
+import typing
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pithtrain import check
 from pithtrain.models.balance import Balance
 from pithtrain.models.init import init_by_block
 
@@ -26,12 +29,29 @@ from pithtrain.models.init import init_by_block
 # The checks every family config's validate(err) shares
 
 
-def check_sizes(cfg, err, positive: tuple):
-    """Each field named in `positive` >= 1 and top_k within num_experts; for GQA attention (a config
-    with num_kv_heads), that it divides num_heads and that head_dim is even (RoPE)."""
-    for k in positive:
-        if getattr(cfg, k) < 1:
-            err(k, f"must be >= 1, got {getattr(cfg, k)}")
+MAX_DIM = 1 << 24  # no size or count of a model this trains comes near it; bounds allocation
+MAX_LAYERS = 10_000
+
+
+def check_sizes(cfg, err, positive: str):
+    """Types and ranges checked before anything is allocated (a hub config.json reaches the model
+    without passing config._coerce): integers are integers within MAX_DIM, floats are finite, RoPE's
+    base, the norm epsilon and the init std are > 0, each field named in `positive` (space-separated)
+    is >= 1 and top_k is within num_experts; for GQA attention (a config with num_kv_heads), that it
+    divides num_heads and that head_dim is even (RoPE)."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        v, tp = getattr(cfg, f.name), hints[f.name]
+        if tp is int and (isinstance(v, bool) or not isinstance(v, int) or v > MAX_DIM):
+            err(f.name, f"expected an integer <= {MAX_DIM}, got {v!r}")
+        if tp is float and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            err(f.name, f"expected a finite number, got {v!r}")  # nan passes every `<` check
+    if cfg.num_layers > MAX_LAYERS:
+        err("num_layers", f"expected at most {MAX_LAYERS}, got {cfg.num_layers}")
+    for k in ("rope_theta", "rms_norm_eps", "init_std"):
+        if not getattr(cfg, k) > 0:
+            err(k, f"must be > 0, got {getattr(cfg, k)}")
+    check(cfg, err, positive, lambda v: v >= 1, ">= 1")
     if cfg.top_k > cfg.num_experts:
         err("top_k", f"{cfg.top_k} exceeds num_experts ({cfg.num_experts})")
     if hasattr(cfg, "num_kv_heads"):

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pithtrain import check
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, RMSNorm, Rotary, SwiGLUMLP,
                                      apply_rope, attention, check_sizes)
@@ -81,12 +82,10 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
     init_std: float = 0.02
 
     def validate(self, err):
-        check_sizes(self, err, ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank",
-                                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size",
-                                "moe_intermediate_size", "num_experts", "top_k", "n_group", "topk_group",
-                                "max_position_embeddings"))
-        if self.q_lora_rank is not None and self.q_lora_rank < 1:
-            err("q_lora_rank", f"must be >= 1 or null, got {self.q_lora_rank}")
+        check_sizes(self, err, "vocab_size hidden_size num_layers num_heads kv_lora_rank qk_nope_head_dim "
+                    "qk_rope_head_dim v_head_dim intermediate_size moe_intermediate_size num_experts top_k n_group "
+                    "topk_group max_position_embeddings")
+        check(self, err, "q_lora_rank", lambda v: v >= 1, ">= 1 or null")
         if self.n_shared_experts < 0 or self.first_k_dense_replace < 0:
             err("n_shared_experts", "n_shared_experts and first_k_dense_replace must be >= 0")
         if self.qk_rope_head_dim % 2:

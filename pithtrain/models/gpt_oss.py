@@ -72,9 +72,8 @@ class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rat
     init_std: float = 0.02
 
     def validate(self, err):
-        check_sizes(self, err, ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                                "intermediate_size", "num_experts", "top_k", "sliding_window",
-                                "max_position_embeddings", "yarn_original_max_position"))
+        check_sizes(self, err, "vocab_size hidden_size num_layers num_heads num_kv_heads head_dim intermediate_size "
+                    "num_experts top_k sliding_window max_position_embeddings yarn_original_max_position")
         if self.layer_types and len(self.layer_types) != self.num_layers:
             err("layer_types", f"has {len(self.layer_types)} entries for {self.num_layers} layers")
         for t in self.layer_types:

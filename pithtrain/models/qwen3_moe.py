@@ -57,9 +57,8 @@ class Qwen3MoeConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_r
     init_std: float = 0.02
 
     def validate(self, err):
-        check_sizes(self, err, ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                                "moe_intermediate_size", "num_experts", "top_k", "decoder_sparse_step",
-                                "max_position_embeddings"))
+        check_sizes(self, err, "vocab_size hidden_size num_layers num_heads num_kv_heads head_dim "
+                    "moe_intermediate_size num_experts top_k decoder_sparse_step max_position_embeddings")
         self.validate_balance(err)
 
     def is_moe_layer(self, i: int) -> bool:
