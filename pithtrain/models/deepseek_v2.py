@@ -30,7 +30,7 @@ from pithtrain import check
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, RMSNorm, Rotary, SwiGLUMLP,
                                      apply_rope, attention, check_sizes)
-from pithtrain.models.hub import fields_from_hf, fields_to_hf, per_expert_to_stacked, stacked_to_per_expert
+from pithtrain.models.hub import field_names, fields_from_hf, fields_to_hf, per_expert_to_stacked, stacked_to_per_expert
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -165,14 +165,11 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
             n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
             rope_theta=theta, rope_scaling=None if kind == "default" else {"rope_type": kind, **rope})
 
-    # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it). Any other field
-    # that shapes the forward is lost in config.json: export refuses it unless at its default (checkpoint/hf.py).
-    hub_fields: ClassVar[tuple] = (
-        "vocab_size", "hidden_size", "num_layers", "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-        "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "intermediate_size", "moe_intermediate_size",
-        "num_experts", "n_shared_experts", "top_k", "topk_method", "n_group", "topk_group", "routed_scaling_factor",
-        "rope_theta", "rope_scaling", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
-        "attention_bias", "init_std", "aux_loss_coeff")
+    # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it): HF_KEYS' and
+    # those to_hf maps by hand. Any other field that shapes the forward is lost in config.json: export
+    # refuses it unless at its default (checkpoint/hf.py).
+    hub_fields: ClassVar[tuple] = field_names(HF_KEYS) + (
+        "num_experts", "n_shared_experts", "topk_method", "n_group", "topk_group", "rope_theta", "rope_scaling")
 
     def to_hf(self) -> dict:
         rope = {"rope_type": "default"} if self.rope_scaling is None else dict(self.rope_scaling)

@@ -23,7 +23,7 @@ from torch import nn
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, Rotary, apply_rope, attention,
                                      check_sizes, init_normal)
-from pithtrain.models.hub import fields_from_hf, fields_to_hf, hub_name, native_name
+from pithtrain.models.hub import field_names, fields_from_hf, fields_to_hf, hub_name, native_name
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 # (field, config.json key[, default when the hub omits it]) beyond hub.COMMON_KEYS; from_hf and
@@ -145,13 +145,12 @@ class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rat
             # carry an inert router_aux_loss_coef of 0.9 with it off, so take the hub-scale 0.001 then
             aux_loss_coeff=hf.get("router_aux_loss_coef", 0.001) if hf.get("output_router_logits") else 0.001)
 
-    # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it). Any other field
-    # that shapes the forward is lost in config.json: export refuses it unless at its default (checkpoint/hf.py).
-    hub_fields: ClassVar[tuple] = (  # not swiglu_alpha: transformers fixes it at 1.702
-        "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-        "num_experts", "top_k", "sliding_window", "layer_types", "attention_bias", "swiglu_limit", "rope_theta",
-        "yarn_factor", "yarn_original_max_position", "yarn_beta_fast", "yarn_beta_slow", "yarn_truncate",
-        "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "init_std", "aux_loss_coeff")
+    # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it): HF_KEYS' and
+    # those to_hf maps by hand. Any other field that shapes the forward is lost in config.json: export
+    # refuses it unless at its default (checkpoint/hf.py).
+    hub_fields: ClassVar[tuple] = field_names(HF_KEYS) + (  # not swiglu_alpha: transformers fixes it at 1.702
+        "head_dim", "num_experts", "top_k", "layer_types", "rope_theta", "yarn_factor", "yarn_original_max_position",
+        "yarn_beta_fast", "yarn_beta_slow", "yarn_truncate", "aux_loss_coeff")
 
     def to_hf(self) -> dict:
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
