@@ -63,16 +63,6 @@ def to_empty(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Mod
 # A hub config.json -> the family config (hub tensor names: models/hub.py)
 
 
-def family_of(config_json: dict, source: Path) -> str:
-    archs = config_json.get("architectures") or []
-    for name, fam in FAMILIES.items():
-        if fam.config.hf_architecture in archs:
-            return name
-    supported = ", ".join(f.config.hf_architecture for f in FAMILIES.values())
-    raise ValueError(f"{source}: unsupported architecture {archs or config_json.get('model_type')!r} "
-                     f"(supported: {supported})")
-
-
 def read_config(path: Path):
     """(family name, family config) from a Hugging Face checkpoint directory's config.json, checked
     as a recipe's model section is; ValueError / FileNotFoundError naming the file otherwise."""
@@ -88,7 +78,13 @@ def read_config(path: Path):
     for k, v in hf.items():  # "hidden_size": "4096" would reach comparisons and allocations
         if isinstance(v, str) and re.fullmatch(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*", v):
             raise ValueError(f"{cfg_file}: {k} is the string {v!r}, not a number")
-    family = family_of(hf, cfg_file)
+    archs = hf.get("architectures") or []
+    family = next((name for name, fam in FAMILIES.items() if fam.config.hf_architecture in archs), None)
+    if family is None:
+        supported = ", ".join(f.config.hf_architecture for f in FAMILIES.values())
+        raise ValueError(f"{cfg_file}: unsupported architecture {archs or hf.get('model_type')!r} "
+                         f"(supported: {supported})")
+
     def fail(key, msg):
         raise ValueError(f"{key}: {msg}")
 

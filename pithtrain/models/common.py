@@ -793,8 +793,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 class CausalLM(nn.Module):
     """The frame every family's model is: embedding, RoPE, its decoder layers (one per (attention,
     MLP) pair in `blocks`), final norm, LM head. forward(input_ids) -> logits (B, S, V);
-    forward(input_ids, labels=...) -> summed token loss (causal_lm_forward). `init_block` gives one
-    block its values (Hugging Face's scheme, init_normal; a family adds its extras by overriding it)."""
+    forward(input_ids, labels=...) -> summed token loss. `init_block` gives one block its values
+    (Hugging Face's scheme, init_normal; a family adds its extras by overriding it)."""
 
     def __init__(self, cfg, rotary: nn.Module, blocks):
         super().__init__()
@@ -815,24 +815,20 @@ class CausalLM(nn.Module):
         init_normal(block, self.cfg.init_std)
 
     def forward(self, input_ids_BS, positions_BS=None, labels_BS=None, docs_BS=None):
-        return causal_lm_forward(self, input_ids_BS, positions_BS, labels_BS, docs_BS)
-
-
-def causal_lm_forward(model, input_ids_BS, positions_BS=None, labels_BS=None, docs_BS=None):
-    """embed -> layers -> norm -> logits (B, S, V), or the summed token loss when labels are given
-    (chunked, so full-vocabulary logits never exist at once). Positions default to 0..S-1, or with
-    docs_BS (document index per token: document masking) to 0.. from each document's start."""
-    if docs_BS is not None and positions_BS is None:
-        positions_BS = document_positions(docs_BS)
-    if positions_BS is None:
-        positions_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(input_ids_BS)
-    rope = model.rotary(positions_BS, docs_BS)
-    h_BSD = model.embed_tokens(input_ids_BS)
-    for layer in model.layers:
-        h_BSD = layer(h_BSD, rope)
-    if labels_BS is None:
-        return model.lm_head(model.norm(h_BSD))
-    return head_loss(model, h_BSD, labels_BS)
+        """embed -> layers -> norm -> logits (B, S, V), or the summed token loss when labels are given
+        (chunked, so full-vocabulary logits never exist at once). Positions default to 0..S-1, or with
+        docs_BS (document index per token: document masking) to 0.. from each document's start."""
+        if docs_BS is not None and positions_BS is None:
+            positions_BS = document_positions(docs_BS)
+        if positions_BS is None:
+            positions_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(input_ids_BS)
+        rope = self.rotary(positions_BS, docs_BS)
+        h_BSD = self.embed_tokens(input_ids_BS)
+        for layer in self.layers:
+            h_BSD = layer(h_BSD, rope)
+        if labels_BS is None:
+            return self.lm_head(self.norm(h_BSD))
+        return head_loss(self, h_BSD, labels_BS)
 
 
 def head_loss(model, h_BSD, labels_BS):
@@ -879,7 +875,9 @@ def init_normal(model: nn.Module, std: float):
     tables recomputed. A family's `init_block` adds its own extras after this."""
     for m in model.modules():
         if isinstance(m, nn.Linear):
-            init_linear(m, std)
+            nn.init.normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=std)
         elif isinstance(m, (RMSNorm, Rotary, Balance)):
@@ -890,9 +888,3 @@ def init_normal(model: nn.Module, std: float):
             for b in (m.b13_EF2, m.b2_ED):
                 if b is not None:
                     nn.init.zeros_(b)
-
-
-def init_linear(module: nn.Linear, std: float):
-    nn.init.normal_(module.weight, mean=0.0, std=std)
-    if module.bias is not None:
-        nn.init.zeros_(module.bias)
