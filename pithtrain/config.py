@@ -153,8 +153,7 @@ class DataConfig:
                        "create one with `invoke prepare-data`")
         if self.source == "shards" and self.path is None:
             err("path", "data.source is 'shards' but no data.path is given")
-        if self.max_bytes < 10_000:
-            err("max_bytes", f"must be >= 10000, got {self.max_bytes}")
+        check(self, err, "max_bytes", lambda v: v >= 10_000, ">= 10000")
 
 
 # what checkpoint.on_signal may name: a notice a scheduler sends (SIGKILL and SIGSTOP cannot be caught)
@@ -260,10 +259,8 @@ class Config:
     notes: list = field(default_factory=list)  # what loading resolved (model.vocab_size: auto), said at start-up
 
     def to_dict(self) -> dict:
-        d = {"model": {"family": self.model.family, **dataclasses.asdict(self.model)}}
-        for s in ("train", "data", "parallel", "checkpoint", "log"):
-            d[s] = dataclasses.asdict(getattr(self, s))
-        return d
+        return {"model": {"family": self.model.family, **dataclasses.asdict(self.model)},
+                **{s: dataclasses.asdict(getattr(self, s)) for s in SECTIONS}}
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

@@ -295,9 +295,7 @@ def eager_attention(q_BHSd, k_BKSd, v_BKSe, *, scale, window=None, sinks_H=None,
         sink = sinks_H.reshape(1, -1, 1, 1).expand(s_BHSS.shape[0], -1, Sq, 1).to(s_BHSS.dtype)
         s_BHSS = torch.cat([s_BHSS, sink], dim=-1)
         s_BHSS = s_BHSS - s_BHSS.amax(dim=-1, keepdim=True).detach()
-        p = F.softmax(s_BHSS.float(), dim=-1).to(q_BHSd.dtype)[..., :-1]
-    else:
-        p = F.softmax(s_BHSS.float(), dim=-1).to(q_BHSd.dtype)
+    p = F.softmax(s_BHSS.float(), dim=-1).to(q_BHSd.dtype)[..., :Sk]  # a sink's column takes mass, no value
     return torch.matmul(p, v_BKSe)
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pithtrain import check
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, Rotary, apply_rope, attention,
                                      check_sizes, init_normal)
@@ -79,14 +80,11 @@ class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rat
         for t in self.layer_types:
             if t not in LAYER_TYPES:
                 err("layer_types", f"unknown layer type {t!r} (allowed: {', '.join(LAYER_TYPES)})")
-        if self.yarn_factor is not None and self.yarn_factor < 1:
-            err("yarn_factor", f"must be >= 1 (or null for plain RoPE), got {self.yarn_factor}")
+        check(self, err, "yarn_factor", lambda v: v >= 1, ">= 1 (or null for plain RoPE)")
         self.validate_balance(err)
 
     def layer_type(self, i: int) -> str:
-        if self.layer_types:
-            return self.layer_types[i]
-        return LAYER_TYPES[i % 2]
+        return self.layer_types[i] if self.layer_types else LAYER_TYPES[i % 2]
 
     def window(self, i: int) -> int | None:
         """Keys within the last `sliding_window` positions (self included) on sliding layers."""
