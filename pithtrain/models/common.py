@@ -57,8 +57,7 @@ def check_sizes(cfg, err, positive: str):
     if hasattr(cfg, "num_kv_heads"):
         if cfg.num_heads % cfg.num_kv_heads:
             err("num_kv_heads", f"must divide num_heads ({cfg.num_heads}), got {cfg.num_kv_heads}")
-        if cfg.head_dim % 2:
-            err("head_dim", f"must be even for RoPE, got {cfg.head_dim}")
+        check(cfg, err, "head_dim", lambda v: v % 2 == 0, "even for RoPE")
 
 
 # ---------------------------------------------------------------------------------------------

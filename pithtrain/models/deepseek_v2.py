@@ -88,8 +88,7 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
         check(self, err, "q_lora_rank", lambda v: v >= 1, ">= 1 or null")
         if self.n_shared_experts < 0 or self.first_k_dense_replace < 0:
             err("n_shared_experts", "n_shared_experts and first_k_dense_replace must be >= 0")
-        if self.qk_rope_head_dim % 2:
-            err("qk_rope_head_dim", f"must be even for RoPE, got {self.qk_rope_head_dim}")
+        check(self, err, "qk_rope_head_dim", lambda v: v % 2 == 0, "even for RoPE")
         if self.topk_method not in ("greedy", "group_limited_greedy"):
             err("topk_method", f"expected greedy or group_limited_greedy, got {self.topk_method!r}")
         elif self.topk_method == "group_limited_greedy":
