@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import yaml
 
-from pithtrain import ConfigError  # defined with the package: data.py raises it too, without importing this
+from pithtrain import ConfigError, check  # with the package: data.py and models/ use them without this module
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 DEFAULT_RECIPE = RECIPES_DIR / "default.yaml"
@@ -51,14 +51,6 @@ def changed_fields(model) -> list[tuple[str, Any]]:
 
 # ---------------------------------------------------------------------------------------------
 # Sections (the model section's dataclass lives in the family's model file)
-
-
-def check(section, err, keys: str, ok, want: str):
-    """err(key, "must be WANT, got V") for each of `keys` (space-separated) whose value is set and
-    fails `ok`. Write `ok` so that nan fails too (every comparison with nan is false)."""
-    for k in keys.split():
-        if getattr(section, k) is not None and not ok(getattr(section, k)):
-            err(k, f"must be {want}, got {getattr(section, k)}")
 
 
 # The largest train.beta2 train.state=lean's bf16 second moment follows: beta2 * v must round away
@@ -161,8 +153,7 @@ class DataConfig:
                        "create one with `invoke prepare-data`")
         if self.source == "shards" and self.path is None:
             err("path", "data.source is 'shards' but no data.path is given")
-        if self.max_bytes < 10_000:
-            err("max_bytes", f"must be >= 10000, got {self.max_bytes}")
+        check(self, err, "max_bytes", lambda v: v >= 10_000, ">= 10000")
 
 
 # what checkpoint.on_signal may name: a notice a scheduler sends (SIGKILL and SIGSTOP cannot be caught)
@@ -268,10 +259,8 @@ class Config:
     notes: list = field(default_factory=list)  # what loading resolved (model.vocab_size: auto), said at start-up
 
     def to_dict(self) -> dict:
-        d = {"model": {"family": self.model.family, **dataclasses.asdict(self.model)}}
-        for s in ("train", "data", "parallel", "checkpoint", "log"):
-            d[s] = dataclasses.asdict(getattr(self, s))
-        return d
+        return {"model": {"family": self.model.family, **dataclasses.asdict(self.model)},
+                **{s: dataclasses.asdict(getattr(self, s)) for s in SECTIONS}}
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -465,9 +454,6 @@ def _build(cls, values: dict, section: str, fail, all_classes):
             fail(f"{section}.{k}", f"unknown key{hint} (allowed: {', '.join(fields)})")
         kwargs[k] = _coerce(v, hints[k], f"{section}.{k}", fail)
     obj = cls(**kwargs)
-    if section == "model":
-        from pithtrain.models import check_model_values
-        check_model_values(obj, lambda key, msg: fail(f"model.{key}", msg))
     if hasattr(obj, "validate"):
         obj.validate(lambda key, msg: fail(f"{section}.{key}", msg))
     return obj

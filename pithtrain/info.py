@@ -13,16 +13,6 @@ from pithtrain.metrics import flops_per_token, param_counts
 from pithtrain.models import build_model
 
 
-def describe(recipe: str, seq_len: int | None = None) -> dict:
-    cfg = load_config(recipe)
-    model = build_model(cfg.model, init=False)  # meta tensors: shapes only
-    total, active = param_counts(model, cfg.model)
-    seq = seq_len or cfg.train.seq_len
-    return {"recipe": cfg.source, "family": cfg.model.family, "layers": cfg.model.num_layers,
-            "total_params": total, "active_params": active, "seq_len": seq,
-            "train_flops_per_token": flops_per_token(cfg.model, seq)}
-
-
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
@@ -34,13 +24,15 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=None, help="sequence length for the FLOPs figure")
     args = p.parse_args(argv)
     try:
-        d = describe(args.model, args.seq_len)
+        cfg = load_config(args.model)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{d['family']} ({d['recipe']}): {d['layers']} layers, "
-          f"{_count(d['total_params'])} total / {_count(d['active_params'])} active parameters, "
-          f"{d['train_flops_per_token'] / 1e9:.2f} GFLOP per token (train, seq {d['seq_len']})")
+    total, active = param_counts(build_model(cfg.model, init=False), cfg.model)  # meta tensors: shapes only
+    seq = args.seq_len or cfg.train.seq_len
+    print(f"{cfg.model.family} ({cfg.source}): {cfg.model.num_layers} layers, "
+          f"{_count(total)} total / {_count(active)} active parameters, "
+          f"{flops_per_token(cfg.model, seq) / 1e9:.2f} GFLOP per token (train, seq {seq})")
     return 0
 
 

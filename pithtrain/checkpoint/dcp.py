@@ -518,19 +518,13 @@ class Checkpointer:
 
     # --- state
 
-    def _rng_keys(self) -> dict[str, torch.Tensor]:
-        """Per-rank RNG states as uint8 tensors (not pickles), keyed by rank."""
-        r = self.rank
-        rng = {f"rank{r}.cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            rng[f"rank{r}.cuda"] = torch.cuda.get_rng_state(self.device)
-        return rng
-
     def _state(self, weights_only: bool = False):
         """(DCP state: tensors only, trainer state: JSON-able). weights_only: the model alone."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        tensors = ({"model": model_sd} if weights_only else
-                   {"model": model_sd, "optim": optim_sd["state"], "rng": self._rng_keys()})
+        rng = {f"rank{self.rank}.cpu": torch.get_rng_state()}  # per-rank RNG states as uint8 tensors, not pickles
+        if self.device.type == "cuda":
+            rng[f"rank{self.rank}.cuda"] = torch.cuda.get_rng_state(self.device)
+        tensors = {"model": model_sd} if weights_only else {"model": model_sd, "optim": optim_sd["state"], "rng": rng}
         if self.lean is not None:
             tensors["lean"] = self.lean.named_lows(self.model)
         trainer = {"format": FORMAT, "world_size": _world(), "state": self.state,

@@ -46,7 +46,7 @@ from pithtrain.checkpoint.hf import SHARD_BYTES, refuse_hub_losses, state_for_ex
 from pithtrain.config import ConfigError, config_from_dict
 from pithtrain.data import BOS, EOS, TOKENIZER_FILES, added_around, declared_tokens, load_tokenizer
 from pithtrain.kernels.adamw import join_
-from pithtrain.models import FAMILIES, build_model
+from pithtrain.models import build_model
 
 
 def checkpoint_recipe(path: Path):
@@ -119,26 +119,24 @@ def export(ckpt, out, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = SH
     refuse_hub_losses(cfg.model, f"{path / RECIPE}")  # a model field config.json cannot carry
     checkpoint_tokenizer(path, saved)  # before any file is written
     model = build_model(cfg.model, init=False)  # meta: names, shapes, tied head
-    fam, mcfg = FAMILIES[model.cfg.family], model.cfg
     out = Path(out)
     state = state_for_export(model)
     check_index(path, [f"{k}.{n}" for n in state for k in ("model", "lean")[:1 + lean_checkpoint(path)]])
     refuse_trained_bias(path, model)
     lean = lean_checkpoint(path)  # the masters as two halves: joined (kernels/adamw.join_)
 
-    def hub_tensors(names):  # one native tensor in memory at a time, read from the checkpoint
-        for name in names:
-            one = {f"model.{name}": torch.empty(state[name].shape, dtype=torch.float32)}
-            if lean:
-                one[f"lean.{name}"] = torch.empty(state[name].shape, dtype=torch.int16)
-            read_tensors(path, one, checked=True)  # every tensor's index entry checked above
-            value = one.pop(f"model.{name}")
-            if lean:
-                join_(value, one.pop(f"lean.{name}"))
-            yield from fam.native_to_hf(mcfg, name, value)
+    def native(name):  # one native tensor in memory at a time, read from the checkpoint
+        one = {f"model.{name}": torch.empty(state[name].shape, dtype=torch.float32)}
+        if lean:
+            one[f"lean.{name}"] = torch.empty(state[name].shape, dtype=torch.int16)
+        read_tensors(path, one, checked=True)  # every tensor's index entry checked above
+        value = one.pop(f"model.{name}")
+        if lean:
+            join_(value, one.pop(f"lean.{name}"))
+        return value
 
     special = special_token_ids(path, saved)  # every rank, before any file: an error is every rank's
-    write_hub(out, model, dtype, shard_bytes, hub_tensors, special, rank, world,
+    write_hub(out, model.cfg, state, dtype, shard_bytes, native, special, rank, world,
               say=(lambda line: print(f"export: {line}", flush=True)) if rank == 0 else None)
     if rank == 0:
         (out / "generation_config.json").write_text(json.dumps(special, indent=2))

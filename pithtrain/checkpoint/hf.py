@@ -269,14 +269,12 @@ def save_hf(model: torch.nn.Module, path: str | Path, dtype: torch.dtype | None 
     path = Path(path)
     refuse_hub_losses(model.cfg, f"save_hf {path}")  # a field config.json cannot carry, before any file changes
     cfg = model.cfg
-    fam = FAMILIES[cfg.family]
     for name, b in model.named_buffers():  # balance=bias: no supported hub format has the bias
         if name.endswith("balance.bias_E") and b.any():  # (DeepSeek-V3's e_score_correction_bias)
             raise ValueError(f"{name}: the trained routing bias (model.balance=bias) has no place in "
                              f"{cfg.hf_architecture}'s hub format; transformers would route without it")
     state = state_for_export(model)
-    write_hub(path, model, dtype or next(iter(state.values())).dtype, shard_bytes,
-              lambda names: (kv for n in names for kv in fam.native_to_hf(cfg, n, state[n])))
+    write_hub(path, cfg, state, dtype or next(iter(state.values())).dtype, shard_bytes, state.get)
 
 
 def plan_shards(hub: dict[str, list], dtype: torch.dtype, shard_bytes: int) -> list[list[str]]:
@@ -322,16 +320,17 @@ def write_streaming(path: Path, layout: list[tuple[str, tuple]], dtype: torch.dt
         os.fsync(f.fileno())
 
 
-def write_hub(path: Path, model: torch.nn.Module, dtype: torch.dtype, shard_bytes: int, hub_tensors,
+def write_hub(path: Path, cfg, state: dict, dtype: torch.dtype, shard_bytes: int, native,
               config: dict | None = None, rank: int = 0, world: int = 1, say=None):
     """config.json (the family's to_hf, `config`, the dtype) and the weights in the hub layout, for
-    save_hf and export: shards planned from the shapes alone (plan_shards), each written as its
-    tensors come (write_streaming; `hub_tensors(names)` yields the (hub key, value) of those native
-    tensors in order), rank r writing shards r, r + world, ... (`say` each one); an index when
+    save_hf and export: shards planned from the shapes alone (plan_shards of `state`, native name ->
+    tensor: its values are not read), each written as its tensors come (write_streaming; `native(name)`
+    gives one native tensor's value, converted by the family's native_to_hf when its shard is
+    written), rank r writing shards r, r + world, ... (`say` each one); an index when
     sharded. Weight files of an earlier export into the same folder are removed first: transformers
     would load a stale model.safetensors next to a new sharded index. Other files (a tokenizer) stay."""
-    fam, cfg = FAMILIES[model.cfg.family], model.cfg
-    hub = {n: list(fam.native_to_hf(cfg, n, t.to("meta"))) for n, t in state_for_export(model).items()}  # shapes
+    fam = FAMILIES[cfg.family]
+    hub = {n: list(fam.native_to_hf(cfg, n, t.to("meta"))) for n, t in state.items()}  # shapes
     shards = plan_shards(hub, dtype, shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
@@ -344,7 +343,7 @@ def write_hub(path: Path, model: torch.nn.Module, dtype: torch.dtype, shard_byte
     t0 = time.monotonic()
     for i in range(rank, len(shards), world):
         write_streaming(path / names[i], [(k, tuple(v.shape)) for n in shards[i] for k, v in hub[n]], dtype,
-                        hub_tensors(shards[i]))
+                        (kv for n in shards[i] for kv in fam.native_to_hf(cfg, n, native(n))))
         if say is not None:
             say(f"wrote {names[i]} ({i + 1} of {len(shards)}, {time.monotonic() - t0:.0f} s)")
     if world > 1:

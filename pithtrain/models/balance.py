@@ -44,11 +44,14 @@ config.RECIPE_MODEL_FIELDS (a training-only field the recipe keeps over train.in
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
+
+from pithtrain import check
 
 Strategy = Literal["switch", "sequence", "bias", "none"]
 # Which knob applies to which strategy; one set to a non-default value elsewhere is a config error.
@@ -70,9 +73,8 @@ class BalanceConfig:
         if self.balance not in ("switch", "sequence", "bias", "none"):
             err("balance", f"expected switch, sequence, bias or none, got {self.balance!r}")
             return
-        for k in ("aux_loss_coeff", "bias_update_rate", "z_loss_coeff"):
-            if not 0 <= getattr(self, k) < float("inf"):
-                err(k, f"must be a finite number >= 0, got {getattr(self, k)}")
+        check(self, err, "aux_loss_coeff bias_update_rate z_loss_coeff", lambda v: 0 <= v < math.inf,
+              "a finite number >= 0")
         defaults = {f.name: f.default for f in dataclasses.fields(BalanceConfig)}
         for k, strategies in APPLIES.items():
             if self.balance not in strategies and getattr(self, k) != defaults[k]:

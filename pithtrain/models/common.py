@@ -10,8 +10,10 @@ K kv heads, E experts, F expert hidden width, A top-k slots, V vocabulary, X dis
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
+import typing
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pithtrain import check
 from pithtrain.models.balance import Balance
 from pithtrain.models.init import init_by_block
 
@@ -26,19 +29,35 @@ from pithtrain.models.init import init_by_block
 # The checks every family config's validate(err) shares
 
 
-def check_sizes(cfg, err, positive: tuple):
-    """Each field named in `positive` >= 1 and top_k within num_experts; for GQA attention (a config
-    with num_kv_heads), that it divides num_heads and that head_dim is even (RoPE)."""
-    for k in positive:
-        if getattr(cfg, k) < 1:
-            err(k, f"must be >= 1, got {getattr(cfg, k)}")
+MAX_DIM = 1 << 24  # no size or count of a model this trains comes near it; bounds allocation
+MAX_LAYERS = 10_000
+
+
+def check_sizes(cfg, err, positive: str):
+    """Types and ranges checked before anything is allocated (a hub config.json reaches the model
+    without passing config._coerce): integers are integers within MAX_DIM, floats are finite, RoPE's
+    base, the norm epsilon and the init std are > 0, each field named in `positive` (space-separated)
+    is >= 1 and top_k is within num_experts; for GQA attention (a config with num_kv_heads), that it
+    divides num_heads and that head_dim is even (RoPE)."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        v, tp = getattr(cfg, f.name), hints[f.name]
+        if tp is int and (isinstance(v, bool) or not isinstance(v, int) or v > MAX_DIM):
+            err(f.name, f"expected an integer <= {MAX_DIM}, got {v!r}")
+        if tp is float and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            err(f.name, f"expected a finite number, got {v!r}")  # nan passes every `<` check
+    if cfg.num_layers > MAX_LAYERS:
+        err("num_layers", f"expected at most {MAX_LAYERS}, got {cfg.num_layers}")
+    for k in ("rope_theta", "rms_norm_eps", "init_std"):
+        if not getattr(cfg, k) > 0:
+            err(k, f"must be > 0, got {getattr(cfg, k)}")
+    check(cfg, err, positive, lambda v: v >= 1, ">= 1")
     if cfg.top_k > cfg.num_experts:
         err("top_k", f"{cfg.top_k} exceeds num_experts ({cfg.num_experts})")
     if hasattr(cfg, "num_kv_heads"):
         if cfg.num_heads % cfg.num_kv_heads:
             err("num_kv_heads", f"must divide num_heads ({cfg.num_heads}), got {cfg.num_kv_heads}")
-        if cfg.head_dim % 2:
-            err("head_dim", f"must be even for RoPE, got {cfg.head_dim}")
+        check(cfg, err, "head_dim", lambda v: v % 2 == 0, "even for RoPE")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,9 +294,7 @@ def eager_attention(q_BHSd, k_BKSd, v_BKSe, *, scale, window=None, sinks_H=None,
         sink = sinks_H.reshape(1, -1, 1, 1).expand(s_BHSS.shape[0], -1, Sq, 1).to(s_BHSS.dtype)
         s_BHSS = torch.cat([s_BHSS, sink], dim=-1)
         s_BHSS = s_BHSS - s_BHSS.amax(dim=-1, keepdim=True).detach()
-        p = F.softmax(s_BHSS.float(), dim=-1).to(q_BHSd.dtype)[..., :-1]
-    else:
-        p = F.softmax(s_BHSS.float(), dim=-1).to(q_BHSd.dtype)
+    p = F.softmax(s_BHSS.float(), dim=-1).to(q_BHSd.dtype)[..., :Sk]  # a sink's column takes mass, no value
     return torch.matmul(p, v_BKSe)
 
 
@@ -773,8 +790,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 class CausalLM(nn.Module):
     """The frame every family's model is: embedding, RoPE, its decoder layers (one per (attention,
     MLP) pair in `blocks`), final norm, LM head. forward(input_ids) -> logits (B, S, V);
-    forward(input_ids, labels=...) -> summed token loss (causal_lm_forward). `init_block` gives one
-    block its values (Hugging Face's scheme, init_normal; a family adds its extras by overriding it)."""
+    forward(input_ids, labels=...) -> summed token loss. `init_block` gives one block its values
+    (Hugging Face's scheme, init_normal; a family adds its extras by overriding it)."""
 
     def __init__(self, cfg, rotary: nn.Module, blocks):
         super().__init__()
@@ -795,24 +812,20 @@ class CausalLM(nn.Module):
         init_normal(block, self.cfg.init_std)
 
     def forward(self, input_ids_BS, positions_BS=None, labels_BS=None, docs_BS=None):
-        return causal_lm_forward(self, input_ids_BS, positions_BS, labels_BS, docs_BS)
-
-
-def causal_lm_forward(model, input_ids_BS, positions_BS=None, labels_BS=None, docs_BS=None):
-    """embed -> layers -> norm -> logits (B, S, V), or the summed token loss when labels are given
-    (chunked, so full-vocabulary logits never exist at once). Positions default to 0..S-1, or with
-    docs_BS (document index per token: document masking) to 0.. from each document's start."""
-    if docs_BS is not None and positions_BS is None:
-        positions_BS = document_positions(docs_BS)
-    if positions_BS is None:
-        positions_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(input_ids_BS)
-    rope = model.rotary(positions_BS, docs_BS)
-    h_BSD = model.embed_tokens(input_ids_BS)
-    for layer in model.layers:
-        h_BSD = layer(h_BSD, rope)
-    if labels_BS is None:
-        return model.lm_head(model.norm(h_BSD))
-    return head_loss(model, h_BSD, labels_BS)
+        """embed -> layers -> norm -> logits (B, S, V), or the summed token loss when labels are given
+        (chunked, so full-vocabulary logits never exist at once). Positions default to 0..S-1, or with
+        docs_BS (document index per token: document masking) to 0.. from each document's start."""
+        if docs_BS is not None and positions_BS is None:
+            positions_BS = document_positions(docs_BS)
+        if positions_BS is None:
+            positions_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(input_ids_BS)
+        rope = self.rotary(positions_BS, docs_BS)
+        h_BSD = self.embed_tokens(input_ids_BS)
+        for layer in self.layers:
+            h_BSD = layer(h_BSD, rope)
+        if labels_BS is None:
+            return self.lm_head(self.norm(h_BSD))
+        return head_loss(self, h_BSD, labels_BS)
 
 
 def head_loss(model, h_BSD, labels_BS):
@@ -859,7 +872,9 @@ def init_normal(model: nn.Module, std: float):
     tables recomputed. A family's `init_block` adds its own extras after this."""
     for m in model.modules():
         if isinstance(m, nn.Linear):
-            init_linear(m, std)
+            nn.init.normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=std)
         elif isinstance(m, (RMSNorm, Rotary, Balance)):
@@ -870,9 +885,3 @@ def init_normal(model: nn.Module, std: float):
             for b in (m.b13_EF2, m.b2_ED):
                 if b is not None:
                     nn.init.zeros_(b)
-
-
-def init_linear(module: nn.Linear, std: float):
-    nn.init.normal_(module.weight, mean=0.0, std=std)
-    if module.bias is not None:
-        nn.init.zeros_(module.bias)

@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pithtrain import check
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, RMSNorm, Rotary, SwiGLUMLP,
                                      apply_rope, attention, check_sizes)
-from pithtrain.models.hub import fields_from_hf, fields_to_hf, per_expert_to_stacked, stacked_to_per_expert
+from pithtrain.models.hub import field_names, fields_from_hf, fields_to_hf, per_expert_to_stacked, stacked_to_per_expert
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -81,16 +82,13 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
     init_std: float = 0.02
 
     def validate(self, err):
-        check_sizes(self, err, ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank",
-                                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size",
-                                "moe_intermediate_size", "num_experts", "top_k", "n_group", "topk_group",
-                                "max_position_embeddings"))
-        if self.q_lora_rank is not None and self.q_lora_rank < 1:
-            err("q_lora_rank", f"must be >= 1 or null, got {self.q_lora_rank}")
+        check_sizes(self, err, "vocab_size hidden_size num_layers num_heads kv_lora_rank qk_nope_head_dim "
+                    "qk_rope_head_dim v_head_dim intermediate_size moe_intermediate_size num_experts top_k n_group "
+                    "topk_group max_position_embeddings")
+        check(self, err, "q_lora_rank", lambda v: v >= 1, ">= 1 or null")
         if self.n_shared_experts < 0 or self.first_k_dense_replace < 0:
             err("n_shared_experts", "n_shared_experts and first_k_dense_replace must be >= 0")
-        if self.qk_rope_head_dim % 2:
-            err("qk_rope_head_dim", f"must be even for RoPE, got {self.qk_rope_head_dim}")
+        check(self, err, "qk_rope_head_dim", lambda v: v % 2 == 0, "even for RoPE")
         if self.topk_method not in ("greedy", "group_limited_greedy"):
             err("topk_method", f"expected greedy or group_limited_greedy, got {self.topk_method!r}")
         elif self.topk_method == "group_limited_greedy":
@@ -166,14 +164,11 @@ class DeepseekV2Config(BalanceConfig):  # + balance, aux_loss_coeff, bias_update
             n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
             rope_theta=theta, rope_scaling=None if kind == "default" else {"rope_type": kind, **rope})
 
-    # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it). Any other field
-    # that shapes the forward is lost in config.json: export refuses it unless at its default (checkpoint/hf.py).
-    hub_fields: ClassVar[tuple] = (
-        "vocab_size", "hidden_size", "num_layers", "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-        "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "intermediate_size", "moe_intermediate_size",
-        "num_experts", "n_shared_experts", "top_k", "topk_method", "n_group", "topk_group", "routed_scaling_factor",
-        "rope_theta", "rope_scaling", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
-        "attention_bias", "init_std", "aux_loss_coeff")
+    # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it): HF_KEYS' and
+    # those to_hf maps by hand. Any other field that shapes the forward is lost in config.json: export
+    # refuses it unless at its default (checkpoint/hf.py).
+    hub_fields: ClassVar[tuple] = field_names(HF_KEYS) + (
+        "num_experts", "n_shared_experts", "topk_method", "n_group", "topk_group", "rope_theta", "rope_scaling")
 
     def to_hf(self) -> dict:
         rope = {"rope_type": "default"} if self.rope_scaling is None else dict(self.rope_scaling)

@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pithtrain import check
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, Rotary, apply_rope, attention,
                                      check_sizes, init_normal)
-from pithtrain.models.hub import fields_from_hf, fields_to_hf, hub_name, native_name
+from pithtrain.models.hub import field_names, fields_from_hf, fields_to_hf, hub_name, native_name
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 # (field, config.json key[, default when the hub omits it]) beyond hub.COMMON_KEYS; from_hf and
@@ -72,22 +73,18 @@ class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rat
     init_std: float = 0.02
 
     def validate(self, err):
-        check_sizes(self, err, ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                                "intermediate_size", "num_experts", "top_k", "sliding_window",
-                                "max_position_embeddings", "yarn_original_max_position"))
+        check_sizes(self, err, "vocab_size hidden_size num_layers num_heads num_kv_heads head_dim intermediate_size "
+                    "num_experts top_k sliding_window max_position_embeddings yarn_original_max_position")
         if self.layer_types and len(self.layer_types) != self.num_layers:
             err("layer_types", f"has {len(self.layer_types)} entries for {self.num_layers} layers")
         for t in self.layer_types:
             if t not in LAYER_TYPES:
                 err("layer_types", f"unknown layer type {t!r} (allowed: {', '.join(LAYER_TYPES)})")
-        if self.yarn_factor is not None and self.yarn_factor < 1:
-            err("yarn_factor", f"must be >= 1 (or null for plain RoPE), got {self.yarn_factor}")
+        check(self, err, "yarn_factor", lambda v: v >= 1, ">= 1 (or null for plain RoPE)")
         self.validate_balance(err)
 
     def layer_type(self, i: int) -> str:
-        if self.layer_types:
-            return self.layer_types[i]
-        return LAYER_TYPES[i % 2]
+        return self.layer_types[i] if self.layer_types else LAYER_TYPES[i % 2]
 
     def window(self, i: int) -> int | None:
         """Keys within the last `sliding_window` positions (self included) on sliding layers."""
@@ -146,13 +143,12 @@ class GptOssConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_rat
             # carry an inert router_aux_loss_coef of 0.9 with it off, so take the hub-scale 0.001 then
             aux_loss_coeff=hf.get("router_aux_loss_coef", 0.001) if hf.get("output_router_logits") else 0.001)
 
-    # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it). Any other field
-    # that shapes the forward is lost in config.json: export refuses it unless at its default (checkpoint/hf.py).
-    hub_fields: ClassVar[tuple] = (  # not swiglu_alpha: transformers fixes it at 1.702
-        "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-        "num_experts", "top_k", "sliding_window", "layer_types", "attention_bias", "swiglu_limit", "rope_theta",
-        "yarn_factor", "yarn_original_max_position", "yarn_beta_fast", "yarn_beta_slow", "yarn_truncate",
-        "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "init_std", "aux_loss_coeff")
+    # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it): HF_KEYS' and
+    # those to_hf maps by hand. Any other field that shapes the forward is lost in config.json: export
+    # refuses it unless at its default (checkpoint/hf.py).
+    hub_fields: ClassVar[tuple] = field_names(HF_KEYS) + (  # not swiglu_alpha: transformers fixes it at 1.702
+        "head_dim", "num_experts", "top_k", "layer_types", "rope_theta", "yarn_factor", "yarn_original_max_position",
+        "yarn_beta_fast", "yarn_beta_slow", "yarn_truncate", "aux_loss_coeff")
 
     def to_hf(self) -> dict:
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}

@@ -24,6 +24,11 @@ def fields_from_hf(hf: dict, keys: tuple) -> dict:
     return {k[0]: hf.get(k[1], k[2]) if len(k) > 2 else hf[k[1]] for k in COMMON_KEYS + keys}
 
 
+def field_names(keys: tuple) -> tuple:
+    """The config fields COMMON_KEYS and a family's `keys` map: the start of its `hub_fields`."""
+    return tuple(k[0] for k in COMMON_KEYS + keys)
+
+
 def fields_to_hf(cfg, keys: tuple) -> dict:
     """The config.json keys of COMMON_KEYS and a family's `keys`, with its architecture (its to_hf
     adds the keys no table maps)."""

@@ -17,7 +17,7 @@ from torch import nn
 from pithtrain.models.balance import Balance, BalanceConfig
 from pithtrain.models.common import (CausalLM, GroupedExperts, LocalDispatcher, RMSNorm, Rotary, SwiGLUMLP,
                                      apply_rope, attention, check_sizes)
-from pithtrain.models.hub import fields_from_hf, fields_to_hf, per_expert_to_stacked, stacked_to_per_expert
+from pithtrain.models.hub import field_names, fields_from_hf, fields_to_hf, per_expert_to_stacked, stacked_to_per_expert
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -57,9 +57,8 @@ class Qwen3MoeConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_r
     init_std: float = 0.02
 
     def validate(self, err):
-        check_sizes(self, err, ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                                "moe_intermediate_size", "num_experts", "top_k", "decoder_sparse_step",
-                                "max_position_embeddings"))
+        check_sizes(self, err, "vocab_size hidden_size num_layers num_heads num_kv_heads head_dim "
+                    "moe_intermediate_size num_experts top_k decoder_sparse_step max_position_embeddings")
         self.validate_balance(err)
 
     def is_moe_layer(self, i: int) -> bool:
@@ -96,13 +95,10 @@ class Qwen3MoeConfig(BalanceConfig):  # + balance, aux_loss_coeff, bias_update_r
             mlp_only_layers=list(hf.get("mlp_only_layers") or []),
             rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
-    # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it). Any other field
-    # that shapes the forward is lost in config.json: export refuses it unless at its default (checkpoint/hf.py).
-    hub_fields: ClassVar[tuple] = (
-        "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-        "moe_intermediate_size", "num_experts", "top_k", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
-        "rope_theta", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "attention_bias", "init_std",
-        "aux_loss_coeff")
+    # The fields to_hf writes and from_hf reads back (tests/test_config.py checks it): HF_KEYS' and
+    # those to_hf maps by hand. Any other field that shapes the forward is lost in config.json: export
+    # refuses it unless at its default (checkpoint/hf.py).
+    hub_fields: ClassVar[tuple] = field_names(HF_KEYS) + ("head_dim", "num_experts", "mlp_only_layers", "rope_theta")
 
     def to_hf(self) -> dict:
         return {**fields_to_hf(self, HF_KEYS), "head_dim": self.head_dim, "num_experts": self.num_experts,
