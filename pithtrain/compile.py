@@ -39,7 +39,7 @@ Activation checkpointing (`train.activation_checkpoint`), per decoder layer, lea
                the dispatched rows (the checkpoint's input), are kept. Dispatch and combine stay
                outside the checkpoint, so expert parallel's all-to-all is never run twice.
   "full"       recompute each whole decoder layer in backward (least memory, ~1/3 more compute).
-What each keeps, per token, is pithtrain/plan.py's table (saved_per_layer), checked against
+What each keeps, per token, is pithtrain/plan.py's table (layer_activations), checked against
 torch's saved-tensor hooks in tests/test_plan.py.
 """
 

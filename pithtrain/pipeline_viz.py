@@ -56,24 +56,25 @@ def overlapped(rank: dict) -> int:
     return n
 
 
+def lane(spans: list[dict], end: float, width: int, blank: str, mark) -> str:
+    """`width` slots of [0, end): each span's slots (at least one) marked with mark(span)."""
+    row = [blank] * width
+    for s in spans:
+        a = int(s["start"] / end * width)
+        for i in range(a, min(max(a + 1, int(s["end"] / end * width)), width)):
+            row[i] = mark(s)
+    return "".join(row)
+
+
 def text(ranks: list[dict], width: int = 100) -> str:
     end = max(op["end"] for r in ranks for op in r["ops"])
     lines = [f"step {ranks[0]['step']}: {end * 1e3:.1f} ms, {width} slots of {end / width * 1e3:.2f} ms"]
     for r, idle in zip(ranks, idle_fractions(ranks)):
-        row = ["."] * width
-        for op in r["ops"]:
-            a = int(op["start"] / end * width)
-            b = max(a + 1, int(op["end"] / end * width))
-            for i in range(a, min(b, width)):
-                row[i] = LETTER.get(op["kind"], "?")
-        comm = [" "] * width
-        for ph in comm_phases(r):
-            a = int(ph["start"] / end * width)
-            for i in range(a, min(max(a + 1, int(ph["end"] / end * width)), width)):
-                comm[i] = "^"
+        row = lane(r["ops"], end, width, ".", lambda op: LETTER.get(op["kind"], "?"))
+        comm = lane(comm_phases(r), end, width, " ", lambda ph: "^")
         if "^" in comm:
-            lines.append(f"{'  all-to-all':<16} |{''.join(comm)}|")
-        lines.append(f"rank {r['rank']:>3} (pp {r['pp_rank']}) |{''.join(row)}| idle {idle:.0%}"
+            lines.append(f"{'  all-to-all':<16} |{comm}|")
+        lines.append(f"rank {r['rank']:>3} (pp {r['pp_rank']}) |{row}| idle {idle:.0%}"
                      + (f", {overlapped(r)} all-to-all overlapped" if comm_phases(r) else ""))
     lines.append("F forward  B input-backward  W weight-backward  X full backward  "
                  "O forward+backward overlapped  . idle  ^ all-to-all (dispatch / combine)")

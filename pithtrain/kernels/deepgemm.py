@@ -203,12 +203,11 @@ class FP8GroupedMM(fp8_linear.FP8GroupedMM):
     of a bf16 copy where `copies` (the run's precision.WeightCopies) has one."""
 
     def __init__(self, dg=None, in_place: bool = False, copies=None):
-        from pithtrain.kernels import fp8_linear as ref
         self.ops = _cuda_ops(dg) if dg is not None else REFERENCE
 
         def quant(w):  # q (G, K, N), q^T (G, N, K), scales in both layouts (made once per step)
             if dg is None:
-                q, qt, s = ref.quant_blocks(w)
+                q, qt, s = fp8_linear.quant_blocks(w)
             else:
                 from pithtrain.kernels import fp8
                 q, qt, s = fp8.quant_blocks(w, ue8m0=_ue8m0(w))
@@ -233,8 +232,7 @@ class FP8GroupedMM(fp8_linear.FP8GroupedMM):
         if (self.in_place and torch.is_grad_enabled() and type(w) is torch.nn.Parameter
                 and w_GKN.dtype == x_MK.dtype and all(n % 8 == 0 for n in w_GKN.shape[1:])):
             param = (w, self.copies)  # views made for this call: their nodes are never leaves
-            x_MK, w_GKN = x_MK.contiguous(), w_GKN.view_as(w_GKN)
-            x_MK = x_MK.view_as(x_MK)
+            x_MK, w_GKN = x_MK.contiguous().view_as(x_MK), w_GKN.view_as(w_GKN)
         with torch.autocast(x_MK.device.type, enabled=False):
             offs_G = offs_G.to(torch.int32)
             return _DeepGEMMFP8.apply(self.ops, self.layout(offs_G, len(x_MK)), x_MK, w_GKN, offs_G, wq, wqt, ws, wst,
