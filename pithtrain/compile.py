@@ -78,13 +78,10 @@ def cheap_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def cheap_contexts():
-    """The selective checkpoint's context pair for one region (a fresh cache each call)."""
-    return create_selective_checkpoint_contexts(cheap_policy)
-
-
 def _cheap(forward, *args, **kwargs):
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=cheap_contexts, **kwargs)
+    # context_fn: the selective checkpoint's context pair for one region (a fresh cache each call)
+    return checkpoint(forward, *args, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, cheap_policy), **kwargs)
 
 
 def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:

@@ -91,9 +91,7 @@ def layer_kind(m, i: int) -> str:
 
 def expert_params(m, i: int) -> int:
     """Routed-expert matmul parameters of layer i (0 for a dense layer): E x 3 x D x F."""
-    if layer_kind(m, i) == "dense":
-        return 0
-    return m.num_experts * 3 * m.hidden_size * getattr(m, m.expert_width_field)
+    return 0 if layer_kind(m, i) == "dense" else m.num_experts * 3 * m.hidden_size * getattr(m, m.expert_width_field)
 
 
 def layer_flops(m, i: int, seq: int) -> tuple[float, float]:
@@ -147,9 +145,7 @@ def ring_time(gpu: str, nbytes: float, ranks: int, span: int) -> float:
 
 def remote_rows_per_token(E: int, k: int, ep: int) -> float:
     """Deduplicated rows a token sends to other ep ranks under uniform routing: each other rank
-    receives one row when it holds at least one of the token's k experts."""
-    if ep == 1:
-        return 0.0
+    receives one row when it holds at least one of the token's k experts (none when ep = 1)."""
     return (ep - 1) * (1 - math.comb(E - E // ep, k) / math.comb(E, k))
 
 

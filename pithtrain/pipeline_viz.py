@@ -34,11 +34,6 @@ def load(run_dir: str | Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in files]
 
 
-def idle_fractions(ranks: list[dict]) -> list[float]:
-    end = max(op["end"] for r in ranks for op in r["ops"])
-    return [1 - sum(op["end"] - op["start"] for op in r["ops"]) / end for r in ranks]
-
-
 def comm_phases(rank: dict) -> list[dict]:
     return [p for p in rank.get("phases", ()) if p["comm"]]
 
@@ -69,7 +64,8 @@ def lane(spans: list[dict], end: float, width: int, blank: str, mark) -> str:
 def text(ranks: list[dict], width: int = 100) -> str:
     end = max(op["end"] for r in ranks for op in r["ops"])
     lines = [f"step {ranks[0]['step']}: {end * 1e3:.1f} ms, {width} slots of {end / width * 1e3:.2f} ms"]
-    for r, idle in zip(ranks, idle_fractions(ranks)):
+    for r in ranks:
+        idle = 1 - sum(op["end"] - op["start"] for op in r["ops"]) / end
         row = lane(r["ops"], end, width, ".", lambda op: LETTER.get(op["kind"], "?"))
         comm = lane(comm_phases(r), end, width, " ", lambda ph: "^")
         if "^" in comm:

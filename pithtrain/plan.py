@@ -312,10 +312,9 @@ def plan(cfg: Config, world_size: int, gpu_gib: float, gpu: str = "", models: di
         for x in ranks:
             x.update(peak=x["peak"] - x["keep_bytes"], comm=x["comm"] - x["keep_bytes"], keep=False, keep_bytes=0)
     peak = max(x["peak"] for x in ranks) / GIB
-    t = cfg.train
     result = {"gpu": gpu, "gpu_gib": gpu_gib, "usable_gib": FIT_FRACTION * gpu_gib, "world_size": world_size,
               "keep": all(x["keep"] for x in ranks), "layout": {k: getattr(cfg.parallel, k) for k in LAYOUT_KEYS},
-              **{k: getattr(t, k) for k in TRAIN_CHOICES}, "global_batch_tokens": global_batch(cfg),
+              **{k: getattr(cfg.train, k) for k in TRAIN_CHOICES}, "global_batch_tokens": global_batch(cfg),
               "ranks": ranks, "peak_gib": peak, "fits": peak <= FIT_FRACTION * gpu_gib}
     if not result["fits"]:
         result["refusal"] = refusal(cfg, result, world_size)
