@@ -92,22 +92,17 @@ def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
         return
     for layer in decoder_layers(model):
         mlp = layer.mlp
+        moe = hasattr(mlp, "dispatcher")  # a MoE block: its phases call the experts directly
+        shared = getattr(mlp, "shared_experts", None)
+        swiglus = ([shared] if shared is not None else []) if moe else [mlp]  # the dense SwiGLU MLPs
         if mode == "cheap":
             layer.attend = functools.partial(_cheap, layer.attend)
-            if not hasattr(mlp, "dispatcher"):
-                mlp.forward = functools.partial(_cheap, mlp.forward)
-                continue
-            mlp.experts.down = functools.partial(_checkpointed, mlp.experts.down)
-            if getattr(mlp, "shared_experts", None) is not None:
-                mlp.shared_experts.forward = functools.partial(_cheap, mlp.shared_experts.forward)
+            for m in swiglus:
+                m.forward = functools.partial(_cheap, m.forward)
+            if moe:
+                mlp.experts.down = functools.partial(_checkpointed, mlp.experts.down)
             continue
-        if mode == "full":
-            targets = [layer]
-        elif hasattr(mlp, "dispatcher"):  # a MoE block: its phases call the experts directly
-            targets = [mlp.experts] + ([mlp.shared_experts] if getattr(mlp, "shared_experts", None) else [])
-        else:
-            targets = [mlp]
-        for target in targets:
+        for target in [layer] if mode == "full" else [mlp.experts, *swiglus] if moe else swiglus:
             target.forward = functools.partial(_checkpointed, target.forward)
 
 

@@ -118,8 +118,7 @@ def _quant_padded_ref(x: torch.Tensor, rows: torch.Tensor, Mp: int, ue8m0: bool 
     q, s = fp8_linear.quant_rows(x)
     qp = q.new_zeros(Mp, q.shape[1])
     qp.view(torch.uint8).index_copy_(0, rows, q.view(torch.uint8))  # no index_copy_ for fp8 on the CPU
-    sp = s.new_ones(s.shape[0], Mp).index_copy_(1, rows, s)
-    return qp, sp
+    return qp, s.new_ones(s.shape[0], Mp).index_copy_(1, rows, s)
 
 
 def _mgrouped_ref(a, a_s, b, b_s, m_indices, out):
