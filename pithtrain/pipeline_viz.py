@@ -44,10 +44,8 @@ def overlapped(rank: dict) -> int:
     phases = rank.get("phases", ())
     n = 0
     for e in comm_phases(rank):
-        if e["pair"] is None:
-            continue
         partner = [o for o in phases if o is not e and o["op"] == e["op"] and o["pair"] == e["pair"]]
-        n += len(partner) == 1 and not partner[0]["comm"] and partner[0]["mb"] != e["mb"]
+        n += e["pair"] is not None and len(partner) == 1 and not partner[0]["comm"] and partner[0]["mb"] != e["mb"]
     return n
 
 

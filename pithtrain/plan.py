@@ -208,7 +208,6 @@ def in_flight(cfg: Config, dims: ParallelDims, chunk_bytes: list[int]) -> int:
 def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks, precision: Precision) -> dict:
     t, m = cfg.train, cfg.model
     c = precision.compute.itemsize
-    fsdp = dims.fsdp_enabled
     pbytes = c  # the compute weights' dtype (FSDP's gathers, the bf16 copies: precision.py)
     rbytes = precision.reduce.itemsize
     state = precision.bytes_per_param()
@@ -240,7 +239,7 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks, precisi
     layer_full = max(d + e for d, e in zip(dense, expert))
     root_full = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("layers."))
     comm = keep = 0  # keep: the bytes precision.keep adds (every layer's dense part gathered for the step)
-    if fsdp:  # the root, the current and the prefetched layer, one layer's gradients
+    if dims.fsdp_enabled:  # the root, the current and the prefetched layer, one layer's gradients
         comm += root_full * pbytes + 2 * layer_full * pbytes + layer_full * (pbytes + rbytes)
         if precision.keep:  # and the root's all-gather buffer, which FSDP frees at the next gather
             keep = (max(sum(dense) - 2 * max(dense), 0) + root_full) * pbytes
@@ -262,7 +261,7 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks, precisi
                     for k, (pb, rb) in (("float32", (4, 4)), ("policy", (pbytes, rbytes)))}
     return {"rank": dims.rank, "stage": dims.pp_rank, "params": state["weights"] * n, "grads": grads,
             "optimizer": state["optimizer"] * n, "activations": acts, "comm": comm + keep,
-            "keep": fsdp and precision.keep, "keep_bytes": keep, "fp8_cache": cache,
+            "keep": dims.fsdp_enabled and precision.keep, "keep_bytes": keep, "fp8_cache": cache,
             "bf16_copy": copy, "workspace": WORKSPACE, "peak": max(fwd, bwd),
             "fsdp_bytes_per_step": fsdp_traffic}
 
@@ -332,9 +331,8 @@ def global_batch(cfg: Config) -> int:
     """Tokens per optimizer step: train.global_batch_tokens, else micro-batch x accumulation x
     sequence x cfg's data-parallel ranks (dp x fsdp)."""
     t, p = cfg.train, cfg.parallel
-    if t.global_batch_tokens is not None:
-        return t.global_batch_tokens
-    return t.micro_batch_size * t.grad_accum * t.seq_len * ((p.dp or 1) * (p.fsdp or 1))
+    return (t.global_batch_tokens if t.global_batch_tokens is not None
+            else t.micro_batch_size * t.grad_accum * t.seq_len * ((p.dp or 1) * (p.fsdp or 1)))
 
 
 def check_global_batch(cfg: Config, world_size: int) -> None:

@@ -292,8 +292,7 @@ def resolve_timeline(timeline: list, t0: float, origin=None):
     (minus t0); CUDA events are measured from `origin` (an event recorded at the step start)."""
     for e in timeline:
         for key in ("start", "end"):
-            v = e[key]
-            e[key] = v - t0 if isinstance(v, float) else origin.elapsed_time(v) / 1e3
+            e[key] = e[key] - t0 if isinstance(e[key], float) else origin.elapsed_time(e[key]) / 1e3
 
 
 # ---------------------------------------------------------------------------------------------

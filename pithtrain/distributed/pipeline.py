@@ -288,8 +288,7 @@ def run_step(runner: "PipelineRunner", micro_batches, denom: float, cfg, dims, s
     if record:
         save_timeline(runner.timeline, cfg.log.run_dir, dims.rank, dims.pp_rank, step + 1,
                       runner.phases_timeline)
-    n_tokens = sum(mb[1].numel() for mb in micro_batches) if runner.holds_loss else 0
-    return loss, n_tokens
+    return loss, (sum(mb[1].numel() for mb in micro_batches) if runner.holds_loss else 0)
 
 
 def save_timeline(timeline: list, run_dir, rank: int, pp_rank: int, step: int, phases: list = ()):

@@ -243,15 +243,12 @@ def with_comm(ops: list[Op], rank: int, pp: int, schedule: str) -> list[Op]:
     for op in ops:
         f = [(op.chunk, op.mb)] if op.kind in ("F", "FB") else []  # its forward's and backward's (chunk, mb)
         b = [(op.b_chunk, op.b_mb)] if op.kind == "FB" else [(op.chunk, op.mb)] if op.kind in ("B", "BW") else []
-        for c, mb in f:
-            comm("RECV_F", c, mb, -1)
-        for c, mb in b:
-            comm("RECV_B", c, mb, +1)
+        sides = [("F", c, mb, +1) for c, mb in f] + [("B", c, mb, -1) for c, mb in b]  # +1: activations go on
+        for side, c, mb, d in sides:
+            comm("RECV_" + side, c, mb, -d)
         out.append(op)
-        for c, mb in f:
-            comm("SEND_F", c, mb, +1)
-        for c, mb in b:
-            comm("SEND_B", c, mb, -1)
+        for side, c, mb, d in sides:
+            comm("SEND_" + side, c, mb, d)
     return out
 
 

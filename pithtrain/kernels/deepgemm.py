@@ -53,17 +53,16 @@ def load(why: list | None = None):
     H200 (docs/perf-notes.md). Re-opening the already-loaded libstdc++ RTLD_GLOBAL puts it in the
     global scope, which the dynamic linker searches before the extension's own definitions (what
     LD_PRELOAD did). PITHTRAIN_LIBSTDCXX names another library file."""
+    why = [] if why is None else why
     try:
         ctypes.CDLL(os.environ.get("PITHTRAIN_LIBSTDCXX", "libstdc++.so.6"), mode=os.RTLD_GLOBAL)
     except OSError as e:  # not Linux / glibc: deep_gemm will not load either, and says so below
-        if why is not None:
-            why.append(f"libstdc++ not promoted: {e}")
+        why.append(f"libstdc++ not promoted: {e}")
     try:
         import deep_gemm
         return deep_gemm
     except Exception as e:  # ImportError, or the extension's init failing (no CUDA, no nvcc)
-        if why is not None:
-            why.append(f"{type(e).__name__}: {e}")
+        why.append(f"{type(e).__name__}: {e}")
         return None
 
 
