@@ -156,9 +156,8 @@ class PlanRefused(Exception):
 def refused_by_plan(cfg, gpu_gib: float, gpu: str = "") -> str | None:
     """Why train.py would refuse cfg on one GPU of gpu_gib GiB (its memory plan), or None."""
     p = plan(cfg, 1, gpu_gib, gpu)
-    if p["fits"]:
-        return None
-    return f"train.py refuses it here: memory plan {p['peak_gib']:.1f} GiB of {p['usable_gib']:.1f} usable"
+    return None if p["fits"] else (f"train.py refuses it here: memory plan {p['peak_gib']:.1f} GiB of "
+                                   f"{p['usable_gib']:.1f} usable")
 
 
 def pithtrain_step(cfg, variant: dict, device, doc_len: int = 0):
@@ -296,10 +295,9 @@ def peer_sides(name, cfg, device, peers, warmup, steps, profile) -> list[dict]:
         # apply_compile replaces the experts' function module-wide and sets a dynamo flag: both go back
         experts_fn, scalar = moe_module._run_experts_grouped_mm, torch._dynamo.config.capture_scalar_outputs
         try:
-            rec = measure(name, "torchtitan", cfg, lambda: torchtitan_step(cfg, device, True), warmup, steps,
-                          profile)
-            recs.append(rec)
-            if rec.get("compile_error"):  # torch.compile failed: the same model eager
+            recs.append(measure(name, "torchtitan", cfg, lambda: torchtitan_step(cfg, device, True), warmup, steps,
+                                profile))
+            if recs[-1].get("compile_error"):  # torch.compile failed: the same model eager
                 moe_module._run_experts_grouped_mm = experts_fn
                 torch._dynamo.reset()
                 recs.append(measure(name, "torchtitan eager", cfg, lambda: torchtitan_step(cfg, device, False),

@@ -110,7 +110,7 @@ def build_run(cfg: Config, device: torch.device, dims: ParallelDims, *, state: s
     made when distributed): the module docstring's steps. `state`: the training state (precision.
     STATES; train.state unless given; the bench's "bf16" casts the weights to bf16 after they are
     drawn); `keep`: whether FSDP keeps the dense layers gathered across a step (the memory plan's
-    answer, plan.keeps; None: wherever it applies, Precision.of); `off`: kernels kept
+    answer, its "keep"; None: wherever it applies, Precision.of); `off`: kernels kept
     on their reference (the bench's no-NAME); `draws`: where the init's random draws are made, "cpu"
     (every layout and device starts from the same weights) or "device" (faster: the bench, whose
     timing does not depend on the values)."""

@@ -39,7 +39,7 @@ Activation checkpointing (`train.activation_checkpoint`), per decoder layer, lea
                the dispatched rows (the checkpoint's input), are kept. Dispatch and combine stay
                outside the checkpoint, so expert parallel's all-to-all is never run twice.
   "full"       recompute each whole decoder layer in backward (least memory, ~1/3 more compute).
-What each keeps, per token, is pithtrain/plan.py's table (saved_per_layer), checked against
+What each keeps, per token, is pithtrain/plan.py's table (layer_activations), checked against
 torch's saved-tensor hooks in tests/test_plan.py.
 """
 
@@ -78,13 +78,10 @@ def cheap_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def cheap_contexts():
-    """The selective checkpoint's context pair for one region (a fresh cache each call)."""
-    return create_selective_checkpoint_contexts(cheap_policy)
-
-
 def _cheap(forward, *args, **kwargs):
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=cheap_contexts, **kwargs)
+    # context_fn: the selective checkpoint's context pair for one region (a fresh cache each call)
+    return checkpoint(forward, *args, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, cheap_policy), **kwargs)
 
 
 def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
@@ -95,22 +92,17 @@ def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
         return
     for layer in decoder_layers(model):
         mlp = layer.mlp
+        moe = hasattr(mlp, "dispatcher")  # a MoE block: its phases call the experts directly
+        shared = getattr(mlp, "shared_experts", None)
+        swiglus = ([shared] if shared is not None else []) if moe else [mlp]  # the dense SwiGLU MLPs
         if mode == "cheap":
             layer.attend = functools.partial(_cheap, layer.attend)
-            if not hasattr(mlp, "dispatcher"):
-                mlp.forward = functools.partial(_cheap, mlp.forward)
-                continue
-            mlp.experts.down = functools.partial(_checkpointed, mlp.experts.down)
-            if getattr(mlp, "shared_experts", None) is not None:
-                mlp.shared_experts.forward = functools.partial(_cheap, mlp.shared_experts.forward)
+            for m in swiglus:
+                m.forward = functools.partial(_cheap, m.forward)
+            if moe:
+                mlp.experts.down = functools.partial(_checkpointed, mlp.experts.down)
             continue
-        if mode == "full":
-            targets = [layer]
-        elif hasattr(mlp, "dispatcher"):  # a MoE block: its phases call the experts directly
-            targets = [mlp.experts] + ([mlp.shared_experts] if getattr(mlp, "shared_experts", None) else [])
-        else:
-            targets = [mlp]
-        for target in targets:
+        for target in [layer] if mode == "full" else [mlp.experts, *swiglus] if moe else swiglus:
             target.forward = functools.partial(_checkpointed, target.forward)
 
 

@@ -291,9 +291,8 @@ def table(r: dict) -> str:
         parts["compute"] + parts["optimizer"] if pred else None, ".3f",
         f"model: compute {parts['compute']:.3f} + optimizer {parts['optimizer']:.3f} on {pred['gpu']}" if pred
         else "model: none on this device")
-    gib = plan.GIB
-    row("peak memory (GiB), rank 0", None if r["peak_bytes"] is None else r["peak_bytes"] / gib,
-        r["plan_peak_bytes"] / gib, ".2f", f"model: the memory plan on {r['world_size']} x {r['gpu']}")
+    row("peak memory (GiB), rank 0", None if r["peak_bytes"] is None else r["peak_bytes"] / plan.GIB,
+        r["plan_peak_bytes"] / plan.GIB, ".2f", f"model: the memory plan on {r['world_size']} x {r['gpu']}")
     if pred:
         lines.append(f"not emulated (stand-ins copy what these send), the model's on {pred['gpu']}: FSDP exposed "
                      f"{parts['fsdp_cp_exposed']:.3f} s, all-to-all {parts['all_to_all']:.3f} s")

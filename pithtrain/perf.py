@@ -91,9 +91,7 @@ def layer_kind(m, i: int) -> str:
 
 def expert_params(m, i: int) -> int:
     """Routed-expert matmul parameters of layer i (0 for a dense layer): E x 3 x D x F."""
-    if layer_kind(m, i) == "dense":
-        return 0
-    return m.num_experts * 3 * m.hidden_size * getattr(m, m.expert_width_field)
+    return 0 if layer_kind(m, i) == "dense" else m.num_experts * 3 * m.hidden_size * getattr(m, m.expert_width_field)
 
 
 def layer_flops(m, i: int, seq: int) -> tuple[float, float]:
@@ -147,9 +145,7 @@ def ring_time(gpu: str, nbytes: float, ranks: int, span: int) -> float:
 
 def remote_rows_per_token(E: int, k: int, ep: int) -> float:
     """Deduplicated rows a token sends to other ep ranks under uniform routing: each other rank
-    receives one row when it holds at least one of the token's k experts."""
-    if ep == 1:
-        return 0.0
+    receives one row when it holds at least one of the token's k experts (none when ep = 1)."""
     return (ep - 1) * (1 - math.comb(E - E // ep, k) / math.comb(E, k))
 
 
@@ -255,8 +251,7 @@ def end_costs(cfg, fam: dict, path: str, gpu: str, T: float) -> dict:
 
 def comm_costs(cfg, lay: dict, gpu: str, fam: dict, T: float) -> dict:
     """{layer: {"fsdp", "a2a", "cp"}} seconds of communication per layer and micro-batch."""
-    m, t = cfg.model, cfg.train
-    d = dims_of(lay)
+    m, t, d = cfg.model, cfg.train, dims_of(lay)
     pp, dp, cp, ep, efsdp = d.pp, d.dp, d.cp, d.ep, d.efsdp
     D, A, E = m.hidden_size, getattr(m, "top_k", 0), getattr(m, "num_experts", 1)
     shard, stage = d.fsdp * cp, dp * d.fsdp * cp
@@ -309,9 +304,8 @@ def predict(cfg, lay: dict, gpu: str, costs: dict | None = None, path: str | Non
     T = t.micro_batch_size * t.seq_len / cp
     memo = {} if memo is None else memo
     key = (path, gpu, lay["ep"], T, t.fp8, t.activation_checkpoint)  # what the layers' costs depend on
-    if key not in memo:
-        memo[key] = {w: layer_costs(cfg, fam, path, gpu, lay["ep"], T, w, t.fp8) for w in ("first", "later")}
-    costs_mb = memo[key]
+    costs_mb = memo[key] = memo[key] if key in memo else {
+        w: layer_costs(cfg, fam, path, gpu, lay["ep"], T, w, t.fp8) for w in ("first", "later")}
     ends = end_costs(cfg, fam, path, gpu, T)
     key = ("comm", gpu, T, t.reduce_dtype, *(lay[k] for k in ("pp", "dp", "fsdp", "cp", "ep")))
     comm = memo[key] = memo[key] if key in memo else comm_costs(cfg, lay, gpu, fam, T)

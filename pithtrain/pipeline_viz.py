@@ -34,11 +34,6 @@ def load(run_dir: str | Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in files]
 
 
-def idle_fractions(ranks: list[dict]) -> list[float]:
-    end = max(op["end"] for r in ranks for op in r["ops"])
-    return [1 - sum(op["end"] - op["start"] for op in r["ops"]) / end for r in ranks]
-
-
 def comm_phases(rank: dict) -> list[dict]:
     return [p for p in rank.get("phases", ()) if p["comm"]]
 
@@ -49,31 +44,31 @@ def overlapped(rank: dict) -> int:
     phases = rank.get("phases", ())
     n = 0
     for e in comm_phases(rank):
-        if e["pair"] is None:
-            continue
         partner = [o for o in phases if o is not e and o["op"] == e["op"] and o["pair"] == e["pair"]]
-        n += len(partner) == 1 and not partner[0]["comm"] and partner[0]["mb"] != e["mb"]
+        n += e["pair"] is not None and len(partner) == 1 and not partner[0]["comm"] and partner[0]["mb"] != e["mb"]
     return n
+
+
+def lane(spans: list[dict], end: float, width: int, blank: str, mark) -> str:
+    """`width` slots of [0, end): each span's slots (at least one) marked with mark(span)."""
+    row = [blank] * width
+    for s in spans:
+        a = int(s["start"] / end * width)
+        for i in range(a, min(max(a + 1, int(s["end"] / end * width)), width)):
+            row[i] = mark(s)
+    return "".join(row)
 
 
 def text(ranks: list[dict], width: int = 100) -> str:
     end = max(op["end"] for r in ranks for op in r["ops"])
     lines = [f"step {ranks[0]['step']}: {end * 1e3:.1f} ms, {width} slots of {end / width * 1e3:.2f} ms"]
-    for r, idle in zip(ranks, idle_fractions(ranks)):
-        row = ["."] * width
-        for op in r["ops"]:
-            a = int(op["start"] / end * width)
-            b = max(a + 1, int(op["end"] / end * width))
-            for i in range(a, min(b, width)):
-                row[i] = LETTER.get(op["kind"], "?")
-        comm = [" "] * width
-        for ph in comm_phases(r):
-            a = int(ph["start"] / end * width)
-            for i in range(a, min(max(a + 1, int(ph["end"] / end * width)), width)):
-                comm[i] = "^"
+    for r in ranks:
+        idle = 1 - sum(op["end"] - op["start"] for op in r["ops"]) / end
+        row = lane(r["ops"], end, width, ".", lambda op: LETTER.get(op["kind"], "?"))
+        comm = lane(comm_phases(r), end, width, " ", lambda ph: "^")
         if "^" in comm:
-            lines.append(f"{'  all-to-all':<16} |{''.join(comm)}|")
-        lines.append(f"rank {r['rank']:>3} (pp {r['pp_rank']}) |{''.join(row)}| idle {idle:.0%}"
+            lines.append(f"{'  all-to-all':<16} |{comm}|")
+        lines.append(f"rank {r['rank']:>3} (pp {r['pp_rank']}) |{row}| idle {idle:.0%}"
                      + (f", {overlapped(r)} all-to-all overlapped" if comm_phases(r) else ""))
     lines.append("F forward  B input-backward  W weight-backward  X full backward  "
                  "O forward+backward overlapped  . idle  ^ all-to-all (dispatch / combine)")

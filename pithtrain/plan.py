@@ -159,7 +159,7 @@ def layer_activations(layer: nn.Module, i: int, cfg: Config, c: int, mode: str) 
     routing = c * mlp.balance.num_experts + 8 * A + 4 * A + 4  # logits (router's width), ids, weights, their sum
     rows = {"none": 2 * D + 3 * ex.hidden, "cheap": 2 * D + 2 * ex.hidden, "selective": 2 * D}[mode]
     if cfg.parallel.ep and cfg.parallel.ep > 1:  # the busiest rank's rows; the combine's received rows
-        rows = rows * busiest(cfg) + (D if mode != "selective" else 0)
+        rows = rows * busiest(m.family, cfg.parallel.ep) + (D if mode != "selective" else 0)
     combine = c * A + 2 * 8 * A + (8 * A if ex.b13_EF2 is not None else 0)  # unpermute's weights and
     shared = getattr(mlp, "shared_experts", None)  # indices; the rows' expert ids for the biases
     if shared is not None:  # its input: its own copy, compiled or eager
@@ -167,14 +167,10 @@ def layer_activations(layer: nn.Module, i: int, cfg: Config, c: int, mode: str) 
     return a, c * D + routing + round(c * A * rows) + combine + (shared or 0)
 
 
-def busiest(cfg: Config) -> float:
-    """The busiest expert-parallel rank's rows over the mean under the calibration's routing (the
-    cost file's balance at cfg's ep; 1 for a family it has not measured)."""
-    return busiest_at(cfg.model.family, cfg.parallel.ep)
-
-
 @functools.lru_cache(maxsize=None)
-def busiest_at(family: str, ep: int) -> float:
+def busiest(family: str, ep: int) -> float:
+    """The busiest expert-parallel rank's rows over the mean under the calibration's routing (the
+    cost file's balance at this ep; 1 for a family it has not measured)."""
     fam = perf.load_costs()["families"].get(family)
     return perf.measured_at(fam["balance"]["group_max_mean"], ep) if fam else 1.0
 
@@ -185,13 +181,6 @@ def swiglu_mlp(mlp: nn.Module, c: int, mode: str, compiled: bool) -> int:
     (selective)."""
     F = mlp.gate_proj.out_features
     return {"none": (3 + (not compiled)) * c * F, "cheap": 2 * c * F, "selective": 0}[mode]
-
-
-def saved_per_layer(layer, i, cfg, c, T) -> tuple[int, int]:
-    """(bytes kept between forward and backward under train.activation_checkpoint, bytes of the
-    layer's whole activations: what its backward (or recompute) holds at once)."""
-    kept = sum(layer_activations(layer, i, cfg, c, cfg.train.activation_checkpoint))
-    return T * kept, T * sum(layer_activations(layer, i, cfg, c, "none"))
 
 
 def in_flight(cfg: Config, dims: ParallelDims, chunk_bytes: list[int]) -> int:
@@ -219,7 +208,6 @@ def in_flight(cfg: Config, dims: ParallelDims, chunk_bytes: list[int]) -> int:
 def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks, precision: Precision) -> dict:
     t, m = cfg.train, cfg.model
     c = precision.compute.itemsize
-    fsdp = dims.fsdp_enabled
     pbytes = c  # the compute weights' dtype (FSDP's gathers, the bf16 copies: precision.py)
     rbytes = precision.reduce.itemsize
     state = precision.bytes_per_param()
@@ -228,9 +216,10 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks, precisi
     D, V = m.hidden_size, m.vocab_size
 
     layers = dict(indexed_layers(model))
-    saved, whole = {}, {}
-    for i, layer in layers.items():
-        saved[i], whole[i] = saved_per_layer(layer, i, cfg, c, T)
+    # bytes kept between forward and backward under train.activation_checkpoint, and bytes of the
+    # layer's whole activations: what its backward (or recompute) holds at once
+    saved = {i: T * sum(layer_activations(x, i, cfg, c, t.activation_checkpoint)) for i, x in layers.items()}
+    whole = {i: T * sum(layer_activations(x, i, cfg, c, "none")) for i, x in layers.items()}
     expert_ps = [p for x in layers.values() for b in moe_blocks(x) for p in b.experts.parameters()]
     head = getattr(model, "lm_head", None) is not None
     ends = T * 4 * c * D if head else 0  # final norm; the loss's bf16 h and dh
@@ -250,7 +239,7 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks, precisi
     layer_full = max(d + e for d, e in zip(dense, expert))
     root_full = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("layers."))
     comm = keep = 0  # keep: the bytes precision.keep adds (every layer's dense part gathered for the step)
-    if fsdp:  # the root, the current and the prefetched layer, one layer's gradients
+    if dims.fsdp_enabled:  # the root, the current and the prefetched layer, one layer's gradients
         comm += root_full * pbytes + 2 * layer_full * pbytes + layer_full * (pbytes + rbytes)
         if precision.keep:  # and the root's all-gather buffer, which FSDP frees at the next gather
             keep = (max(sum(dense) - 2 * max(dense), 0) + root_full) * pbytes
@@ -272,8 +261,7 @@ def rank_plan(cfg: Config, dims: ParallelDims, model: nn.Module, chunks, precisi
                     for k, (pb, rb) in (("float32", (4, 4)), ("policy", (pbytes, rbytes)))}
     return {"rank": dims.rank, "stage": dims.pp_rank, "params": state["weights"] * n, "grads": grads,
             "optimizer": state["optimizer"] * n, "activations": acts, "comm": comm + keep,
-            "keep": fsdp and precision.keep, "keep_bytes": keep,
-            "fp8_cache": cache,
+            "keep": dims.fsdp_enabled and precision.keep, "keep_bytes": keep, "fp8_cache": cache,
             "bf16_copy": copy, "workspace": WORKSPACE, "peak": max(fwd, bwd),
             "fsdp_bytes_per_step": fsdp_traffic}
 
@@ -321,13 +309,11 @@ def plan(cfg: Config, world_size: int, gpu_gib: float, gpu: str = "", models: di
         ranks.append(rank_plan(cfg, dims, *models[key]))
     if max(x["peak"] for x in ranks) > FIT_FRACTION * gpu_gib * GIB:  # no room to keep the layers gathered
         for x in ranks:
-            x["peak"], x["comm"], x["keep"] = x["peak"] - x["keep_bytes"], x["comm"] - x["keep_bytes"], False
-            x["keep_bytes"] = 0
+            x.update(peak=x["peak"] - x["keep_bytes"], comm=x["comm"] - x["keep_bytes"], keep=False, keep_bytes=0)
     peak = max(x["peak"] for x in ranks) / GIB
-    t = cfg.train
     result = {"gpu": gpu, "gpu_gib": gpu_gib, "usable_gib": FIT_FRACTION * gpu_gib, "world_size": world_size,
               "keep": all(x["keep"] for x in ranks), "layout": {k: getattr(cfg.parallel, k) for k in LAYOUT_KEYS},
-              **{k: getattr(t, k) for k in TRAIN_CHOICES}, "global_batch_tokens": global_batch(cfg),
+              **{k: getattr(cfg.train, k) for k in TRAIN_CHOICES}, "global_batch_tokens": global_batch(cfg),
               "ranks": ranks, "peak_gib": peak, "fits": peak <= FIT_FRACTION * gpu_gib}
     if not result["fits"]:
         result["refusal"] = refusal(cfg, result, world_size)
@@ -345,9 +331,8 @@ def global_batch(cfg: Config) -> int:
     """Tokens per optimizer step: train.global_batch_tokens, else micro-batch x accumulation x
     sequence x cfg's data-parallel ranks (dp x fsdp)."""
     t, p = cfg.train, cfg.parallel
-    if t.global_batch_tokens is not None:
-        return t.global_batch_tokens
-    return t.micro_batch_size * t.grad_accum * t.seq_len * ((p.dp or 1) * (p.fsdp or 1))
+    return (t.global_batch_tokens if t.global_batch_tokens is not None
+            else t.micro_batch_size * t.grad_accum * t.seq_len * ((p.dp or 1) * (p.fsdp or 1)))
 
 
 def check_global_batch(cfg: Config, world_size: int) -> None:
@@ -572,12 +557,6 @@ def resolve_launch(cfg: Config, device: torch.device, world_size: int) -> tuple[
               "needs its own fake one)", flush=True)
         gpu_gib = None
     return resolve(cfg, world_size, torch.cuda.get_device_name(device) if gpu_gib else "", gpu_gib)
-
-
-def keeps(result: dict | None) -> bool | None:
-    """Whether the planned run keeps FSDP's dense layers gathered across a step (precision.keep):
-    the plan's answer, or None without a plan (CPU: Precision.of decides)."""
-    return None if result is None else result["keep"]
 
 
 def launch_line(cfg: Config, result: dict | None) -> str | None:

@@ -57,6 +57,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pithtrain.kernels.adamw import split
+from pithtrain.kernels.wgrad import writable
 from pithtrain.models.common import GroupedExperts, local, placed_like
 
 # Bytes per parameter of a training state: weights (the masters), gradients, optimizer moments
@@ -275,8 +276,7 @@ class WeightCopies:
     def _current(self, p: torch.Tensor) -> nn.Parameter:
         """p's bf16 copy holding p's value: made (first use, or p's shape, device or requires_grad
         changed), refreshed by a cast, or as it is when AdamW wrote it."""
-        entry, src = self._copy.get(id(p)), local(p)  # a DTensor master (experts): its local block
-        b = entry[1] if entry is not None and entry[0]() is p else None
+        b, src = self.copy_of(p), local(p)  # a DTensor master (experts): its local block
         if b is None or b.shape != src.shape or b.device != p.device or b.requires_grad != p.requires_grad:
             if b is not None:
                 self._master.pop(id(b), None)
@@ -319,9 +319,7 @@ class WeightCopies:
             p.grad = placed_like(p, block)
             return block, True
         g = local(g)
-        ok = (type(g) is torch.Tensor and g.device == w.device and g.is_contiguous() and g.shape == w.shape
-              and g.dtype in (torch.float32, torch.bfloat16))
-        return (g, False) if ok else None
+        return (g, False) if writable(g, w) else None
 
     def copy_of(self, p: torch.Tensor) -> torch.Tensor | None:
         """The bf16 copy of master p, for kernels/adamw.py to write the updated value into, or None."""

@@ -41,8 +41,7 @@ class Notice:
     """Records the first notice; a second one ends the process at once."""
 
     def __init__(self, names: list[str]):
-        self.signum = 0
-        self.old = {}
+        self.signum, self.old = 0, {}
         if threading.current_thread() is not threading.main_thread():  # signal.signal needs it
             return
         for name in dict.fromkeys(["SIGINT", *names]):

@@ -300,7 +300,8 @@ def start(cfg: Config, resume, notice: Notice, stack: contextlib.ExitStack, draw
         stack.callback(claim(cfg, total).close)  # ends rank 0, and torchrun ends the other ranks with it)
     torch.manual_seed(cfg.train.seed)
     with StartupTimer("building the model", say):
-        run = build_run(cfg, device, dims, draws=draws, keep=plan.keeps(planned))
+        # the plan's answer to precision.keep, or None without a plan (CPU: Precision.of decides)
+        run = build_run(cfg, device, dims, draws=draws, keep=None if planned is None else planned["keep"])
         if say:
             print(kernels.describe(run.use, attention_kernels(run.model, run.use)), flush=True)
             print(run.precision.describe(), flush=True)

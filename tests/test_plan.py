@@ -631,7 +631,7 @@ def test_expert_parallel_rows_are_the_busiest_ranks_and_the_combine_keeps_its_re
                                       "train.activation_checkpoint=none", "train.global_batch_tokens=null"])
     model = build_model(cfg.model, torch.device("meta"))
     layer, m = model.layers[0], cfg.model
-    b = planner.busiest(cfg)
+    b = planner.busiest(cfg.model.family, cfg.parallel.ep)
     assert b == perf.load_costs()["families"]["gpt_oss"]["balance"]["group_max_mean"]["8"] > 1
     ep8 = planner.layer_activations(layer, 0, cfg, 2, "none")[1]
     one = planner.layer_activations(layer, 0, dataclasses.replace(cfg, parallel=dataclasses.replace(

@@ -33,8 +33,7 @@ def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
 def shard_sequence(x_BS: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
     """(B, S) -> (B, S/cp): this rank's two chunks, in order."""
     chunks = x_BS.chunk(2 * cp, dim=1)
-    a, b = chunk_ids(cp_rank, cp)
-    return torch.cat([chunks[a], chunks[b]], dim=1)
+    return torch.cat([chunks[i] for i in chunk_ids(cp_rank, cp)], dim=1)
 
 
 def split_batch(x_BS, y_BS, dims):

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from pithtrain.models.common import DecoderLayer, Phase, head_loss
 
@@ -113,7 +114,6 @@ def _units(unit):
     """The FSDP modules whose parameters a unit's phases use: the layer (or root) itself and any
     module sharded separately inside it (routed experts), but not other layers (the root's
     modules() holds every layer; its own parameters are embedding, norm and head)."""
-    from torch.distributed.fsdp import FSDPModule
     if isinstance(unit, DecoderLayer):
         return [m for m in unit.modules() if isinstance(m, FSDPModule)]
     return [unit] if isinstance(unit, FSDPModule) else []
@@ -140,7 +140,6 @@ def reduce_grads(unit):
 def finish_fsdp(model):
     """End of a step under driven FSDP: FSDP's end-of-backward callback (waits for the pending
     reduce-scatters, resets every unit's state for the next step)."""
-    from torch.distributed.fsdp import FSDPModule
     if isinstance(model, FSDPModule):
         model._get_fsdp_state()._root_post_backward_final_callback()
 
@@ -293,8 +292,7 @@ def resolve_timeline(timeline: list, t0: float, origin=None):
     (minus t0); CUDA events are measured from `origin` (an event recorded at the step start)."""
     for e in timeline:
         for key in ("start", "end"):
-            v = e[key]
-            e[key] = v - t0 if isinstance(v, float) else origin.elapsed_time(v) / 1e3
+            e[key] = e[key] - t0 if isinstance(e[key], float) else origin.elapsed_time(e[key]) / 1e3
 
 
 # ---------------------------------------------------------------------------------------------

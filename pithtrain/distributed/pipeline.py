@@ -34,6 +34,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from pithtrain.distributed import overlap
 from pithtrain.distributed.schedule import Chunk, Op, build_schedule, rank_chunks, stage_rank
@@ -58,8 +59,7 @@ def prune_model(model: torch.nn.Module, chunks: list[Chunk]) -> torch.nn.Module:
     if not has_first:
         model.embed_tokens = None
     if not has_last:
-        model.norm = None
-        model.lm_head = None
+        model.norm = model.lm_head = None
     return attach_ends(model)
 
 
@@ -74,7 +74,6 @@ def attach_ends(model: torch.nn.Module) -> torch.nn.Module:
 def register_fsdp_methods(model: torch.nn.Module):
     """After `parallelize`: FSDP's root hooks around `pipeline_begin` (torch's call does nothing
     to a model without FSDP)."""
-    from torch.distributed.fsdp import register_fsdp_forward_method
     register_fsdp_forward_method(model, "pipeline_begin")
 
 
@@ -116,7 +115,6 @@ class PipelineRunner:
         # gather / reduce-scatter itself, so B defers the weight gradient and its reduce-scatter
         # to W. Activation checkpointing wraps a layer's own call, so checkpointed layers run
         # whole; under FSDP their hooks then reduce in B, so B is a full backward there.
-        from torch.distributed.fsdp import FSDPModule
         self.fsdp = isinstance(model, FSDPModule)
         self.split_layers = not checkpointed
         self.split = not (self.fsdp and checkpointed)
@@ -288,8 +286,7 @@ def run_step(runner: "PipelineRunner", micro_batches, denom: float, cfg, dims, s
     if record:
         save_timeline(runner.timeline, cfg.log.run_dir, dims.rank, dims.pp_rank, step + 1,
                       runner.phases_timeline)
-    n_tokens = sum(mb[1].numel() for mb in micro_batches) if runner.holds_loss else 0
-    return loss, n_tokens
+    return loss, (sum(mb[1].numel() for mb in micro_batches) if runner.holds_loss else 0)
 
 
 def save_timeline(timeline: list, run_dir, rank: int, pp_rank: int, step: int, phases: list = ()):

@@ -84,8 +84,7 @@ def clip_coef(norm: float, max_norm: float) -> float:
 
 def scale_grads_(params, coef: float) -> None:
     if coef != 1.0:
-        grads = [p.grad for p in params if p.grad is not None]
-        torch._foreach_mul_([local(g) for g in grads], coef)
+        torch._foreach_mul_([local(p.grad) for p in params if p.grad is not None], coef)
 
 
 @torch.no_grad()

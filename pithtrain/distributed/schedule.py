@@ -215,14 +215,9 @@ def schedule_dualpipev(pp: int, M: int) -> list[list[Op]]:
         for _ in range(pp - r - 1):
             B(1, zb=False)
             FB(1, 0)
-        zb = False
-        for i in range(r + 1):
-            if i == (r + 1) // 2 and r % 2 == 1:
-                zb = True
-            B(1, zb)
-            if i == (r + 1) // 2 and r % 2 == 0:
-                zb = True
-            B(0, zb)
+        for i in range(r + 1):  # the second half of these 2(r + 1) backwards defer W
+            B(1, zb=2 * i >= r + 1)
+            B(0, zb=2 * i + 1 >= r + 1)
         for _ in range(pp - r - 1):
             W()
             B(0, zb=True)
@@ -248,15 +243,12 @@ def with_comm(ops: list[Op], rank: int, pp: int, schedule: str) -> list[Op]:
     for op in ops:
         f = [(op.chunk, op.mb)] if op.kind in ("F", "FB") else []  # its forward's and backward's (chunk, mb)
         b = [(op.b_chunk, op.b_mb)] if op.kind == "FB" else [(op.chunk, op.mb)] if op.kind in ("B", "BW") else []
-        for c, mb in f:
-            comm("RECV_F", c, mb, -1)
-        for c, mb in b:
-            comm("RECV_B", c, mb, +1)
+        sides = [("F", c, mb, +1) for c, mb in f] + [("B", c, mb, -1) for c, mb in b]  # +1: activations go on
+        for side, c, mb, d in sides:
+            comm("RECV_" + side, c, mb, -d)
         out.append(op)
-        for c, mb in f:
-            comm("SEND_F", c, mb, +1)
-        for c, mb in b:
-            comm("SEND_B", c, mb, -1)
+        for side, c, mb, d in sides:
+            comm("SEND_" + side, c, mb, d)
     return out
 
 
@@ -270,11 +262,8 @@ def build_schedule(schedule: str, pp: int, M: int) -> list[list[Op]]:
 
 def format_schedule(sched: list[list[Op]], comm: bool = False) -> str:
     """One line per rank; compute ops only unless `comm`."""
-    lines = []
-    for r, ops in enumerate(sched):
-        shown = [str(o) for o in ops if comm or not o.kind.startswith(("SEND", "RECV"))]
-        lines.append(f"rank {r}: " + " ".join(shown))
-    return "\n".join(lines)
+    return "\n".join(f"rank {r}: " + " ".join(str(o) for o in ops if comm or not o.kind.startswith(("SEND", "RECV")))
+                     for r, ops in enumerate(sched))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,9 +286,8 @@ def simulate(sched: list[list[Op]], schedule: str, F=1.0, B=1.0, W=1.0, FB=None)
             return {"F": F[v], "B": B[v], "W": W[v], "BW": B[v] + W[v]}[op.kind]
         vb = st[op.b_chunk]
         return pair(v, vb) if pair else F[v] + B[vb] + W[vb] if FB is None else FB  # None: nothing overlaps
-    kinds = ("F", "B", "W", "BW", "FB")
     f_done, b_done = {}, {}  # (virtual stage, mb) -> end time
-    ops = [[o for o in s if o.kind in kinds] for s in sched]
+    ops = [[o for o in s if o.kind in ("F", "B", "W", "BW", "FB")] for s in sched]
     pos, clock, busy = [0] * pp, [0.0] * pp, [0.0] * pp
     timeline = [[] for _ in range(pp)]
 

@@ -53,17 +53,16 @@ def load(why: list | None = None):
     H200 (docs/perf-notes.md). Re-opening the already-loaded libstdc++ RTLD_GLOBAL puts it in the
     global scope, which the dynamic linker searches before the extension's own definitions (what
     LD_PRELOAD did). PITHTRAIN_LIBSTDCXX names another library file."""
+    why = [] if why is None else why
     try:
         ctypes.CDLL(os.environ.get("PITHTRAIN_LIBSTDCXX", "libstdc++.so.6"), mode=os.RTLD_GLOBAL)
     except OSError as e:  # not Linux / glibc: deep_gemm will not load either, and says so below
-        if why is not None:
-            why.append(f"libstdc++ not promoted: {e}")
+        why.append(f"libstdc++ not promoted: {e}")
     try:
         import deep_gemm
         return deep_gemm
     except Exception as e:  # ImportError, or the extension's init failing (no CUDA, no nvcc)
-        if why is not None:
-            why.append(f"{type(e).__name__}: {e}")
+        why.append(f"{type(e).__name__}: {e}")
         return None
 
 
@@ -118,8 +117,7 @@ def _quant_padded_ref(x: torch.Tensor, rows: torch.Tensor, Mp: int, ue8m0: bool 
     q, s = fp8_linear.quant_rows(x)
     qp = q.new_zeros(Mp, q.shape[1])
     qp.view(torch.uint8).index_copy_(0, rows, q.view(torch.uint8))  # no index_copy_ for fp8 on the CPU
-    sp = s.new_ones(s.shape[0], Mp).index_copy_(1, rows, s)
-    return qp, sp
+    return qp, s.new_ones(s.shape[0], Mp).index_copy_(1, rows, s)
 
 
 def _mgrouped_ref(a, a_s, b, b_s, m_indices, out):
@@ -203,12 +201,11 @@ class FP8GroupedMM(fp8_linear.FP8GroupedMM):
     of a bf16 copy where `copies` (the run's precision.WeightCopies) has one."""
 
     def __init__(self, dg=None, in_place: bool = False, copies=None):
-        from pithtrain.kernels import fp8_linear as ref
         self.ops = _cuda_ops(dg) if dg is not None else REFERENCE
 
         def quant(w):  # q (G, K, N), q^T (G, N, K), scales in both layouts (made once per step)
             if dg is None:
-                q, qt, s = ref.quant_blocks(w)
+                q, qt, s = fp8_linear.quant_blocks(w)
             else:
                 from pithtrain.kernels import fp8
                 q, qt, s = fp8.quant_blocks(w, ue8m0=_ue8m0(w))
@@ -233,8 +230,7 @@ class FP8GroupedMM(fp8_linear.FP8GroupedMM):
         if (self.in_place and torch.is_grad_enabled() and type(w) is torch.nn.Parameter
                 and w_GKN.dtype == x_MK.dtype and all(n % 8 == 0 for n in w_GKN.shape[1:])):
             param = (w, self.copies)  # views made for this call: their nodes are never leaves
-            x_MK, w_GKN = x_MK.contiguous(), w_GKN.view_as(w_GKN)
-            x_MK = x_MK.view_as(x_MK)
+            x_MK, w_GKN = x_MK.contiguous().view_as(x_MK), w_GKN.view_as(w_GKN)
         with torch.autocast(x_MK.device.type, enabled=False):
             offs_G = offs_G.to(torch.int32)
             return _DeepGEMMFP8.apply(self.ops, self.layout(offs_G, len(x_MK)), x_MK, w_GKN, offs_G, wq, wqt, ws, wst,

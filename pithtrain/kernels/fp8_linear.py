@@ -47,10 +47,8 @@ from pithtrain.kernels import BLOCK, FP8, FP8_MAX
 
 
 def _pad_to(x: torch.Tensor, dim: int) -> torch.Tensor:
-    extra = -x.shape[dim] % BLOCK
-    if extra == 0:
-        return x
-    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, extra]
+    """x with zeros appended along `dim` up to a multiple of BLOCK."""
+    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, -x.shape[dim] % BLOCK]
     return torch.nn.functional.pad(x, pad)
 
 
@@ -95,10 +93,9 @@ def mgrouped_mm(a, a_s, b, b_s, offs, out_dtype=torch.bfloat16):
     A = dequant_rows(a, a_s)
     B = dequant_blocks(b, b_s.transpose(1, 2))  # (G, N, K)
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
-    start = 0
-    for g, end in enumerate(offs.tolist()):
+    ends = offs.tolist()
+    for g, (start, end) in enumerate(zip([0, *ends], ends)):
         out[start:end] = (A[start:end] @ B[g].t()).to(out_dtype)
-        start = end
     return out
 
 
@@ -201,10 +198,9 @@ def weight_grad(x_MK, dy_MN, offs_G, G):
     if x_MK.is_cuda and x_MK.dtype == dy_MN.dtype == torch.bfloat16 and len(x_MK):
         return torch.nn.functional.grouped_mm(x_MK.t(), dy_MN, offs=offs_G)
     dw = x_MK.new_zeros(G, x_MK.shape[1], dy_MN.shape[1])
-    start = 0
-    for g, end in enumerate(offs_G.tolist()):
+    ends = offs_G.tolist()
+    for g, (start, end) in enumerate(zip([0, *ends], ends)):
         dw[g] = x_MK[start:end].t() @ dy_MN[start:end].to(x_MK.dtype)
-        start = end
     return dw
 
 

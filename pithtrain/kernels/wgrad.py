@@ -97,10 +97,14 @@ def target(w: torch.Tensor, acc_node, copies=None) -> tuple[torch.Tensor | None,
     into = copies.grad_into(w) if copies is not None else None
     if into is not None:
         return into
-    g = w.grad
-    ok = (g is not None and type(g) is torch.Tensor and g.device == w.device and g.is_contiguous()
-          and g.shape == w.shape and g.dtype in (torch.float32, torch.bfloat16))
-    return (g, False) if ok else (None, False)
+    return (w.grad, False) if writable(w.grad, w) else (None, False)
+
+
+def writable(g, w: torch.Tensor) -> bool:
+    """Whether w's gradient can be added into g in place: a plain contiguous float32 or bf16 tensor
+    of w's shape on w's device (the run's sink asks it too: precision.WeightCopies.grad_into)."""
+    return (type(g) is torch.Tensor and g.device == w.device and g.is_contiguous() and g.shape == w.shape
+            and g.dtype in (torch.float32, torch.bfloat16))
 
 
 def count(w: torch.Tensor, copies=None) -> None:
