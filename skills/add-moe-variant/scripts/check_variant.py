@@ -64,7 +64,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 VALIDATE = ROOT / "skills" / "validate-correctness" / "scripts" / "validate.py"
 
-BUDGET = 8500  # code lines of pithtrain/ (the house budget: the whole package, never a cap per file)
+BUDGET = 8000  # code lines of pithtrain/ (the house budget: the whole package, never a cap per file)
 DUP_LINES = 6  # a run of this many code lines in two places is a copy
 ALLOWED_DECORATORS = {"dataclass", "staticmethod", "classmethod", "property", "torch.no_grad",
                       "torch.compiler.disable", "torch.inference_mode", "functools.cache", "cache"}
