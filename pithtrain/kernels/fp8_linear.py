@@ -47,7 +47,9 @@ from pithtrain.kernels import BLOCK, FP8, FP8_MAX
 
 
 def _pad_to(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """x with zeros appended along `dim` up to a multiple of BLOCK."""
+    """x with zeros appended along `dim` up to a multiple of BLOCK (x itself, not a copy, if it is one)."""
+    if x.shape[dim] % BLOCK == 0:
+        return x
     pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, -x.shape[dim] % BLOCK]
     return torch.nn.functional.pad(x, pad)
 
