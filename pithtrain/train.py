@@ -60,15 +60,21 @@ from pithtrain.rundir import claim
 # Setup
 
 
+def expandable_segments() -> None:
+    """CUDA's allocator with expandable segments, unless PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF
+    is set (yours is kept): a run near its planned peak fragments fixed segments (docs/performance.md).
+    Read as CUDA starts: call it before. pick_device and `invoke bench` (the step as train runs it)."""
+    if not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & os.environ.keys():
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
 def pick_device(cfg: Config) -> torch.device:
     want = cfg.train.device
     if want == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{cfg.source}: train.device: 'cuda' requested but no CUDA GPU is visible")
     if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    if not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & os.environ.keys():  # read as CUDA starts (below):
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # a run near its planned peak
-        # fragments the fixed segments (docs/performance.md); yours, if set, is kept
+    expandable_segments()
     if "LOCAL_RANK" in os.environ:  # torchrun: one GPU per process
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     return torch.device("cuda", torch.cuda.current_device())

@@ -323,6 +323,23 @@ def test_a_cuda_run_takes_expandable_segments_unless_the_allocator_is_configured
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert T.pick_device(load_config(None, ["train.device=cuda"])) == torch.device("cuda", 0)
     assert {k: os.environ[k] for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF") if k in os.environ} == want
+    from pithtrain import bench  # `invoke bench` times the step with the allocator train runs it with
+
+    class Built(Exception):
+        pass
+
+    def stop(*_):
+        raise Built  # the allocator is set by now: nothing is built on the mocked GPU
+
+    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in given.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a mocked GPU")
+    monkeypatch.setattr(bench, "bench_config", stop)
+    with pytest.raises(Built):
+        bench.main(["--models", "qwen3-30b-a3b", "--peers", ""])
+    assert {k: os.environ[k] for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF") if k in os.environ} == want
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert T.pick_device(load_config(None, ["train.device=auto"])) == torch.device("cpu")
