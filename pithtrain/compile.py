@@ -102,7 +102,11 @@ def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
             if moe:
                 mlp.experts.down = functools.partial(_checkpointed, mlp.experts.down)
             continue
-        for target in [layer] if mode == "full" else [mlp.experts, *swiglus] if moe else swiglus:
+        if mode == "full":
+            targets = [layer]
+        else:  # selective: the experts' GEMMs and the dense SwiGLUs
+            targets = [mlp.experts, *swiglus] if moe else swiglus
+        for target in targets:
             target.forward = functools.partial(_checkpointed, target.forward)
 
 

@@ -75,8 +75,6 @@ def main() -> int:
     ap.add_argument("--runs", default=None, help="comma-separated: only these of the runs above, in their order "
                                                  "(dualpipev, dualpipev-no-overlap, 1f1b, dualpipev-loss)")
     args = ap.parse_args()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    log = open(Path(args.out) / "log.txt", "w")
     overlap_on = ["parallel.pp_schedule=dualpipev", "parallel.pp_overlap=true"]
     runs = [("dualpipev", overlap_on, args.steps),
             ("dualpipev-no-overlap", ["parallel.pp_schedule=dualpipev", "parallel.pp_overlap=false"], args.steps),
@@ -88,6 +86,8 @@ def main() -> int:
         if unknown := [w for w in want if w not in names]:
             ap.error(f"--runs: unknown run {', '.join(unknown)} (with these flags: {', '.join(names)})")
         runs = [r for r in runs if r[0] in want]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    log = open(Path(args.out) / "log.txt", "w")
     rows, ok = [], True
     for name, overrides, steps in runs:
         print(f"paper_config: {name}: {steps} steps ...", flush=True)

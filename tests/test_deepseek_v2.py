@@ -192,7 +192,8 @@ def test_v2_lite_counts_15_7b_2_4b():
 def test_hub_config_refuses_what_transformers_does_not_implement(tmp_path):
     for bad, why in (({"norm_topk_prob": True}, "norm_topk_prob"), ({"num_key_value_heads": 8}, "MLA needs"),
                      ({"topk_method": "noaux_tc"}, "topk_method"),
-                     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope")):
+                     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope"),
+                     ({"q_lora_rank": float("nan")}, r"q_lora_rank: must be >= 1 or null, got nan")):
         (tmp_path / "config.json").write_text(json.dumps({**V2_LITE_HUB, **bad}))
         with pytest.raises(ValueError, match=why):
             read_config(tmp_path)

@@ -117,6 +117,10 @@ def test_hub_config_is_checked_as_a_recipe_is(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**PUBLISHED_20B, "num_experts_per_tok": 64}))
     with pytest.raises(ValueError, match=r"top_k: 64 exceeds num_experts \(32\)"):
         read_config(tmp_path)
+    nan_yarn = {**PUBLISHED_20B["rope_scaling"], "factor": float("nan")}  # nan passed a `< 1` check
+    (tmp_path / "config.json").write_text(json.dumps({**PUBLISHED_20B, "rope_scaling": nan_yarn}))
+    with pytest.raises(ValueError, match=r"yarn_factor: must be >= 1 \(or null for plain RoPE\), got nan"):
+        read_config(tmp_path)
 
 
 def test_published_config_reads_as_the_recipe():

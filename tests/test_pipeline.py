@@ -291,8 +291,9 @@ def test_paper_config_script_runs_its_layout_on_8_gloo_processes(tmp_path):
     root = Path(__file__).resolve().parents[1]
     script = [sys.executable, str(root / "scripts" / "paper_config.py"), "--smoke", "--steps", "1", "--loss-steps", "0",
               "--out", str(tmp_path)]
-    p = subprocess.run([*script, "--runs", "1f1b,dualpipev-loss"], capture_output=True, text=True, cwd=root)
+    p = subprocess.run([*script, "--runs", "1f1b,dualpipev-loss"], capture_output=True, text=True, cwd=root, timeout=60)
     assert p.returncode == 2 and "--runs: unknown run dualpipev-loss (with these flags: dualpipev, " in p.stderr
+    assert not tmp_path.joinpath("log.txt").exists()  # refused before anything is written
     p = subprocess.run([*script, "--runs", "1f1b,dualpipev"], capture_output=True, text=True, cwd=root, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr + (tmp_path / "log.txt").read_text()[-3000:]
     runs = json.loads((tmp_path / "paper.json").read_text())["runs"]
