@@ -122,9 +122,10 @@ def random_documents(cfg, device, mean_len: int, seed=0):
 
 def free():
     gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    if torch.cuda.is_initialized():  # not on CPU (scripts/calibrate.py --cpu)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def time_steps(step, warmup: int, steps: int) -> tuple[list[float], float]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import statistics
 import subprocess
@@ -136,11 +135,6 @@ def costs_of_step(points: list[tuple], n_layers: int) -> tuple[list[dict], float
     return mbs, points[-1][1] - t_b
 
 
-def free():
-    gc.collect()
-    torch.cuda.empty_cache()  # a no-op before CUDA is initialised (on CPU)
-
-
 # ---------------------------------------------------------------------------------------------
 # Costs
 
@@ -236,7 +230,7 @@ def model_costs(name: str, cfg, device, args, old: dict) -> dict:
                                  for w, mb in (("first", 0), ("later", 1))}
             c["layers"][kind]["phases_F"] = {k: v / sum(ph.values()) for k, v in ph.items()}
         del model, step
-        free()
+        bench.free()
         print(f"calibrate: {name} {path} ({time.perf_counter() - t0:.0f} s): " + ", ".join(
             f"{k} F {1e3 * v['later']['F']:.2f} BW {1e3 * v['later']['BW']:.2f} ms" for k, v in c["layers"].items())
             + f", head {1e3 * c['head']['F']:.2f} + {1e3 * c['head']['BW']:.2f} ms, "
@@ -252,8 +246,7 @@ def model_costs(name: str, cfg, device, args, old: dict) -> dict:
 # Entry point
 
 
-def line(c: dict) -> str:
-    """A check's row of the table."""
+def line(c: dict) -> str:  # a check's row of the table
     return f"| {c['model']} | {c['path']} | {c['layers']} | " + (
         f"{c['mb']} | {c['measured_ms']:.1f} | {c['predicted_ms']:.1f} | {c['ratio']:.3f} |" if "ratio" in c
         else f"refused: {c['refused']} | | | |")
@@ -310,7 +303,7 @@ def main(argv=None) -> int:
                 del model, step
             except bench.PlanRefused as e:
                 mine.append({**row, "refused": str(e)})
-            free()
+            bench.free()
         checks += mine
         data["checks"] = [c for c in data.get("checks", []) if c["model"] != name] + mine
         args.out.write_text(json.dumps(data, indent=1) + "\n")

@@ -58,8 +58,7 @@ def launch(name: str, train_args: list[str], nproc: int, run_dir: Path, log) -> 
                    str(s.getsockname()[1]), *cmd]
     cmd = [sys.executable, *cmd]
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **MULTICAST_OFF})
-    log.write(f"=== {name} (exit {p.returncode}): {' '.join(cmd)}\n{p.stdout}\n{p.stderr}\n")
-    log.flush()
+    print(f"=== {name} (exit {p.returncode}): {' '.join(cmd)}\n{p.stdout}\n{p.stderr}", file=log, flush=True)
     metrics = run_dir / "metrics.jsonl"
     if p.returncode != 0 or not metrics.exists():
         return None

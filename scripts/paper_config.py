@@ -3,7 +3,6 @@ EP=2 (FSDP=2, from which EP borrows its ranks), sequence 2048, global batch 1024
 
     python scripts/paper_config.py --out runs/paper            # 8 GPUs, NCCL: the three runs below
     python scripts/paper_config.py --smoke --out /tmp/paper    # 8 gloo processes on CPU, tiny widths
-    python scripts/paper_config.py --runs 1f1b --out runs/1f1b # only the runs named (comma-separated)
 
 Runs (torchrun, NVLink multicast off in every process):
   1. DualPipeV with the overlap (parallel.pp_overlap=true: each micro-batch's expert all-to-all runs
@@ -72,8 +71,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=25, help="steps of each timed run (median of the last 10)")
     ap.add_argument("--loss-steps", type=int, default=64, help="steps of the loss run (0: skip it)")
     ap.add_argument("--smoke", action="store_true", help="tiny widths, 8 gloo processes on CPU")
-    ap.add_argument("--runs", default=None, help="comma-separated: only these of the runs above, in their order "
-                                                 "(dualpipev, dualpipev-no-overlap, 1f1b, dualpipev-loss)")
+    ap.add_argument("--only", nargs="+", choices=("dualpipev", "dualpipev-no-overlap", "1f1b", "dualpipev-loss"),
+                    help="only these of the runs above, in their order")
     args = ap.parse_args()
     overlap_on = ["parallel.pp_schedule=dualpipev", "parallel.pp_overlap=true"]
     runs = [("dualpipev", overlap_on, args.steps),
@@ -81,11 +80,9 @@ def main() -> int:
             ("1f1b", ["parallel.pp_schedule=1f1b"], args.steps)]
     if args.loss_steps:
         runs.append(("dualpipev-loss", overlap_on, args.loss_steps))
-    if args.runs is not None:
-        names, want = [r[0] for r in runs], args.runs.split(",")
-        if unknown := [w for w in want if w not in names]:
-            ap.error(f"--runs: unknown run {', '.join(unknown)} (with these flags: {', '.join(names)})")
-        runs = [r for r in runs if r[0] in want]
+    if args.only and "dualpipev-loss" in args.only and not args.loss_steps:
+        ap.error("--only dualpipev-loss: --loss-steps is 0 (it skips that run)")
+    runs = [r for r in runs if args.only is None or r[0] in args.only]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     log = open(Path(args.out) / "log.txt", "w")
     rows, ok = [], True

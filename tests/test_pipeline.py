@@ -281,7 +281,7 @@ def test_pp4_1f1b_and_dualpipev_and_pp2_fsdp2_ep2_match_one_process(tmp_path):
 def test_paper_config_script_runs_its_layout_on_8_gloo_processes(tmp_path):
     """scripts/paper_config.py (issue 11's one command) in --smoke mode: the paper's layout
     (pp=4 x fsdp=2 x ep=2, world 8) with tiny widths on CPU, DualPipeV with the overlap and 1F1B
-    (--runs: DualPipeV without the overlap is the same path with the switch off, which the pipeline
+    (--only: DualPipeV without the overlap is the same path with the switch off, which the pipeline
     overlap tests cover); every rank materialises only its own blocks. Both give the same losses
     (the same function); the overlap run's timeline shows overlapped all-to-alls on every rank,
     1F1B's none. An unknown run name is refused before anything runs."""
@@ -291,10 +291,11 @@ def test_paper_config_script_runs_its_layout_on_8_gloo_processes(tmp_path):
     root = Path(__file__).resolve().parents[1]
     script = [sys.executable, str(root / "scripts" / "paper_config.py"), "--smoke", "--steps", "1", "--loss-steps", "0",
               "--out", str(tmp_path)]
-    p = subprocess.run([*script, "--runs", "1f1b,dualpipev-loss"], capture_output=True, text=True, cwd=root, timeout=60)
-    assert p.returncode == 2 and "--runs: unknown run dualpipev-loss (with these flags: dualpipev, " in p.stderr
+    p = subprocess.run([*script, "--only", "1f1b", "dualpipev-loss"], capture_output=True, text=True, cwd=root,
+                       timeout=60)
+    assert p.returncode == 2 and "--only dualpipev-loss: --loss-steps is 0 (it skips that run)" in p.stderr
     assert not tmp_path.joinpath("log.txt").exists()  # refused before anything is written
-    p = subprocess.run([*script, "--runs", "1f1b,dualpipev"], capture_output=True, text=True, cwd=root, timeout=600)
+    p = subprocess.run([*script, "--only", "1f1b", "dualpipev"], capture_output=True, text=True, cwd=root, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr + (tmp_path / "log.txt").read_text()[-3000:]
     runs = json.loads((tmp_path / "paper.json").read_text())["runs"]
     assert [r["run"] for r in runs] == ["dualpipev", "1f1b"]  # the script's order
