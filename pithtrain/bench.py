@@ -35,7 +35,6 @@ import copy
 import gc
 import importlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -52,7 +51,7 @@ from pithtrain.metrics import flops_per_token, param_counts, peak_tflops
 from pithtrain.models import build_model
 from pithtrain.models.common import attention_kernels
 from pithtrain.plan import plan
-from pithtrain.train import expandable_segments, train_step
+from pithtrain.train import cuda_allocator, train_step
 
 MODELS = ["deepseek-v2-lite", "qwen3-30b-a3b", "gpt-oss-20b"]  # recipe names
 HF_ATTENTION = {"gpt_oss": "eager"}  # transformers 5.17 has no SDPA path for sinks
@@ -443,9 +442,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench: needs a CUDA GPU", file=sys.stderr)
         return 2
-    expandable_segments()
+    alloc = cuda_allocator()
     device = torch.device("cuda")
-    alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
     print(f"bench: {torch.cuda.get_device_name()} | torch {torch.__version__} | allocator {alloc} | {args.layers} "
           f"layers, {args.batch} x {args.seq}, {'/'.join(map(str, accums))} micro-batches per step, bf16, AdamW"
           + (f", documents of mean length {args.doc_len}" if args.doc_len else ""), flush=True)

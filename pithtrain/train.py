@@ -60,12 +60,15 @@ from pithtrain.rundir import claim
 # Setup
 
 
-def expandable_segments() -> None:
+def cuda_allocator() -> str:
     """CUDA's allocator with expandable segments, unless PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF
     is set (yours is kept): a run near its planned peak fragments fixed segments (docs/performance.md).
-    Read as CUDA starts: call it before. pick_device and `invoke bench` (the step as train runs it)."""
-    if not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & os.environ.keys():
+    Read as CUDA starts: call it before. pick_device and `invoke bench` (the step as train runs it).
+    Returns the setting in effect, as the start-up lines print it (KEY=VALUE)."""
+    keys = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    if not set(keys) & os.environ.keys():
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return " ".join(f"{k}={os.environ[k]}" for k in keys if k in os.environ)
 
 
 def pick_device(cfg: Config) -> torch.device:
@@ -74,7 +77,7 @@ def pick_device(cfg: Config) -> torch.device:
         raise ConfigError(f"{cfg.source}: train.device: 'cuda' requested but no CUDA GPU is visible")
     if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    expandable_segments()
+    cuda_allocator()
     if "LOCAL_RANK" in os.environ:  # torchrun: one GPU per process
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     return torch.device("cuda", torch.cuda.current_device())
@@ -312,8 +315,7 @@ def start(cfg: Config, resume, notice: Notice, stack: contextlib.ExitStack, draw
             print(kernels.describe(run.use, attention_kernels(run.model, run.use)), flush=True)
             print(run.precision.describe(), flush=True)
             if device.type == "cuda":
-                print("pithtrain: CUDA allocator: " + " ".join(f"{k}={os.environ[k]}" for k in (
-                    "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF") if k in os.environ), flush=True)
+                print(f"pithtrain: CUDA allocator: {cuda_allocator()}", flush=True)
             if cfg.train.compile and not compiles(cfg.train, device):
                 print(f"pithtrain: train.compile=true: off on {device.type}, the layers run eagerly "
                       "(torch.compile acts on CUDA only)", flush=True)
